@@ -1,0 +1,157 @@
+"""Token layouts between attention and MLP, and every token movement of the model.
+
+Layouts (SGLang's LayerCommunicator vocabulary):
+    SCATTERED     each rank its own rows: the CP chunk split again over attention TP
+    TP_ATTN_FULL  all rows of the CP chunk, replicated over the attention-TP group
+    FULL          the same rows, full over attention DP (DP is 1, so == TP_ATTN_FULL)
+    MOE_FULL      every CP chunk of the MoE group gathered (decoupled MoE, backend none)
+
+Attention always runs in TP_ATTN_FULL. The MLP of a layer runs in:
+    dense layer                           TP_ATTN_FULL (sharded over attention TP)
+    sparse, rank-local dispatch backend   SCATTERED
+    sparse, backend none, attn_cp > moe_dp MOE_FULL
+    sparse, backend none, otherwise       FULL
+The plan is computed once per layer. The residual stream always stays CP-local in
+TP_ATTN_FULL. Shared-expert outputs are computed on CP-local rows and added after every
+SUM collective, so they are counted once. Decode rows are identical on every CP rank, so
+MOE_FULL skips its gather there and SCATTERED splits rows over the whole world.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cpmoe.cp.attention import merge_partials
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.parallel import comm
+from cpmoe.parallel.groups import Group, ProcessGroups
+from cpmoe.parallel.layout import ParallelLayout
+
+
+class TokenLayout(enum.Enum):
+    SCATTERED = "SCATTERED"
+    TP_ATTN_FULL = "TP_ATTN_FULL"
+    FULL = "FULL"
+    MOE_FULL = "MOE_FULL"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    sparse: bool
+    attn: TokenLayout
+    mlp: TokenLayout
+
+
+def plan_layers(layout: ParallelLayout, sparse: list[bool]) -> list[LayerPlan]:
+    def mlp_layout(is_sparse: bool) -> TokenLayout:
+        if not is_sparse:
+            return TokenLayout.TP_ATTN_FULL
+        if layout.rank_local_dispatch:
+            return TokenLayout.SCATTERED
+        return TokenLayout.MOE_FULL if layout.decoupled else TokenLayout.FULL
+
+    return [LayerPlan(i, s, TokenLayout.TP_ATTN_FULL, mlp_layout(s)) for i, s in enumerate(sparse)]
+
+
+def _even_rows(n: int, parts: int, index: int) -> tuple[int, int, int]:
+    """Contiguous split of n rows over `parts`: (start, stop, rows per part padded)."""
+    chunk = -(-n // parts)
+    start = min(n, index * chunk)
+    return start, min(n, start + chunk), max(chunk, 1)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+class LayerCommunicator:
+    """The three transitions of one decoder layer."""
+
+    def __init__(self, plan: LayerPlan, groups: ProcessGroups) -> None:
+        self.plan = plan
+        self.groups = groups
+
+    def prepare_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                     norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden if residual is None else residual + hidden
+        return norm(residual), residual
+
+    def prepare_mlp(self, attn_partial: torch.Tensor, residual: torch.Tensor, norm: Callable,
+                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (rows for the MLP in its layout, CP-local rows for shared experts, residual)."""
+        residual = residual + comm.all_reduce(attn_partial, self.groups.attn_tp)
+        x = norm(residual)
+        mode = self.plan.mlp
+        if mode is TokenLayout.MOE_FULL and not batch.is_decode:
+            assert batch.split is not None
+            return comm.all_gather(batch.split.pad_local(x), self.groups.attn_cp), x, residual
+        if mode is TokenLayout.SCATTERED:
+            group = self._scatter_group(batch)
+            start, stop, _ = _even_rows(x.shape[0], group.size, group.rank)
+            return x[start:stop], x[start:stop], residual
+        return x, x, residual
+
+    def postprocess_layer(self, mlp_out: torch.Tensor, shared_out: torch.Tensor | None,
+                          batch: ForwardBatch) -> torch.Tensor:
+        """MLP output (partial, or final for own rows) -> this CP rank's rows, TP_ATTN_FULL."""
+        mode = self.plan.mlp
+        if mode is TokenLayout.TP_ATTN_FULL:
+            return comm.all_reduce(mlp_out, self.groups.attn_tp)
+        if mode is TokenLayout.SCATTERED:
+            out = mlp_out if shared_out is None else mlp_out + shared_out
+            group = self._scatter_group(batch)
+            total = batch.num_tokens
+            _, _, chunk = _even_rows(total, group.size, group.rank)
+            return comm.all_gather(_pad_rows(out, chunk), group)[:total]
+        out = comm.all_reduce(mlp_out, self.groups.moe)
+        if mode is TokenLayout.MOE_FULL and not batch.is_decode:
+            assert batch.split is not None
+            start = self.groups.attn_cp.rank * batch.split.max_count
+            out = out[start:start + batch.num_tokens]
+        return out if shared_out is None else out + shared_out
+
+    def _scatter_group(self, batch: ForwardBatch) -> Group:
+        return self.groups.world if batch.is_decode else self.groups.attn_tp
+
+
+# ---- attention-side CP movement (model-wide, not per layer) -------------------------------
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+              groups: ProcessGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill: local K/V rows -> K/V of every sequence in flat (original) order.
+    One all-gather over ATTN_CP carries K and V together."""
+    split = batch.split
+    assert split is not None
+    if groups.attn_cp.size == 1:
+        return k, v
+    kv = torch.stack([split.pad_local(k), split.pad_local(v)], dim=1)  # [max, 2, Hkv, D]
+    kv = split.unpermute(comm.all_gather(kv, groups.attn_cp))
+    return kv[:, 0], kv[:, 1]
+
+
+def merge_decode_attention(o: torch.Tensor, lse: torch.Tensor,
+                           groups: ProcessGroups) -> torch.Tensor:
+    """Each CP rank's partial attention over its KV shard -> the exact result, fp32."""
+    if groups.attn_cp.size == 1:
+        return o
+    T, H, D = o.shape
+    packed = torch.cat([o.reshape(T, H * D), lse], dim=1)
+    parts = comm.all_gather(packed, groups.attn_cp).reshape(groups.attn_cp.size, T, H * D + H)
+    return merge_partials(parts[..., :H * D].reshape(-1, T, H, D), parts[..., H * D:])
+
+
+def gather_output(hidden: torch.Tensor, batch: ForwardBatch,
+                  groups: ProcessGroups) -> torch.Tensor:
+    """Final hidden rows of this CP rank -> every token in flat order, on every rank."""
+    if batch.is_decode or groups.attn_cp.size == 1:
+        return hidden
+    assert batch.split is not None
+    return batch.split.unpermute(comm.all_gather(batch.split.pad_local(hidden),
+                                                 groups.attn_cp))

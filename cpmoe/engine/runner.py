@@ -1,0 +1,147 @@
+"""One rank's engine: builds and loads its model shard, runs CP prefill and decode steps.
+
+Every decision that changes which collectives run (splits, padding, which CP rank stores a
+new token) is computed from information all ranks share, so ranks never diverge.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpmoe.config import QwenMoeConfig
+from cpmoe.cp.split import CPSplit
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
+from cpmoe.loader import load_checkpoint
+from cpmoe.models.registry import load_model_config
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.layout import LayoutError, ParallelLayout
+
+
+def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
+    """All model-fit rules; run before spawning ranks."""
+    layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads,
+                       moe_intermediate_size=cfg.moe_intermediate_size)
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
+    if dense and cfg.intermediate_size % layout.attn_tp_size:
+        raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
+                          f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
+
+
+@dataclass
+class StepTimes:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, groups: ProcessGroups, dtype: torch.dtype,
+                 show_progress: bool = True) -> None:
+        self.groups = groups
+        self.layout = groups.layout
+        self.device = groups.device
+        self.dtype = dtype
+        self.config, model_cls = load_model_config(model_dir)
+        check_model_fit(self.layout, self.config)
+        with torch.device(self.device):
+            self.model = model_cls(self.config, groups, dtype)
+        self.load_stats = load_checkpoint(self.model, model_dir,
+                                          show_progress=show_progress and groups.rank == 0,
+                                          tied_embeddings=self.config.tie_word_embeddings)
+        self.model.eval()
+        self.kv: KVCache | None = None
+        self.times = StepTimes()
+
+    # ---- memory ----------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate_kv(self, capacity: int) -> KVCache:
+        attn = self.model.model.layers[0].self_attn
+        self.kv = KVCache(len(self.model.model.layers), capacity, attn.num_kv_heads,
+                          attn.head_dim, self.dtype, self.device)
+        return self.kv
+
+    # ---- forward steps ---------------------------------------------------------------------
+    def _ids(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int64, device=self.device)
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[list[int]], seq_keys: list[int] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """CP prefill of new sequences. Returns logits (float32) of every token in flat
+        order ([sum L, V]) or, with last_only, of each sequence's last token ([B, V]).
+        With a KV cache allocated, each rank keeps the K/V of its own chunk under seq_keys."""
+        t0 = time.perf_counter()
+        lens = [len(s) for s in seqs]
+        cp = self.groups.attn_cp
+        split = CPSplit.build(lens, cp.size, self.layout.cp_strategy)
+        flat = self._ids([t for s in seqs for t in s])
+        batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
+                             positions=split.local_positions(cp.rank).to(self.device),
+                             seq_ids=split.local_seq_ids(cp.rank).to(self.device), split=split)
+        if self.kv is not None:
+            self._reserve_prefill(batch, split, seq_keys or list(range(len(seqs))))
+        hidden = self.model.hidden_states(batch)
+        if last_only:
+            hidden = hidden[torch.tensor(split.cu_seqlens[1:], device=self.device) - 1]
+        logits = self.model.logits(hidden).float()
+        self.times.prefill_s += time.perf_counter() - t0
+        return logits
+
+    def _reserve_prefill(self, batch: ForwardBatch, split: CPSplit, keys: list[int]) -> None:
+        kv, cp = self.kv, self.groups.attn_cp
+        assert kv is not None
+        need = batch.num_tokens
+        if need > kv.capacity - kv.used:
+            raise CacheFullError(f"KV cache full: this prefill needs {need} slots on CP rank "
+                                 f"{cp.rank}, {kv.capacity - kv.used} of {kv.capacity} free")
+        slots = kv.alloc(need).to(self.device)
+        batch.kv = kv
+        batch.write_rows = torch.arange(need, device=self.device)
+        batch.write_slots = slots
+        for s, key in enumerate(keys):
+            mine = batch.seq_ids == s
+            kv.seqs[key] = SeqKV(slots=slots[mine], positions=batch.positions[mine],
+                                 length=split.seq_lens[s],
+                                 cp_counts=[split.seq_counts[r][s] for r in range(cp.size)])
+
+    @torch.no_grad()
+    def decode(self, keys: list[int], tokens: list[int]) -> torch.Tensor:
+        """One new token per sequence -> logits [B, V] (float32). The new K/V goes to the
+        CP rank holding the fewest tokens of the sequence (ties: the lowest rank)."""
+        t0 = time.perf_counter()
+        kv, cp = self.kv, self.groups.attn_cp
+        assert kv is not None, "decode needs a KV cache (allocate_kv)"
+        positions, write_rows, owners = [], [], []
+        for i, key in enumerate(keys):
+            seq = kv.seqs[key]
+            owner = min(range(cp.size), key=lambda r: (seq.cp_counts[r], r))
+            positions.append(seq.length)
+            owners.append(owner)
+            if owner == cp.rank:
+                write_rows.append(i)
+        slots = kv.alloc(len(write_rows)).to(self.device)
+        for row, slot in zip(write_rows, slots):
+            seq = kv.seqs[keys[row]]
+            seq.slots = torch.cat([seq.slots, slot[None]])
+            seq.positions = torch.cat([seq.positions, self._ids([positions[row]])])
+        for i, key in enumerate(keys):
+            seq = kv.seqs[key]
+            seq.length += 1
+            seq.cp_counts[owners[i]] += 1
+        batch = ForwardBatch(is_decode=True, input_ids=self._ids(tokens),
+                             positions=self._ids(positions),
+                             seq_ids=torch.arange(len(keys), device=self.device), kv=kv,
+                             write_rows=self._ids(write_rows), write_slots=slots,
+                             ctx=[(kv.seqs[k].slots, kv.seqs[k].positions) for k in keys])
+        logits = self.model.logits(self.model.hidden_states(batch)).float()
+        self.times.decode_s += time.perf_counter() - t0
+        self.times.decode_steps += 1
+        return logits

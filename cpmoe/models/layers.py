@@ -1,0 +1,84 @@
+"""Building blocks shared by model files: sharded linear layers, RMSNorm, rotary embedding.
+
+A `Linear` knows how its checkpoint tensor is cut for this rank (`shard`): None for
+replicated, ("rows", index, parts) for column parallel (output features split),
+("cols", index, parts) for row parallel (input features split), or ("head", index, size)
+for one replicated KV head block. The loader reads that and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Shard = tuple[str, int, int] | None
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
+                 shard: Shard = None) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def column_shard(rank: int, size: int) -> Shard:
+    return ("rows", rank, size) if size > 1 else None
+
+
+def row_shard(rank: int, size: int) -> Shard:
+    return ("cols", rank, size) if size > 1 else None
+
+
+def kv_head_shard(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, Shard]:
+    """(local KV heads, shard): heads split when there are at least tp of them, otherwise
+    each rank keeps the one head its query heads read (KV heads replicated)."""
+    if tp_size == 1:
+        return num_kv_heads, None
+    if num_kv_heads >= tp_size:
+        return num_kv_heads // tp_size, ("rows", tp_rank, tp_size)
+    return 1, ("rows", tp_rank * num_kv_heads // tp_size, num_kv_heads)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE on absolute positions (so CP permutations need nothing else)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

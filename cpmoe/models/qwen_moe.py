@@ -1,0 +1,210 @@
+"""Qwen3-MoE and Qwen2-MoE, one rank's shard, with HF parameter names.
+
+Attention heads are sharded over attention TP; each CP rank holds its chunk of the tokens.
+Routed experts are sharded over EP (whole experts) and MoE-TP (intermediate dim). The
+Qwen2-MoE shared expert (sigmoid-gated) and the router are replicated and run on CP-local
+rows, so the shared expert is added once, after every reduction. Dense MLP layers
+(`mlp_only_layers`, `decoder_sparse_step`) are sharded over attention TP.
+Every token movement goes through the communicator; this file makes no collective call.
+
+Legend: T = tokens of this rank (its CP chunk), H = hidden, D = head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpmoe import communicator as cm
+from cpmoe.config import QwenMoeConfig
+from cpmoe.cp.attention import partial_attention, prefill_attention
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary, column_shard,
+                                 kv_head_shard, row_shard)
+from cpmoe.moe.dispatch.base import create_dispatcher
+from cpmoe.moe.experts import LocalExperts
+from cpmoe.moe.router import SoftmaxTopKRouter
+from cpmoe.parallel.groups import ProcessGroups
+
+
+class QwenMoeAttention(nn.Module):
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp, r = groups.attn_tp.size, groups.attn_tp.rank
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads, kv_shard = kv_head_shard(cfg.num_key_value_heads, r, tp)
+        self.head_dim, self.scale = D, D ** -0.5
+        self.groups = groups
+        bias = cfg.qkv_bias
+        self.q_proj = Linear(H, self.num_heads * D, bias=bias, dtype=dtype,
+                             shard=column_shard(r, tp))
+        self.k_proj = Linear(H, self.num_kv_heads * D, bias=bias, dtype=dtype, shard=kv_shard)
+        self.v_proj = Linear(H, self.num_kv_heads * D, bias=bias, dtype=dtype, shard=kv_shard)
+        self.o_proj = Linear(self.num_heads * D, H, bias=False, dtype=dtype,
+                             shard=row_shard(r, tp))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """-> o_proj output, a partial sum over attention TP."""
+        T, D = x_TH.shape[0], self.head_dim
+        q = self.q_proj(x_TH).view(T, self.num_heads, D)
+        k = self.k_proj(x_TH).view(T, self.num_kv_heads, D)
+        v = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        kv = batch.kv
+        if kv is not None and batch.write_rows is not None:
+            kv.write(layer, batch.write_slots, k[batch.write_rows], v[batch.write_rows])
+        if batch.is_decode:
+            o = self._decode(q, batch, layer)
+        else:
+            assert batch.split is not None
+            k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
+            o = prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
+                                  list(batch.split.cu_seqlens), self.scale)
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        assert batch.kv is not None and batch.ctx is not None
+        outs, lses = [], []
+        for s, (slots, k_pos) in enumerate(batch.ctx):
+            k, v = batch.kv.read(layer, slots)
+            o, lse = partial_attention(q[s:s + 1], batch.positions[s:s + 1], k, v, k_pos,
+                                       self.scale)
+            outs.append(o)
+            lses.append(lse)
+        o = cm.merge_decode_attention(torch.cat(outs), torch.cat(lses), self.groups)
+        return o.to(q.dtype)
+
+
+class QwenMoeMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        I = intermediate // tp_size
+        self.gate_proj = Linear(hidden, I, bias=False, dtype=dtype,
+                                shard=column_shard(tp_rank, tp_size))
+        self.up_proj = Linear(hidden, I, bias=False, dtype=dtype,
+                              shard=column_shard(tp_rank, tp_size))
+        self.down_proj = Linear(I, hidden, bias=False, dtype=dtype,
+                                shard=row_shard(tp_rank, tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenMoeSparseBlock(nn.Module):
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, backend: str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        layout = groups.layout
+        H = cfg.hidden_size
+        self.gate = SoftmaxTopKRouter(H, cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.norm_topk_prob, dtype)
+        self.experts = LocalExperts(cfg.num_experts // layout.ep_size, H,
+                                    cfg.moe_intermediate_size // layout.moe_tp_size, dtype,
+                                    shard=(groups.moe_ep.rank, layout.ep_size,
+                                           groups.moe_tp.rank, layout.moe_tp_size))
+        self.dispatcher = create_dispatcher(backend, groups, cfg.num_experts)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = QwenMoeMLP(H, cfg.shared_expert_intermediate_size, dtype)
+            self.shared_expert_gate = Linear(H, 1, bias=False, dtype=dtype)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def routed(self, x_NH: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x_NH)
+        recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x_NH, ids, weights)
+        return self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
+
+    def shared(self, x_NH: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x_NH)) * self.shared_expert(x_NH)
+
+
+class QwenMoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, plan: cm.LayerPlan,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = plan.layer
+        self.comm = cm.LayerCommunicator(plan, groups)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = QwenMoeAttention(cfg, groups, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if plan.sparse:
+            self.mlp = QwenMoeSparseBlock(cfg, groups, groups.layout.moe_a2a_backend, dtype)
+        else:
+            self.mlp = QwenMoeMLP(cfg.hidden_size, cfg.intermediate_size, dtype,
+                                  groups.attn_tp.rank, groups.attn_tp.size)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.comm.prepare_attn(h, residual, self.input_layernorm)
+        attn = self.self_attn(x, rope, batch, self.layer)
+        x_mlp, x_local, residual = self.comm.prepare_mlp(attn, residual,
+                                                         self.post_attention_layernorm, batch)
+        if isinstance(self.mlp, QwenMoeSparseBlock):
+            out = self.comm.postprocess_layer(self.mlp.routed(x_mlp), self.mlp.shared(x_local),
+                                              batch)
+        else:
+            out = self.comm.postprocess_layer(self.mlp(x_mlp), None, batch)
+        return out, residual
+
+
+class QwenMoeModel(nn.Module):
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, dtype: torch.dtype) -> None:
+        super().__init__()
+        sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
+        self.plans = cm.plan_layers(groups.layout, sparse)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(QwenMoeDecoderLayer(cfg, groups, p, dtype)
+                                    for p in self.plans)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        # Fault injection for the launcher's fail-fast tests: "rank:layer".
+        self._fault = os.environ.get("CPMOE_INJECT_FAULT")
+        self._rank = groups.rank
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        rope = self.rotary(batch.positions, h.dtype)
+        residual = None
+        for layer in self.layers:
+            if self._fault == f"{self._rank}:{layer.layer}":
+                raise RuntimeError(f"injected fault at layer {layer.layer} "
+                                   f"(CPMOE_INJECT_FAULT={self._fault})")
+            h, residual = layer(h, residual, rope, batch)
+        return self.norm(h + residual)
+
+
+class QwenMoeForCausalLM(nn.Module):
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.groups = groups
+        self.model = QwenMoeModel(cfg, groups, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden rows of every token in flat order, on every rank."""
+        return cm.gather_output(self.model(batch), batch, self.groups)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (self.model.embed_tokens.weight if self.lm_head is None
+                  else self.lm_head.weight)
+        return F.linear(hidden, weight)

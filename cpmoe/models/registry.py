@@ -1,0 +1,31 @@
+"""Architecture name (config.json `architectures`) -> config parser and model class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from cpmoe.config import ConfigError, architecture_of, parse_qwen_moe, read_config_json
+
+
+def _qwen() -> tuple[Callable, type]:
+    from cpmoe.models.qwen_moe import QwenMoeForCausalLM
+    return parse_qwen_moe, QwenMoeForCausalLM
+
+
+_REGISTRY: dict[str, Callable[[], tuple[Callable, type]]] = {
+    "Qwen3MoeForCausalLM": _qwen,
+    "Qwen2MoeForCausalLM": _qwen,
+}
+
+
+def load_model_config(model_dir: Path) -> tuple[Any, type]:
+    """-> (parsed config, model class); ConfigError with one line for anything unsupported."""
+    raw = read_config_json(model_dir)
+    where = str(Path(model_dir) / "config.json")
+    arch = architecture_of(raw, where)
+    if arch not in _REGISTRY:
+        raise ConfigError(f"{where}: unsupported architecture {arch!r}; supported: "
+                          f"{', '.join(sorted(_REGISTRY))}")
+    parse, model_cls = _REGISTRY[arch]()
+    return parse(raw, where), model_cls

@@ -1,0 +1,79 @@
+"""The token-dispatch interface every MoE backend implements, and the factory.
+
+    dispatch(x_NH, topk_ids_NK, topk_weights_NK)
+        -> (recv_x_MH, recv_local_ids_MK, recv_weights_MK, counts_E, handle)
+    combine(y_MH, handle) -> out_NH
+
+x_NH: this rank's tokens in the MoE layout of the backend (rows of the source rank).
+topk_ids_NK: global expert ids (int64); topk_weights_NK: routing weights, x's dtype.
+recv_local_ids_MK: ids of this rank's experts (0..E_loc-1), -1 where the expert lives
+elsewhere; the experts reduce each received row over its local slots, already weighted.
+counts_E: rows per local expert (int64). combine returns, for every source row, the sum of
+what the experts sent back for it. Whether `out_NH` is final or a partial sum over the MoE
+group is a property of the backend (`partial_output`); the communicator does the reduction.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from cpmoe.parallel.groups import ProcessGroups
+
+
+class Dispatcher(ABC):
+    partial_output: bool  # True: combine's result still needs a sum over the MoE group
+
+    def __init__(self, groups: ProcessGroups, num_experts: int) -> None:
+        self.groups = groups
+        self.num_local_experts = num_experts // groups.layout.ep_size
+        self.first_expert = groups.moe_ep.rank * self.num_local_experts
+
+    @abstractmethod
+    def dispatch(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
+                 topk_weights_NK: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
+
+    @abstractmethod
+    def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor: ...
+
+    def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        local = topk_ids - self.first_expert
+        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+
+    def count(self, local_ids: torch.Tensor) -> torch.Tensor:
+        ids = local_ids[local_ids >= 0]
+        return torch.bincount(ids, minlength=self.num_local_experts)
+
+
+class MissingBackendError(RuntimeError):
+    pass
+
+
+_EXTERNAL = {"deepep": "deep_ep", "mori": "mori"}
+
+
+def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dispatcher:
+    if name == "none":
+        from cpmoe.moe.dispatch.local import LocalDispatcher
+        return LocalDispatcher(groups, num_experts)
+    if name == "alltoall":
+        from cpmoe.moe.dispatch.alltoall import AllToAllDispatcher
+        return AllToAllDispatcher(groups, num_experts)
+    if name in _EXTERNAL:
+        check_backend_available(name)
+        raise MissingBackendError(f"--moe-a2a-backend {name}: package {_EXTERNAL[name]!r} is "
+                                  f"installed but cpmoe has no adapter for it yet; use "
+                                  f"'alltoall'")
+    raise MissingBackendError(f"--moe-a2a-backend {name!r} is unknown")
+
+
+def check_backend_available(name: str) -> None:
+    """Fail early (before spawning ranks) when an external backend's package is missing."""
+    module = _EXTERNAL.get(name)
+    if module and importlib.util.find_spec(module) is None:
+        raise MissingBackendError(f"--moe-a2a-backend {name} needs the Python package "
+                                  f"{module!r}, which is not installed")

@@ -1,0 +1,49 @@
+"""This rank's shard of the routed experts: experts [ep_rank*E_loc, (ep_rank+1)*E_loc), each
+sliced along the intermediate dim over MoE-TP (so outputs are partial sums over moe_tp).
+
+Parameter names and layouts follow HF transformers 5 (`gate_up_proj` [E, 2I, H] with gate
+rows first, `down_proj` [E, H, I]); the loader fills them from the hub's per-expert tensors.
+
+Legend: M = received rows, H = hidden, K = top-k, E = local experts, I = local intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, shard: tuple[int, int, int, int] = (0, 1, 0, 1)) -> None:
+        super().__init__()
+        E, H, I = num_local_experts, hidden_size, intermediate_size
+        self.num_local_experts = E
+        self.shard = shard  # (ep_rank, ep_size, moe_tp_rank, moe_tp_size), read by the loader
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
+
+    def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
+                weights_MK: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
+        out_MH = torch.zeros_like(x_MH)
+        row_P, slot_P = (local_ids_MK >= 0).nonzero(as_tuple=True)
+        if row_P.numel() == 0:
+            return out_MH
+        expert_P = local_ids_MK[row_P, slot_P]
+        order = torch.argsort(expert_P, stable=True)
+        row_P, slot_P, expert_P = row_P[order], slot_P[order], expert_P[order]
+        counts = torch.bincount(expert_P, minlength=self.num_local_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = row_P[start:start + n]
+            gate, up = F.linear(x_MH[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = y * weights_MK[rows, slot_P[start:start + n], None]
+            out_MH.index_add_(0, rows, y.to(out_MH.dtype))
+            start += n
+        return out_MH

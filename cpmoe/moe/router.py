@@ -1,0 +1,32 @@
+"""Top-k routers (weights replicated on every rank; routing is a pure function of the row).
+
+Qwen2/3-MoE: softmax over expert logits in fp32, top-k, renormalise when `norm_topk_prob`,
+weights cast back to the activation dtype -- the order of operations of HF transformers.
+
+Legend: N = tokens, H = hidden, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SoftmaxTopKRouter(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (topk_ids_NK int64 global expert ids, topk_weights_NK in x's dtype)."""
+        logits_NE = F.linear(x_NH, self.weight)
+        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        return ids_NK, weights_NK.to(x_NH.dtype)
