@@ -1,0 +1,91 @@
+"""What one rank does for each CLI command (module-level so spawned ranks can unpickle it).
+
+Each task builds its `ProcessGroups` and `ModelRunner`, runs, and returns its result on
+rank 0 only (None elsewhere), so nothing large travels back from other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cpmoe.engine.generate import generate
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankInfo
+from cpmoe.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model_dir: Path
+    layout: ParallelLayout
+    dtype: torch.dtype
+    progress: bool = True
+
+
+def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
+    groups = ProcessGroups.build(spec.layout, info.rank, info.device)
+    return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress)
+
+
+def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]
+                 ) -> list[torch.Tensor] | None:
+    runner = _runner(info, spec)
+    logits = runner.prefill(seqs).cpu()
+    if info.rank != 0:
+        return None
+    lens = [len(s) for s in seqs]
+    return list(logits.split(lens))
+
+
+def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
+                  max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[list[int]] | None:
+    runner = _runner(info, spec)
+    out = generate(runner, prompts, max_new_tokens, eos_ids)
+    return out if info.rank == 0 else None
+
+
+@dataclass
+class CheckReport:
+    prompts: int = 0
+    matches: int = 0
+    max_abs_diff: float = 0.0
+    logprob_deltas: list[float] = field(default_factory=list)
+    mismatched: list[int] = field(default_factory=list)
+
+    @property
+    def mean_logprob_delta(self) -> float:
+        return sum(self.logprob_deltas) / max(1, len(self.logprob_deltas))
+
+
+def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]]
+               ) -> CheckReport | None:
+    """Run every batch on the layout and, on rank 0, on a one-rank reference; compare."""
+    runner = _runner(info, spec)
+    reference = None
+    if info.rank == 0:
+        single = ProcessGroups.single(info.device)
+        reference = (runner if spec.layout.world_size == 1 else
+                     ModelRunner(spec.model_dir, single, spec.dtype, show_progress=False))
+    report = CheckReport()
+    index = 0
+    for seqs in batches:
+        got = runner.prefill(seqs)
+        if reference is not None:
+            want = reference.prefill(seqs)
+            report.max_abs_diff = max(report.max_abs_diff, (got - want).abs().max().item())
+            ends = torch.tensor([len(s) for s in seqs], device=got.device).cumsum(0) - 1
+            for g, w in zip(got[ends], want[ends]):
+                top = int(w.argmax())
+                report.prompts += 1
+                if int(g.argmax()) == top:
+                    report.matches += 1
+                else:
+                    report.mismatched.append(index)
+                delta = torch.log_softmax(g, -1)[top] - torch.log_softmax(w, -1)[top]
+                report.logprob_deltas.append(abs(delta.item()))
+                index += 1
+    return report if info.rank == 0 else None
