@@ -39,3 +39,16 @@ def layout_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Pa
     groups = ProcessGroups.build(layout, info.rank, info.device)
     out = {kind: run_model(groups, d, seqs, new_tokens) for kind, d in model_dirs.items()}
     return out if info.rank == 0 else {k: {"stats": v["stats"]} for k, v in out.items()}
+
+
+def groups_task(info: RankInfo, layout: ParallelLayout) -> dict:
+    """Members of each group and which kinds share one torch ProcessGroup object."""
+    import torch.distributed as dist
+
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    kinds = ("attn_tp", "attn_cp", "moe_ep", "moe_tp", "moe_dp", "moe")
+    g = {k: getattr(groups, k) for k in kinds}
+    same = {(a, b): g[a].pg is g[b].pg and g[a].pg is not None
+            for a in kinds for b in kinds if a < b}
+    return {"members": {k: list(g[k].ranks) for k in kinds}, "same_pg": same,
+            "is_world": {k: g[k].pg is dist.group.WORLD for k in kinds}}

@@ -1,0 +1,68 @@
+"""Which collectives each layout issues (counted per group kind by cpmoe.parallel.comm), and
+how process groups alias one another."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpmoe.parallel.layout import ParallelLayout
+from tests.distributed._model_tasks import groups_task, layout_task
+from tests.distributed.test_layouts import LENGTHS, pools, seqs  # noqa: F401  (fixtures)
+
+# The qwen3_moe fixture: 3 layers, layer 1 dense (mlp_only_layers=[1]).
+LAYERS, SPARSE = 3, 2
+
+
+def _prefill_stats(pools, layout, model_dir, seqs):  # noqa: F811
+    out = pools(layout.world_size).run(layout_task, layout, {"m": model_dir}, seqs, 0)
+    return [r["m"]["stats"] for r in out]
+
+
+def test_moe_full_gathers_once_over_cp_and_reduces_once_over_moe_group(pools, qwen3_moe_dir,
+                                                                        seqs):  # noqa: F811
+    layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4)
+    for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
+        # per layer one K/V all-gather, per sparse layer one MOE_FULL gather, one for logits
+        assert stats["attn_cp"] == {"all_gather": LAYERS + SPARSE + 1}
+        # the MoE reduction: one all-reduce per sparse layer over the MoE group (all 4 ranks)
+        assert stats["moe"] == {"all_reduce": SPARSE}
+        # o_proj partials of every layer and the dense MLP, inside attention TP
+        assert stats["attn_tp"] == {"all_reduce": LAYERS + 1}
+        assert set(stats) == {"attn_cp", "moe", "attn_tp"}
+
+
+def test_alltoall_moe_issues_no_cp_collective(pools, qwen3_moe_dir, seqs):  # noqa: F811
+    layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4,
+                            moe_a2a_backend="alltoall")
+    for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
+        assert stats["attn_cp"] == {"all_gather": LAYERS + 1}  # K/V and logits only
+        # dispatch: counts + rows + ids + weights; combine: rows back
+        assert stats["moe_ep"] == {"exchange_counts": SPARSE, "all_to_all": 4 * SPARSE}
+        assert stats["attn_tp"] == {"all_reduce": LAYERS + 1, "all_gather": SPARSE}
+        assert "moe" not in stats
+
+
+def test_coupled_moe_reduces_inside_attention_tp_group(pools, qwen3_moe_dir, seqs):  # noqa: F811
+    layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=2, ep_size=2)
+    for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
+        assert stats["attn_cp"] == {"all_gather": LAYERS + 1}
+        assert stats["moe"] == {"all_reduce": SPARSE}
+
+
+@pytest.mark.parametrize("layout, aliases, worlds", [
+    (ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4),
+     {("attn_cp", "moe_dp"), ("moe", "moe_ep")}, {"moe_ep", "moe"}),
+    (ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=2, ep_size=2),
+     {("attn_cp", "moe_dp"), ("attn_tp", "moe"), ("attn_tp", "moe_ep"), ("moe", "moe_ep")},
+     set()),
+    (ParallelLayout(tp_size=4, attn_cp_size=4, moe_dp_size=1, ep_size=4),
+     {("attn_cp", "moe_dp"), ("attn_cp", "moe_ep"), ("attn_cp", "moe"), ("moe", "moe_ep"),
+      ("moe_dp", "moe_ep"), ("moe", "moe_dp")}, {"attn_cp", "moe_dp", "moe_ep", "moe"}),
+], ids=["decoupled", "coupled", "cp-equals-tp"])
+def test_groups_alias_instead_of_duplicating(pools, layout, aliases, worlds):  # noqa: F811
+    for rank, out in enumerate(pools(layout.world_size).run(groups_task, layout)):
+        for kind, members in out["members"].items():
+            assert members == layout.group_of(kind, rank)
+        shared = {pair for pair, same in out["same_pg"].items() if same}
+        assert shared == aliases
+        assert {k for k, w in out["is_world"].items() if w} == worlds
