@@ -88,15 +88,24 @@ class LayerCommunicator:
         """-> (rows for the MLP in its layout, CP-local rows for shared experts, residual)."""
         residual = residual + comm.all_reduce(attn_partial, self.groups.attn_tp)
         x = norm(residual)
+        return self.to_mlp_layout(x, batch), self.local_rows(x, batch), residual
+
+    def to_mlp_layout(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """CP-local TP_ATTN_FULL rows (hidden states, or token ids for hash routing: any
+        per-row tensor) -> the rows the MLP of this layer sees, in the same order."""
         mode = self.plan.mlp
         if mode is TokenLayout.MOE_FULL and not batch.is_decode:
             assert batch.split is not None
-            return comm.all_gather(batch.split.pad_local(x), self.groups.attn_cp), x, residual
-        if mode is TokenLayout.SCATTERED:
+            return comm.all_gather(batch.split.pad_local(x), self.groups.attn_cp)
+        return self.local_rows(x, batch)
+
+    def local_rows(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The rows this rank answers for after the MLP (shared experts run on these)."""
+        if self.plan.mlp is TokenLayout.SCATTERED:
             group = self._scatter_group(batch)
             start, stop, _ = _even_rows(x.shape[0], group.size, group.rank)
-            return x[start:stop], x[start:stop], residual
-        return x, x, residual
+            return x[start:stop]
+        return x
 
     def postprocess_layer(self, mlp_out: torch.Tensor, shared_out: torch.Tensor | None,
                           batch: ForwardBatch) -> torch.Tensor:
@@ -149,7 +158,8 @@ def merge_decode_attention(o: torch.Tensor, lse: torch.Tensor,
 
 def gather_output(hidden: torch.Tensor, batch: ForwardBatch,
                   groups: ProcessGroups) -> torch.Tensor:
-    """Final hidden rows of this CP rank -> every token in flat order, on every rank."""
+    """Rows of this CP rank (final hidden states, or any per-token tensor) -> every token of
+    the batch in flat (original) order, on every rank."""
     if batch.is_decode or groups.attn_cp.size == 1:
         return hidden
     assert batch.split is not None
