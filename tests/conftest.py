@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random HF Qwen3-MoE / Qwen2-MoE checkpoints written by transformers.
+
+Session-scoped and built once (about a second each). Weights are float32 with a fixed seed;
+the routers are scaled so top-k routing is decisive (no near-ties that fp32 rounding of a
+different layout could flip), norms are perturbed away from 1 and the Qwen2 qkv biases are
+random, so a loader that swaps or drops any of them is caught by value checks.
+
+Fixtures:
+    qwen3_moe_dir, qwen2_moe_dir   checkpoint directories (config.json + model.safetensors)
+    hf_models                      {"qwen3_moe": model, "qwen2_moe": model}, eval mode
+    make_hf_checkpoint             factory(kind, **config_overrides) -> (model, dir), cached
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # cpmoe importable from the repo root without install
+    sys.path.insert(0, str(REPO_ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROUTER_SCALE = 4.0
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+             num_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+             tie_word_embeddings=False)
+
+CONFIGS = {
+    "qwen3_moe": dict(_BASE, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(_BASE, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                      mlp_only_layers=[2], qkv_bias=True),
+}
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 1}
+
+
+def make_hf_model(kind: str, out_dir: pathlib.Path | None = None, **overrides):
+    """-> (HF model in eval mode, checkpoint dir or None). Deterministic for (kind, overrides).
+
+    With out_dir, the model is written there by `save_pretrained` (hub per-expert names)."""
+    from transformers import (Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    cfg_cls, model_cls = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[kind]
+    torch.manual_seed(SEEDS[kind])
+    model = model_cls(cfg_cls(**{**CONFIGS[kind], **overrides})).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("_proj.bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    if out_dir is not None:
+        out_dir = pathlib.Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out_dir))
+    return model, out_dir
+
+
+@pytest.fixture(scope="session")
+def make_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """factory(kind, **config_overrides) -> (hf_model, dir); one build per distinct call."""
+    cache: dict[tuple, tuple] = {}
+
+    def make(kind: str, **overrides):
+        key = (kind, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cache[key] = make_hf_model(kind, tmp_path_factory.mktemp(kind), **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(make_hf_checkpoint) -> pathlib.Path:
+    return make_hf_checkpoint("qwen3_moe")[1]
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_dir(make_hf_checkpoint) -> pathlib.Path:
+    return make_hf_checkpoint("qwen2_moe")[1]
+
+
+@pytest.fixture(scope="session")
+def hf_models(make_hf_checkpoint) -> dict:
+    """kind -> the HF model whose weights are in that kind's checkpoint dir (eval mode)."""
+    return {kind: make_hf_checkpoint(kind)[0] for kind in CONFIGS}
