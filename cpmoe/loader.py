@@ -149,9 +149,29 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
     bar.close()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
-        raise LoadError(f"{model_dir}: checkpoint lacks tensor(s) for {len(missing)} "
-                        f"parameter(s), first: {missing[0]!r}")
+        names = _missing_tensor_names(missing, modules, regions)
+        raise LoadError(f"{model_dir}: checkpoint lacks {len(names)} tensor(s), first: "
+                        f"{names[0]!r}")
     return stats
+
+
+def _missing_tensor_names(missing: list[str], modules: dict[str, nn.Module],
+                          regions: set[tuple[str, str]]) -> list[str]:
+    """Checkpoint names of unfilled parameters (hub per-expert names for fused experts)."""
+    names = []
+    for param in missing:
+        prefix, _, attr = param.rpartition(".")
+        experts = modules.get(prefix)
+        if not isinstance(experts, LocalExperts):
+            names.append(param)
+            continue
+        first = experts.shard[0] * experts.num_local_experts
+        for le in range(experts.num_local_experts):
+            wanted = ([(f"{le}", "down_proj")] if attr == "down_proj" else
+                      [(f"{le}.0", "gate_proj"), (f"{le}.1", "up_proj")])
+            names += [f"{prefix}.{first + le}.{proj}.weight" for region, proj in wanted
+                      if (param, region) not in regions]
+    return names
 
 
 def _copy(handle, f: Path, name: str, t: _Target, regions: set, filled: dict) -> None:

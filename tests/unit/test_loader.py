@@ -418,10 +418,6 @@ def test_missing_expert_tensor_refused(qwen3_moe_dir, tmp_path):
     load_rank(d, layout, 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "loader.load_checkpoint reports a missing per-expert hub tensor by the fused parameter "
-    "name ('...experts.gate_up_proj'), not by the checkpoint tensor that is missing "
-    "('...experts.3.up_proj.weight'), so the message does not say which expert/projection"))
 def test_missing_expert_tensor_message_names_tensor(qwen3_moe_dir, tmp_path):
     tensor = "model.layers.2.mlp.experts.3.up_proj.weight"
     d = rewrite(qwen3_moe_dir, tmp_path / "ck", lambda t: t.pop(tensor))
