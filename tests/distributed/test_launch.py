@@ -1,0 +1,191 @@
+"""Tests for cpmoe.parallel.launch: pooled gloo worlds on CPU, fail-fast, torchrun joining.
+
+Invariants the tests rely on: task functions live in _launch_helpers (picklable by reference);
+healthy pools are shared per world size through a module-scoped fixture to keep start-up cost
+low; every test that breaks a pool builds its own.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import _launch_helpers as h
+from cpmoe.parallel.launch import RankFailure, RankPool, launch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _gone(pid: int) -> bool:
+    # Reaped processes no longer exist; a zombie (unreaped child) would still answer signal 0.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _pids(pool: RankPool) -> list[int]:
+    return [pid for _, pid in pool.run(h.gather_pid)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def pool(request: pytest.FixtureRequest) -> Iterator[RankPool]:
+    with RankPool(request.param) as p:
+        yield p
+
+
+def test_pool_runs_all_reduce_and_returns_per_rank_results(pool: RankPool) -> None:
+    n = pool.world_size
+    results = pool.run(h.all_reduce_rank, scale=2, timeout_s=30)
+    assert [r["rank"] for r in results] == list(range(n))
+    assert all(r["world_size"] == n and r["device"] == "cpu" for r in results)
+    assert all(r["sum"] == 2 * n * (n + 1) / 2 for r in results)
+    assert all(r["threads"] == max(1, (os.cpu_count() or 1) // n) for r in results)
+
+
+def test_same_pool_runs_a_second_different_task(pool: RankPool) -> None:
+    first = _pids(pool)
+    assert len(set(first)) == pool.world_size
+    assert pool.run(h.all_reduce_rank)[0]["sum"] == sum(range(1, pool.world_size + 1))
+    assert _pids(pool) == first  # same processes: the pool was reused, not restarted
+    assert pool.alive
+
+
+def test_unpicklable_task_is_rejected_in_parent_and_pool_survives(pool: RankPool) -> None:
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pool.run(lambda info: info.rank)
+    assert pool.alive
+    assert len(_pids(pool)) == pool.world_size
+
+
+def test_rank_raising_during_peer_all_reduce_fails_fast_with_traceback_and_kills_all() -> None:
+    pool = RankPool(3)
+    pids = _pids(pool)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        pool.run(h.fail_in_collective, 1, "raise")
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, elapsed
+    err = caught.value
+    assert err.rank == 1
+    assert str(err).splitlines()[0] == "rank 1 failed: ValueError: boom from rank 1"
+    assert err.remote_traceback is not None and "Traceback" in err.remote_traceback
+    assert "fail_in_collective" in str(err) and "raise ValueError" in str(err)
+    assert not pool.alive
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_rank_dying_by_os_exit_is_reported_and_dead_pool_refuses_run() -> None:
+    pool = RankPool(2)
+    pids = _pids(pool)
+    with pytest.raises(RankFailure) as caught:
+        pool.run(h.fail_in_collective, 0, "exit3", timeout_s=30)
+    assert caught.value.rank == 0
+    assert str(caught.value) == "rank 0 died: exit code 3"
+    assert caught.value.remote_traceback is None
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="rank pool is closed"):
+        pool.run(h.all_reduce_rank)
+    pool.close()
+    pool.close()  # idempotent after a failure too
+
+
+def test_rank_killed_by_sigkill_is_reported_with_signal_name() -> None:
+    pool = RankPool(2)
+    pids = _pids(pool)
+    with pytest.raises(RankFailure) as caught:
+        pool.run(h.fail_in_collective, 1, "sigkill", timeout_s=30)
+    assert caught.value.rank == 1
+    assert str(caught.value) == "rank 1 died: exit code -9 (SIGKILL)"
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_task_timeout_raises_rank_failure_and_kills_the_pool() -> None:
+    pool = RankPool(2)
+    pids = _pids(pool)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"^rank 0 timed out") as caught:
+        pool.run(h.fail_in_collective, 1, "hang", timeout_s=1.0)
+    assert time.monotonic() - start < 10
+    assert "unfinished ranks: [0, 1]" in str(caught.value)
+    assert not pool.alive and all(_gone(pid) for pid in pids)
+
+
+def test_keyboard_interrupt_in_parent_kills_ranks_and_reraises() -> None:
+    pool = RankPool(2)
+    pids = _pids(pool)
+    with pytest.raises(KeyboardInterrupt):
+        pool.run(h.interrupt_parent, timeout_s=30)
+    assert not pool.alive and all(_gone(pid) for pid in pids)
+
+
+def test_closed_pool_refuses_run_and_leaves_no_processes() -> None:
+    with RankPool(2) as pool:
+        pids = _pids(pool)
+    assert not pool.alive and all(_gone(pid) for pid in pids)
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="rank pool is closed"):
+        pool.run(h.all_reduce_rank)
+
+
+def test_launch_world_size_1_runs_in_process_without_process_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = launch(h.report_dist_state, 1, "cpu", tag="solo")
+    assert out == {"rank": 0, "world_size": 1, "tag": "solo", "initialized": False}
+    assert not dist.is_initialized()
+
+
+def test_launch_world_size_2_spawns_a_pool_and_returns_rank0_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = launch(h.report_dist_state, 2, "cpu", tag="pair")
+    assert out == {"rank": 0, "world_size": 2, "tag": "pair", "initialized": True}
+    assert not dist.is_initialized()  # the world lived in the children only
+
+
+def test_launch_world_size_mismatch_with_torchrun_env_raises_clear_value_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=3 .* world_size=2"):
+        launch(h.report_dist_state, 2, "cpu", tag="x")
+    assert not dist.is_initialized()
+
+
+def test_launch_joins_a_simulated_torchrun_world() -> None:
+    with socket.socket() as s:  # torchrun's rank 0 hosts the store; pick it a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "import sys, _launch_helpers as h; h.torchrun_main(2)"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err
+        # all_reduce of (rank + 1) * 10 over 2 ranks; the group is destroyed after fn returns.
+        assert out.strip().splitlines()[-1] == f"RESULT {rank} 30.0 False"
