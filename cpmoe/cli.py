@@ -158,30 +158,81 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from cpmoe.engine.tasks import RunSpec, generate_task
-    layout, model_dir, cfg, device, dtype = resolve(args)
-    tokenizer = _tokenizer(model_dir)
+def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+    """--prompt TEXT | --input-ids 1,2,3 | --prompts-file F (JSON list of strings/id lists)."""
     if args.input_ids is not None:
         try:
-            ids = [int(t) for t in args.input_ids.split(",")]
+            prompts = [[int(t) for t in args.input_ids.split(",")]]
         except ValueError:
             raise InputError(f"--input-ids {args.input_ids!r}: expected comma-separated "
                              f"integers") from None
-    elif tokenizer is None:
-        raise InputError(f"--prompt: {model_dir} has no tokenizer; pass --input-ids")
+        where = ["--input-ids"]
+    elif args.prompt is not None:
+        prompts, where = [args.prompt], ["--prompt"]
     else:
-        ids = tokenizer.encode(args.prompt)
-    check_ids(ids, cfg.vocab_size, "--input-ids" if args.input_ids else "--prompt")
+        try:
+            prompts = json.loads(Path(args.prompts_file).read_text())
+        except OSError as e:
+            raise InputError(f"--prompts-file {args.prompts_file}: cannot read "
+                             f"({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"--prompts-file {args.prompts_file}: not JSON ({e.msg})") from None
+        if not isinstance(prompts, list) or not prompts:
+            raise InputError(f"--prompts-file {args.prompts_file}: expected a non-empty JSON "
+                             f"list of strings or token-id lists")
+        where = [f"--prompts-file {args.prompts_file}: prompt {i}" for i in range(len(prompts))]
+    out = []
+    for p, w in zip(prompts, where):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise InputError(f"{w}: the model has no tokenizer; give token ids instead")
+            if not p:
+                raise InputError(f"{w}: empty prompt")
+            p = tokenizer.encode(p)
+        check_ids(p, vocab_size, w)
+        out.append(p)
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cpmoe.engine.generate import kv_slots_needed
+    from cpmoe.engine.sampling import SamplingParams
+    from cpmoe.engine.tasks import RunSpec, generate_task
+    layout, model_dir, cfg, device, dtype = resolve(args)
+    tokenizer = _tokenizer(model_dir)
+    prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    spec = RunSpec(model_dir, layout, dtype)
-    out = launch(generate_task, layout.world_size, device, spec, [ids], args.max_new_tokens,
-                 cfg.eos_token_ids)
-    if out is None:
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    need = kv_slots_needed([len(p) for p in prompts], args.max_new_tokens,
+                           layout.attn_cp_size, layout.cp_strategy)
+    if args.max_total_tokens is not None and need > args.max_total_tokens:
+        raise InputError(f"--max-total-tokens {args.max_total_tokens}: the prompts need {need} "
+                         f"KV slots on the busiest CP rank (prompt lengths "
+                         f"{[len(p) for p in prompts]}, --max-new-tokens {args.max_new_tokens})")
+    res = launch(generate_task, layout.world_size, device, RunSpec(model_dir, layout, dtype),
+                 prompts, args.max_new_tokens, cfg.eos_token_ids, sampling,
+                 args.max_total_tokens)
+    if res is None:
         return 0
-    print(tokenizer.decode(out[0]) if tokenizer is not None and args.input_ids is None
-          else ",".join(map(str, out[0])))
+    texts = [tokenizer.decode(t) if tokenizer is not None else None for t in res.tokens]
+    if args.json:
+        print(json.dumps([{"prompt": i, "tokens": t, "text": x}
+                          for i, (t, x) in enumerate(zip(res.tokens, texts))]))
+    else:
+        for i, (t, x) in enumerate(zip(res.tokens, texts)):
+            shown = x if x is not None and args.input_ids is None else ",".join(map(str, t))
+            print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
+    if args.verbose:
+        for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
+            print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "
+                  f"({kv / layout.attn_cp_size:.0f} per prompt token with attn_cp "
+                  f"{layout.attn_cp_size})", file=sys.stderr)
+        print(f"KV capacity {res.kv_capacity} tokens per rank; prefill {res.prefill_s:.3f} s, "
+              f"{res.decode_steps} decode steps {res.decode_s:.3f} s", file=sys.stderr)
     return 0
 
 
@@ -247,7 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--input-ids")
+    src.add_argument("--prompts-file", type=Path, help="JSON list of strings or id lists")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache size per rank, in tokens (default: what the request needs)")
+    p.add_argument("--json", action="store_true", help="print tokens and text as JSON")
+    p.add_argument("--verbose", action="store_true", help="per-rank memory and timings")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("check", help="compare a layout against the one-rank reference")
     add_layout_flags(p)

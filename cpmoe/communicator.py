@@ -13,8 +13,9 @@ Attention always runs in TP_ATTN_FULL. The MLP of a layer runs in:
     sparse, backend none, otherwise       FULL
 The plan is computed once per layer. The residual stream always stays CP-local in
 TP_ATTN_FULL. Shared-expert outputs are computed on CP-local rows and added after every
-SUM collective, so they are counted once. Decode rows are identical on every CP rank, so
-MOE_FULL skips its gather there and SCATTERED splits rows over the whole world.
+SUM collective, so they are counted once. Decode rows are identical on every CP rank, so no
+MLP row is computed twice: MOE_FULL skips its gather (its reduction spans every expert shard
+once), SCATTERED splits rows over the whole world, FULL and dense layers split them over CP.
 """
 
 from __future__ import annotations
@@ -101,33 +102,47 @@ class LayerCommunicator:
 
     def local_rows(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The rows this rank answers for after the MLP (shared experts run on these)."""
-        if self.plan.mlp is TokenLayout.SCATTERED:
-            group = self._scatter_group(batch)
-            start, stop, _ = _even_rows(x.shape[0], group.size, group.rank)
-            return x[start:stop]
-        return x
+        group = self._split_group(batch)
+        if group is None:
+            return x
+        start, stop, _ = _even_rows(x.shape[0], group.size, group.rank)
+        return x[start:stop]
 
     def postprocess_layer(self, mlp_out: torch.Tensor, shared_out: torch.Tensor | None,
                           batch: ForwardBatch) -> torch.Tensor:
         """MLP output (partial, or final for own rows) -> this CP rank's rows, TP_ATTN_FULL."""
         mode = self.plan.mlp
         if mode is TokenLayout.TP_ATTN_FULL:
-            return comm.all_reduce(mlp_out, self.groups.attn_tp)
-        if mode is TokenLayout.SCATTERED:
-            out = mlp_out if shared_out is None else mlp_out + shared_out
-            group = self._scatter_group(batch)
-            total = batch.num_tokens
-            _, _, chunk = _even_rows(total, group.size, group.rank)
-            return comm.all_gather(_pad_rows(out, chunk), group)[:total]
-        out = comm.all_reduce(mlp_out, self.groups.moe)
+            out = comm.all_reduce(mlp_out, self.groups.attn_tp)
+        elif mode is TokenLayout.SCATTERED:
+            out = mlp_out
+        else:
+            out = comm.all_reduce(mlp_out, self.groups.moe)
         if mode is TokenLayout.MOE_FULL and not batch.is_decode:
             assert batch.split is not None
             start = self.groups.attn_cp.rank * batch.split.max_count
             out = out[start:start + batch.num_tokens]
-        return out if shared_out is None else out + shared_out
+        if shared_out is not None:
+            out = out + shared_out
+        group = self._split_group(batch)
+        if group is None:
+            return out
+        _, _, chunk = _even_rows(batch.num_tokens, group.size, group.rank)
+        return comm.all_gather(_pad_rows(out, chunk), group)[:batch.num_tokens]
 
-    def _scatter_group(self, batch: ForwardBatch) -> Group:
-        return self.groups.world if batch.is_decode else self.groups.attn_tp
+    def _split_group(self, batch: ForwardBatch) -> Group | None:
+        """The group whose ranks share this layer's MLP rows out between them, or None.
+
+        Prefill: SCATTERED splits the CP chunk over attention TP. Decode rows are the same
+        on every rank: SCATTERED splits them over the whole world, and FULL / dense layers
+        split them over attention CP so no CP rank recomputes another's rows (MOE_FULL
+        needs no split: its reduction already spans every expert shard exactly once)."""
+        mode = self.plan.mlp
+        if mode is TokenLayout.SCATTERED:
+            return self.groups.world if batch.is_decode else self.groups.attn_tp
+        if batch.is_decode and mode is not TokenLayout.MOE_FULL and self.groups.attn_cp.size > 1:
+            return self.groups.attn_cp
+        return None
 
 
 # ---- attention-side CP movement (model-wide, not per layer) -------------------------------

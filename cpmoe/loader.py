@@ -118,6 +118,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
     """Fill `model` from `model_dir`; returns counts {'loaded', 'skipped', 'bytes'}."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    # Models whose checkpoints use other names map them to parameter names (DeepSeek-V4).
+    rename = getattr(model, "checkpoint_param_name", None) or (lambda n: n)
     filled: dict[str, int] = defaultdict(int)
     regions: set[tuple[str, str]] = set()
     stats = {"loaded": 0, "skipped": 0, "bytes": 0}
@@ -136,7 +138,7 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
         for f, handle in handles:
             for name in handle.keys():
                 bar.update(1)
-                target = _resolve(name, params, modules, tied_embeddings)
+                target = _resolve(rename(name), params, modules, tied_embeddings)
                 if target == "unexpected":
                     raise LoadError(f"{f.name}: unexpected tensor {name!r} (no such parameter "
                                     f"in {type(model).__name__})")

@@ -30,6 +30,7 @@ class ForwardBatch:
     write_rows: torch.Tensor | None = None  # int64 [W] rows of this batch stored here
     write_slots: torch.Tensor | None = None  # int64 [W] their cache slots
     ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # decode: (slots, positions)
+    seq_keys: list[int] | None = None  # cache key of each sequence (models with their own cache)
 
     @property
     def num_tokens(self) -> int:

@@ -68,3 +68,19 @@ class KVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][slots], self.v[layer][slots]
+
+
+def busiest_rank_tokens(seq_counts: list[list[int]], new_tokens: int) -> int:
+    """KV slots the busiest CP rank needs for prompts split as seq_counts[rank][seq] plus
+    `new_tokens` generated per prompt (the last one is never fed back, so never stored),
+    placed by the decode rule: fewest tokens of that sequence first, ties to the lower rank."""
+    cp = len(seq_counts)
+    totals = [0] * cp
+    for s in range(len(seq_counts[0])):
+        counts = [seq_counts[r][s] for r in range(cp)]
+        for _ in range(max(0, new_tokens - 1)):
+            owner = min(range(cp), key=lambda r: (counts[r], r))
+            counts[owner] += 1
+        for r in range(cp):
+            totals[r] += counts[r]
+    return max(totals)

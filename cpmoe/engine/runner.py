@@ -18,6 +18,7 @@ from cpmoe.engine.forward import ForwardBatch
 from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
 from cpmoe.loader import load_checkpoint
 from cpmoe.models.registry import load_model_config
+from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
@@ -27,6 +28,9 @@ def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
     layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
                        num_key_value_heads=cfg.num_key_value_heads,
                        moe_intermediate_size=cfg.moe_intermediate_size)
+    check_layout = getattr(cfg, "check_layout", None)  # model-specific rules (DeepSeek-V4)
+    if check_layout is not None:
+        check_layout(layout)
     dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
     if dense and cfg.intermediate_size % layout.attn_tp_size:
         raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
@@ -63,10 +67,31 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv(self, capacity: int) -> KVCache:
+        make_cache = getattr(self.model, "make_kv_cache", None)
+        if make_cache is not None:  # per-sequence model state, not K/V slots (DeepSeek-V4)
+            self.kv = make_cache(capacity)
+            return self.kv
         attn = self.model.model.layers[0].self_attn
         self.kv = KVCache(len(self.model.model.layers), capacity, attn.num_kv_heads,
                           attn.head_dim, self.dtype, self.device)
         return self.kv
+
+    def check_fits(self, slots: int) -> None:
+        """Refuse work whose KV does not fit this rank's cache, before any of it runs."""
+        assert self.kv is not None
+        free = self.kv.capacity - self.kv.used
+        if slots > free:
+            raise CacheFullError(f"request needs {slots} KV slots on the busiest CP rank, "
+                                 f"{free} of {self.kv.capacity} free (--max-total-tokens)")
+
+    def agree(self, tokens: list[int]) -> list[int]:
+        """Rank 0's choice of tokens, on every rank."""
+        t = comm.broadcast(self._ids(tokens), self.groups.world)
+        return t.tolist()
+
+    def gather_from_ranks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """A small same-shaped tensor from every rank (for reports), in rank order."""
+        return list(comm.all_gather(x[None], self.groups.world).cpu())
 
     # ---- forward steps ---------------------------------------------------------------------
     def _ids(self, values) -> torch.Tensor:
@@ -104,6 +129,7 @@ class ModelRunner:
                                  f"{cp.rank}, {kv.capacity - kv.used} of {kv.capacity} free")
         slots = kv.alloc(need).to(self.device)
         batch.kv = kv
+        batch.seq_keys = keys
         batch.write_rows = torch.arange(need, device=self.device)
         batch.write_slots = slots
         for s, key in enumerate(keys):
@@ -139,7 +165,7 @@ class ModelRunner:
         batch = ForwardBatch(is_decode=True, input_ids=self._ids(tokens),
                              positions=self._ids(positions),
                              seq_ids=torch.arange(len(keys), device=self.device), kv=kv,
-                             write_rows=self._ids(write_rows), write_slots=slots,
+                             write_rows=self._ids(write_rows), write_slots=slots, seq_keys=keys,
                              ctx=[(kv.seqs[k].slots, kv.seqs[k].positions) for k in keys])
         logits = self.model.logits(self.model.hidden_states(batch)).float()
         self.times.decode_s += time.perf_counter() - t0

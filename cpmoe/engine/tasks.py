@@ -13,6 +13,7 @@ import torch
 
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
+from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
@@ -41,11 +42,33 @@ def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]
     return list(logits.split(lens))
 
 
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    weight_bytes: list[int]  # per rank
+    kv_bytes_per_token: list[int]  # per rank, per token that rank stores
+    kv_capacity: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+
 def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
-                  max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[list[int]] | None:
+                  max_new_tokens: int, eos_ids: tuple[int, ...], sampling: SamplingParams,
+                  max_total_tokens: int | None) -> GenerateResult | None:
     runner = _runner(info, spec)
-    out = generate(runner, prompts, max_new_tokens, eos_ids)
-    return out if info.rank == 0 else None
+    if max_total_tokens is not None:
+        runner.allocate_kv(max_total_tokens)
+    out = generate(runner, prompts, max_new_tokens, eos_ids, sampling)
+    assert runner.kv is not None
+    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token()],
+                       device=info.device)
+    per_rank = runner.gather_from_ranks(mem)
+    if info.rank != 0:
+        return None
+    t = runner.times
+    return GenerateResult(out, [int(m[0]) for m in per_rank], [int(m[1]) for m in per_rank],
+                          runner.kv.capacity, t.prefill_s, t.decode_s, t.decode_steps)
 
 
 @dataclass

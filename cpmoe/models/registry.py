@@ -13,9 +13,16 @@ def _qwen() -> tuple[Callable, type]:
     return parse_qwen_moe, QwenMoeForCausalLM
 
 
+def _deepseek_v4() -> tuple[Callable, type]:
+    from cpmoe.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+    return parse_deepseek_v4, DeepseekV4ForCausalLM
+
+
 _REGISTRY: dict[str, Callable[[], tuple[Callable, type]]] = {
     "Qwen3MoeForCausalLM": _qwen,
     "Qwen2MoeForCausalLM": _qwen,
+    "DeepseekV4ForCausalLM": _deepseek_v4,
 }
 
 

@@ -121,3 +121,13 @@ def barrier(group: Group) -> None:
     if group.size > 1:
         _count(group, "barrier")
         dist.barrier(group=group.pg)
+
+
+def broadcast(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
+    """Overwrite x on every rank with the copy of group member `src_index`; returns x."""
+    if group.size == 1:
+        return x
+    _count(group, "broadcast")
+    _check_same_shape(x, group, "broadcast")
+    dist.broadcast(x, src=group.ranks[src_index], group=group.pg)
+    return x

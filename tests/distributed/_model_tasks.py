@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.generate import generate, greedy
+from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
@@ -22,16 +22,9 @@ def run_model(groups: ProcessGroups, model_dir: Path, seqs: list[list[int]],
     prefill = runner.prefill(seqs)
     stats = groups.stats()
     steps: list[torch.Tensor] = []
-
-    def pick(logits: torch.Tensor) -> list[int]:
-        steps.append(logits.clone())
-        return greedy(logits)
-
     runner.kv = None
-    tokens = generate(runner, seqs, new_tokens, (), pick) if new_tokens else []
-    kv_bytes = runner.kv.nbytes_used() if runner.kv is not None else 0
-    return {"prefill": prefill, "stats": stats, "tokens": tokens, "steps": steps,
-            "kv_bytes_after_prefill": kv_bytes}
+    tokens = generate(runner, seqs, new_tokens, observe=steps.append) if new_tokens else []
+    return {"prefill": prefill, "stats": stats, "tokens": tokens, "steps": steps}
 
 
 def layout_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Path],
@@ -52,3 +45,20 @@ def groups_task(info: RankInfo, layout: ParallelLayout) -> dict:
             for a in kinds for b in kinds if a < b}
     return {"members": {k: list(g[k].ranks) for k in kinds}, "same_pg": same,
             "is_world": {k: g[k].pg is dist.group.WORLD for k in kinds}}
+
+
+def kv_and_sampling_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
+                         seqs: list[list[int]], sampling, new_tokens: int) -> dict:
+    """Per-rank KV bytes held right after a prefill, then seeded sampling of new tokens."""
+    from cpmoe.engine.generate import kv_slots_needed
+
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    kv = runner.allocate_kv(kv_slots_needed([len(s) for s in seqs], new_tokens,
+                                            layout.attn_cp_size, layout.cp_strategy))
+    runner.prefill(seqs, list(range(len(seqs))), last_only=True)
+    kv_bytes = kv.nbytes_used()
+    for key in list(kv.seqs):
+        kv.free(key)
+    tokens = generate(runner, seqs, new_tokens, (), sampling)
+    return {"kv_bytes": kv_bytes, "tokens": tokens, "kv_used_after": kv.used}

@@ -1,0 +1,60 @@
+"""Token choice: greedy, or temperature / top-k / top-p sampling that is reproducible.
+
+A sampled token depends only on (seed, prompt index, step) and the logits: the random number
+comes from a generator seeded with those three, and is turned into a token by inverse CDF
+over the probabilities sorted by (probability, token id). So the same seed gives the same
+tokens on every layout (whose logits agree to ~1e-6), and every rank picks alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _uniform(seed: int, prompt: int, step: int) -> float:
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + prompt) * 1_000_033 + step)
+    return torch.rand((), generator=gen, dtype=torch.float64).item()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+           step: int) -> list[int]:
+    """logits [B, V] (fp32) -> one token per row; row i belongs to prompt prompt_ids[i]."""
+    if params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    out = []
+    for row, prompt in zip(logits.double(), prompt_ids):
+        probs = torch.softmax(row / params.temperature, dim=-1)
+        order = torch.argsort(probs, descending=True, stable=True)
+        p = probs[order]
+        keep = p.numel() if params.top_k == 0 else min(params.top_k, p.numel())
+        if params.top_p < 1.0:
+            # smallest prefix whose mass reaches top_p (at least one token)
+            reach = int(torch.searchsorted(torch.cumsum(p, 0), params.top_p).item()) + 1
+            keep = min(keep, reach)
+        p = p[:keep] / p[:keep].sum()
+        u = _uniform(params.seed, prompt, step)
+        idx = min(int(torch.searchsorted(torch.cumsum(p, 0), u).item()), keep - 1)
+        out.append(int(order[idx]))
+    return out

@@ -1,0 +1,368 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM), one rank's shard, with HF parameter names.
+
+Top to bottom: MoE (router, experts, shared expert), hyper-connections, decoder layer, model,
+causal-LM head; attention lives in `deepseek_v4_attention.py`.
+
+Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
+- Attention is not head-sharded. Each CP rank holds its chunk of the tokens; the K-side
+  per-token rows are all-gathered over ATTN_CP once per layer and the compressed KV and
+  indexer keys are pooled on every rank (replicated), see the attention module.
+- Replicated weights: everything except the routed experts (attention, compressors,
+  indexers, hyper-connections, routers, shared experts, embeddings, head).
+- Routed experts are sharded over EP (whole experts) and MoE-TP (intermediate dim). Hidden
+  rows AND token ids (hash-routed layers) move to the MLP layout through the same
+  communicator call, so ids stay aligned with rows (rank-major after a CP gather, own rows
+  for rank-local dispatch). The shared expert runs on CP-local rows and is added after every
+  SUM collective, so once.
+- Decode: every CP rank keeps the FULL cache of every sequence (sliding window, compressed
+  KV, indexer keys, open-window rows), replicated, and runs attention for every row
+  (`DECODE_CACHE_NOTE`); the MoE stays distributed.
+
+The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
+constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
+blocks; the hyper head collapses them before the final norm. Multi-token prediction is not
+built. Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpmoe import communicator as cm
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.engine.kv_cache import KVCache
+from cpmoe.models.deepseek_v4_attention import (DeepseekV4Attention, Fp32RMSNorm, Rope,
+                                                RopeTable, SeqState)
+from cpmoe.models.deepseek_v4_config import (CSA, DECODE_CACHE_NOTE, HCA, HASH_MOE,
+                                             DeepseekV4Config)
+from cpmoe.models.layers import Linear
+from cpmoe.moe.dispatch.base import create_dispatcher
+from cpmoe.moe.experts import LocalExperts
+from cpmoe.parallel.groups import ProcessGroups
+
+__all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
+
+# Checkpoint names (what transformers' save_pretrained writes: the original DeepSeek names
+# under `model.`) -> HF parameter names; applied in order, each at most once per name.
+CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^head\.", "lm_head."),
+    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.(self_attn|compressor|indexer)\.norm\.", r".\1.kv_norm."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.w1\.weight$", ".gate_proj.weight"),
+    (r"\.w2\.weight$", ".down_proj.weight"),
+    (r"\.w3\.weight$", ".up_proj.weight"),
+)
+_RENAMES = tuple((re.compile(p), r) for p, r in CHECKPOINT_RENAMES)
+
+
+def checkpoint_param_name(name: str) -> str:
+    """A checkpoint tensor name -> the HF parameter name it fills (per-expert tensors become
+    `...mlp.experts.<e>.<gate|up|down>_proj.weight`, which the loader fuses)."""
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name, count=1)
+    return name
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+
+class DeepseekV4Router(nn.Module):
+    """Scores = sqrtsoftplus (or sigmoid) of the expert logits. Top-k layers select by
+    scores + e_score_correction_bias; hash layers take `tid2eid[token id]`. Weights are the
+    unbiased scores of the selection, renormalised, times routed_scaling_factor."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        self.top_k, self.hashed, self.scoring = k, hashed, cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = _param(E, cfg.hidden_size, dtype=dtype)
+        if hashed:
+            self.tid2eid = _param(cfg.vocab_size, k, dtype=torch.int64)
+        else:
+            self.e_score_correction_bias = _param(E, dtype=torch.float32)
+
+    def forward(self, x_NH: torch.Tensor, ids_N: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (topk_ids_NK int64, topk_weights_NK in x's dtype); ids_N only for hash layers."""
+        logits = F.linear(x_NH, self.weight)
+        scores = (F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus"
+                  else torch.sigmoid(logits))
+        if self.hashed:
+            assert ids_N is not None
+            topk = self.tid2eid[ids_N]
+        else:
+            topk = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1,
+                              sorted=False).indices
+        weights = scores.gather(1, topk)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk, weights * self.scaling
+
+
+class DeepseekV4Experts(LocalExperts):
+    """LocalExperts with V4's clamped SwiGLU (gate <= limit, |up| <= limit)."""
+
+    def __init__(self, *args, swiglu_limit: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit = swiglu_limit
+
+    def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
+                weights_MK: torch.Tensor) -> torch.Tensor:
+        out_MH = torch.zeros_like(x_MH)
+        for e in range(self.num_local_experts):
+            rows, slots = (local_ids_MK == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(x_MH[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            out_MH.index_add_(0, rows, (y * weights_MK[rows, slots, None]).to(out_MH.dtype))
+        return out_MH
+
+
+class DeepseekV4MLP(nn.Module):
+    """The shared expert (replicated), clamped SwiGLU."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class DeepseekV4SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, groups: ProcessGroups,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        layout = groups.layout
+        H = cfg.hidden_size
+        self.hashed = cfg.mlp_layer_types[layer] == HASH_MOE
+        self.gate = DeepseekV4Router(cfg, self.hashed, dtype)
+        self.experts = DeepseekV4Experts(
+            cfg.num_experts // layout.ep_size, H, cfg.moe_intermediate_size // layout.moe_tp_size,
+            dtype, shard=(groups.moe_ep.rank, layout.ep_size, groups.moe_tp.rank,
+                          layout.moe_tp_size), swiglu_limit=cfg.swiglu_limit)
+        self.shared_experts = DeepseekV4MLP(H, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
+        self.dispatcher = create_dispatcher(layout.moe_a2a_backend, groups, cfg.num_experts)
+
+    def forward(self, x_TH: torch.Tensor, comm: cm.LayerCommunicator, batch: ForwardBatch
+                ) -> torch.Tensor:
+        """CP-local rows in -> CP-local rows out (routed + shared, each counted once)."""
+        x = comm.to_mlp_layout(x_TH, batch)
+        ids = comm.to_mlp_layout(batch.input_ids, batch) if self.hashed else None
+        topk_ids, topk_w = self.gate(x, ids)
+        recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x, topk_ids, topk_w)
+        routed = self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
+        shared = self.shared_experts(comm.local_rows(x_TH, batch))
+        return comm.postprocess_layer(routed, shared, batch)
+
+
+# ---- hyper-connections -----------------------------------------------------------------------
+
+def _flat_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
+    flat = h.flatten(1).float()
+    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+class DeepseekV4HyperConnection(nn.Module):
+    """From the hc streams [T, hc, H]: `pre` collapses them into the block input, `post`
+    spreads the block output back, `comb` (Sinkhorn-projected towards doubly stochastic)
+    mixes the streams: h' = post * out + comb^T h. All weights in float32."""
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc, self.iters, self.eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+        self.fn = _param((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32)
+        self.base = _param((2 + n) * n, dtype=torch.float32)
+        self.scale = _param(3, dtype=torch.float32)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (post [T, hc], comb [T, hc, hc], collapsed block input [T, H])."""
+        n, eps = self.hc, self.eps
+        mix = F.linear(_flat_rms(h, self.norm_eps), self.fn)
+        pre, post, comb = mix.split([n, n, n * n], dim=-1)
+        b_pre, b_post, b_comb = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre * self.scale[0] + b_pre) + eps
+        post = 2 * torch.sigmoid(post * self.scale[1] + b_post)
+        comb = torch.softmax(comb.unflatten(-1, (n, n)) * self.scale[2] + b_comb.view(n, n),
+                             dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+    @staticmethod
+    def merge(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+              ) -> torch.Tensor:
+        dtype = h.dtype
+        return (post.to(dtype)[..., None] * out[:, None, :]
+                + torch.matmul(comb.to(dtype).transpose(-1, -2), h))
+
+
+class DeepseekV4HyperHead(nn.Module):
+    """Final collapse of the hc streams (sigmoid weights, no mixing)."""
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc_fn = _param(n, n * cfg.hidden_size, dtype=torch.float32)
+        self.hc_base = _param(n, dtype=torch.float32)
+        self.hc_scale = _param(1, dtype=torch.float32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mix = F.linear(_flat_rms(h, self.norm_eps), self.hc_fn)
+        pre = torch.sigmoid(mix * self.hc_scale + self.hc_base) + self.eps
+        return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+
+# ---- layers, model, head ---------------------------------------------------------------------
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, plan: cm.LayerPlan, groups: ProcessGroups,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.comm = cm.LayerCommunicator(plan, groups)
+        self.self_attn = DeepseekV4Attention(cfg, plan.layer, groups, dtype)
+        self.mlp = DeepseekV4SparseMoeBlock(cfg, plan.layer, groups, dtype)
+        self.input_layernorm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = DeepseekV4HyperConnection(cfg)
+        self.ffn_hc = DeepseekV4HyperConnection(cfg)
+
+    def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
+                ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(h)
+        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch),
+                               post, comb)
+        post, comb, x = self.ffn_hc(h)
+        out = self.mlp(self.post_attention_layernorm(x), self.comm, batch)
+        return self.ffn_hc.merge(h, out, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hc_mult = cfg.hc_mult
+        self.plans = cm.plan_layers(groups.layout, [True] * cfg.num_hidden_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, p, groups, dtype)
+                                    for p in self.plans)
+        self.hc_head = DeepseekV4HyperHead(cfg)
+        self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_tables = nn.ModuleDict({"main": RopeTable(cfg.rope_main, cfg.rope_dim),
+                                          "compress": RopeTable(cfg.rope_compress,
+                                                                cfg.rope_dim)})
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> final-normed rows of this rank's tokens [T, H]."""
+        x = self.embed_tokens(batch.input_ids)
+        ropes = {name: Rope(table, *table(batch.positions, x.dtype))
+                 for name, table in self.rope_tables.items()}
+        h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            h = layer(h, ropes, batch)
+        return self.norm(self.hc_head(h))
+
+
+class V4Cache(KVCache):
+    """The runner's slot accounting (capacity, per-rank slots, SeqKV) plus, per sequence
+    key, one replicated `SeqState` per layer; the base class's K/V pools are empty."""
+
+    def __init__(self, cfg: DeepseekV4Config, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(0, capacity, 1, 1, dtype, device)
+        self.cfg, self.dtype = cfg, dtype
+        self.states: dict[int, list[SeqState | None]] = {}
+
+    def state(self, key: int, layer: int) -> SeqState:
+        st = self.states[key][layer]
+        assert st is not None, f"sequence {key} has no V4 state at layer {layer}"
+        return st
+
+    def put(self, key: int, layer: int, st: SeqState) -> None:
+        self.states.setdefault(key, [None] * self.cfg.num_hidden_layers)[layer] = st
+
+    def free(self, seq_id: int) -> None:
+        super().free(seq_id)
+        self.states.pop(seq_id, None)
+
+    def bytes_per_token(self) -> int:
+        """Growth per stored token (compressed entries, amortised); the sliding window and
+        open-window rows are a constant per sequence on top."""
+        c, per = self.cfg, 0.0
+        for kind in c.layer_types:
+            if kind == CSA:
+                per += (c.head_dim + c.index_head_dim) / c.compress_rate_csa
+            elif kind == HCA:
+                per += c.head_dim / c.compress_rate_hca
+        return int(per * torch.empty((), dtype=self.dtype).element_size())
+
+    def nbytes_used(self) -> int:
+        total = 0
+        for layers in self.states.values():
+            for st in filter(None, layers):
+                parts = [st.window] + [p for s in (st.comp, st.index) if s is not None
+                                       for p in (s.entries, s.rows)]
+                total += sum(p.numel() * p.element_size() for p in parts)
+        return total
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.groups, self.dtype = cfg, groups, dtype
+        self.model = DeepseekV4Model(cfg, groups, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+
+    checkpoint_param_name = staticmethod(checkpoint_param_name)  # read by the loader
+
+    def make_kv_cache(self, capacity: int) -> V4Cache:
+        """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots."""
+        return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device)
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden rows of every token in flat order, on every rank."""
+        return cm.gather_output(self.model(batch), batch, self.groups)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (self.model.embed_tokens.weight if self.lm_head is None
+                  else self.lm_head.weight)
+        return F.linear(hidden, weight)

@@ -1,0 +1,382 @@
+"""DeepSeek-V4 attention of one rank: low-rank queries, one shared KV head (read as both key
+and value), partial interleaved RoPE, a per-head attention sink, a sliding window on every
+layer, compressed KV (CSA: rate 4 chosen by the lightning indexer's top-k; HCA: rate 128,
+all causal entries), and the grouped low-rank output projection. HF parameter names.
+
+CP prefill (exact for any split strategy). Queries stay CP-local. The K side of a layer
+(sliding-window KV rows, compressor and indexer projections of every token) is what
+crosses chunk boundaries, so each rank projects its own rows and ONE all-gather over
+ATTN_CP (`communicator.gather_output`, flat order) replicates those per-token rows on every
+rank; every rank then pools the compressed KV and indexer keys of whole sequences itself
+(replicated compute) and its local queries attend by their global positions.
+
+Decode. Every rank holds the full state of each sequence (replicated, `SeqState`): the last
+W-1 KV rows, the compressed entries and the projected rows of the still-open window(s).
+A step appends the new token's rows and closes a window when the token completes one.
+
+Attention never shards heads (attn_cp == tp, see `check_v4_layout`), so nothing here sums
+partial outputs.
+
+Legend: T = query rows, N = K-side rows, H = hidden, D = head dim, R = rope dim,
+Hq = query heads, W = sliding window, m = compress rate, C = compressed entries,
+K = indexer top-k, F = projected row width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cpmoe import communicator as cm
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
+from cpmoe.models.layers import Linear
+from cpmoe.parallel.groups import ProcessGroups
+
+# Query rows attended at once: bounds the [rows, W + K, D] gathered-key buffer.
+_QUERY_CHUNK = 128
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays float32 (as in the V4 reference); output in x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+                ).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# ---- RoPE ------------------------------------------------------------------------------------
+
+def rope_inv_freq(spec: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2], cos/sin scale) for plain RoPE or YaRN."""
+    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if spec.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(spec.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
+
+    # transformers always truncates here for V4 (it reads `truncate` from the outer dict).
+    low = max(math.floor(correction_dim(spec.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(spec.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the unscaled (extrapolated) frequency
+    inv = (1.0 / (spec.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if spec.attention_factor is not None:
+        return inv, spec.attention_factor
+    if spec.mscale and spec.mscale_all_dim:
+        return inv, mscale(spec.factor, spec.mscale) / mscale(spec.factor, spec.mscale_all_dim)
+    return inv, mscale(spec.factor)
+
+
+class RopeTable(nn.Module):
+    """cos/sin [T, R/2] of absolute positions (so CP permutations need nothing else)."""
+
+    def __init__(self, spec: RopeSpec, rope_dim: int) -> None:
+        super().__init__()
+        inv, self.scale = rope_inv_freq(spec, rope_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE (channel pairs 2i, 2i+1) on the trailing R = 2*cos.shape[-1] channels
+    of x [T, ..., Dx]; the leading channels pass through. Pass -sin to rotate back."""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.float().view(shape), sin.float().view(shape)
+    pairs = x[..., -2 * half:].float().unflatten(-1, (half, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-2 * half], rotated], dim=-1)
+
+
+@dataclass
+class Rope:
+    """One table and its cos/sin at this forward's local query positions."""
+
+    table: RopeTable
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+# ---- compressed KV ---------------------------------------------------------------------------
+
+@dataclass
+class CompressorState:
+    """What a compressor knows of one sequence: its C pooled entries [C, d] and the projected
+    rows [r, 2F] it still needs, from the start of window C-1 (overlap) or C onwards."""
+
+    entries: torch.Tensor
+    rows: torch.Tensor
+
+
+class DeepseekV4Compressor(nn.Module):
+    """Pools every m source tokens into one KV entry. Entry w is the softmax(gate +
+    position_bias)-weighted sum of its window's projected rows. With `overlap` (CSA) each row
+    carries two series of width d, and entry w mixes window w-1's first series with window
+    w's second (width 2m, stride m; window 0 has no predecessor). Entries are RMS-normed and
+    rotated at position w*m. Entry w may be read by queries at positions >= (w+1)*m - 1."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.width = (2 if overlap else 1) * dim
+        self.kv_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
+        self.position_bias = _param(rate, self.width, dtype=torch.float32)
+        self.kv_norm = Fp32RMSNorm(dim, eps)
+        self.indexer: DeepseekV4Indexer | None = None  # set on CSA compressors
+
+    def project(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """-> [T, 2F]: kv then gate projections, the per-token input of `extend`."""
+        return torch.cat([self.kv_proj(x_TH), self.gate_proj(x_TH)], dim=-1)
+
+    def empty(self, like: torch.Tensor) -> CompressorState:
+        return CompressorState(like.new_zeros((0, self.dim)), like.new_zeros((0, 2 * self.width)))
+
+    def _rows_start(self, entries: int) -> int:
+        return max(entries - 1, 0) * self.rate if self.overlap else entries * self.rate
+
+    def extend(self, state: CompressorState, new_rows: torch.Tensor, end_pos: int,
+               rope: RopeTable) -> CompressorState:
+        """Append the rows of positions [end_pos - len(new_rows), end_pos); pool every window
+        they complete."""
+        rows = torch.cat([state.rows, new_rows])
+        done, total = state.entries.shape[0], end_pos // self.rate
+        start = self._rows_start(done)
+        entries = state.entries
+        if total > done:
+            fresh = self._pool(rows[:total * self.rate - start], done, rope)
+            entries = torch.cat([entries, fresh.to(entries.dtype)])
+        return CompressorState(entries, rows[self._rows_start(total) - start:])
+
+    def _pool(self, rows: torch.Tensor, first: int, rope: RopeTable) -> torch.Tensor:
+        """rows of windows [first - p, first + n), p = 1 if overlap and first > 0 else 0
+        -> entries first .. first+n-1 [n, d]."""
+        m, d, Fw = self.rate, self.dim, self.width
+        win = rows.view(-1, m, 2 * Fw)
+        kv, gate = win[..., :Fw], win[..., Fw:] + self.position_bias
+        if self.overlap:
+            prev_kv, prev_gate = kv[:-1, :, :d], gate[:-1, :, :d]
+            if first > 0:  # the predecessor of the first new window is in `rows`
+                kv, gate = kv[1:], gate[1:]
+            else:  # window 0 has none: zero rows with weight exp(-inf) = 0
+                prev_kv = torch.cat([kv.new_zeros((1, m, d)), prev_kv])
+                prev_gate = torch.cat([gate.new_full((1, m, d), float("-inf")), prev_gate])
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.kv_norm((kv * weights).sum(dim=1))
+        positions = (first + torch.arange(pooled.shape[0], device=rows.device)) * m
+        return apply_rope(pooled, *rope(positions, pooled.dtype))
+
+
+class DeepseekV4IndexerScorer(nn.Module):
+    """score[t, c] = sum_h w[t, h] * relu(q[t, h] . k[c]) / sqrt(dI), w = weights_proj(x)."""
+
+    def __init__(self, hidden: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.softmax_scale, self.weights_scaling = dim ** -0.5, heads ** -0.5
+        self.weights_proj = Linear(hidden, heads, bias=False, dtype=dtype)
+
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale
+        weights = self.weights_proj(x_TH).float() * self.weights_scaling
+        return (scores * weights[..., None]).sum(dim=1)
+
+
+class DeepseekV4Indexer(DeepseekV4Compressor):
+    """Lightning indexer of a CSA layer: its own overlapping compressor at index_head_dim
+    gives the keys; queries come from the low-rank query residual."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.compress_rate_csa, True,
+                         cfg.rms_norm_eps, dtype)
+        self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False, dtype=dtype)
+        self.scorer = DeepseekV4IndexerScorer(cfg.hidden_size, self.heads, self.dim, dtype)
+
+    def select(self, q_res: torch.Tensor, x_TH: torch.Tensor, pos: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """-> [T, min(topk, C)] entry ids, best first; -1 where the pick is not yet causal.
+        The top-k size comes from the sequence's entry count, as in the reference."""
+        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
+        scores = self.scorer(apply_rope(q, cos, sin), keys, x_TH)
+        ready = ((pos + 1) // self.rate)[:, None]
+        scores = scores.masked_fill(torch.arange(keys.shape[0], device=pos.device) >= ready,
+                                    float("-inf"))
+        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return torch.where(picks < ready, picks, -1)
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+@dataclass
+class SeqState:
+    """One sequence at one layer: KV rows of the last W-1 positions and compressor states."""
+
+    window: torch.Tensor  # [<= W-1, D]
+    comp: CompressorState | None
+    index: CompressorState | None
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
+    softmax also holds its sink logit, whose probability mass is dropped. fp32 math."""
+    kvf = kv.float()
+    scores = torch.einsum("thd,tnd->thn", q.float(), kvf) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", probs, kvf).to(q.dtype)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, groups: ProcessGroups,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        H, D, Hq, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
+        self.layer, self.groups, self.kind = layer, groups, cfg.layer_types[layer]
+        self.rope_name = "main" if self.kind == SLIDING else "compress"
+        self.num_heads, self.head_dim, self.window = Hq, D, cfg.sliding_window
+        self.scale, self.eps, self.o_groups = D ** -0.5, cfg.rms_norm_eps, g
+        self.q_a_proj = Linear(H, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.q_a_norm = Fp32RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, Hq * D, bias=False, dtype=dtype)
+        self.kv_proj = Linear(H, D, bias=False, dtype=dtype)
+        self.kv_norm = Fp32RMSNorm(D, cfg.rms_norm_eps)
+        # Grouped output projection: block-diagonal [g * o_lora, Hq*D/g], one block per group.
+        self.o_a_proj = Linear(Hq * D // g, g * cfg.o_lora_rank, bias=False, dtype=dtype)
+        self.o_b_proj = Linear(g * cfg.o_lora_rank, H, bias=False, dtype=dtype)
+        self.sinks = _param(Hq, dtype=torch.float32)
+        self.compressor: DeepseekV4Compressor | None = None
+        if self.kind != SLIDING:
+            self.compressor = DeepseekV4Compressor(H, D, cfg.compress_rate(layer),
+                                                   self.kind == CSA, cfg.rms_norm_eps, dtype)
+            self.compressor.indexer = DeepseekV4Indexer(cfg, dtype) if self.kind == CSA else None
+
+    # -- K side ---------------------------------------------------------------------------
+    def _k_side(self, x_TH: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Per-token rows [T, D + 2Fc + 2Fi]: rotated KV, compressor and indexer projections."""
+        kv = apply_rope(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)
+        parts = [kv]
+        if self.compressor is not None:
+            parts.append(self.compressor.project(x_TH))
+            if self.compressor.indexer is not None:
+                parts.append(self.compressor.indexer.project(x_TH))
+        return torch.cat(parts, dim=-1)
+
+    def empty_state(self, like: torch.Tensor) -> SeqState:
+        c = self.compressor
+        return SeqState(like.new_zeros((0, self.head_dim)), None if c is None else c.empty(like),
+                        None if c is None or c.indexer is None else c.indexer.empty(like))
+
+    def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable
+                ) -> tuple[torch.Tensor, SeqState]:
+        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos)."""
+        D, c = self.head_dim, self.compressor
+        keys = torch.cat([st.window, rows[:, :D]])
+        comp = index = None
+        if c is not None:
+            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope)
+            if c.indexer is not None:
+                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope)
+        keep = max(0, keys.shape[0] - (self.window - 1))
+        return keys, SeqState(keys[keep:], comp, index)
+
+    # -- queries --------------------------------------------------------------------------
+    def _attend(self, q: torch.Tensor, q_res: torch.Tensor, x_TH: torch.Tensor,
+                pos: torch.Tensor, rope: Rope, rows: torch.Tensor, keys: torch.Tensor,
+                first: int, st: SeqState) -> torch.Tensor:
+        """Queries (positions pos) of one sequence: window keys from `keys` (positions from
+        `first` on) plus compressed entries of `st`."""
+        W, c = self.window, self.compressor
+        kpos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)  # [T, W]
+        kv, valid = keys[(kpos - first).clamp(min=0)], kpos >= 0
+        if c is not None and st.comp is not None:
+            entries = st.comp.entries
+            if c.indexer is not None:
+                assert st.index is not None
+                picks = c.indexer.select(q_res, x_TH, pos, rope.cos[rows], rope.sin[rows],
+                                         st.index.entries)
+                ckv, cvalid = entries[picks.clamp(min=0)], picks >= 0
+            else:
+                ckv = entries.expand(q.shape[0], -1, -1)
+                cvalid = (torch.arange(entries.shape[0], device=pos.device)[None, :]
+                          < ((pos + 1) // c.rate)[:, None])
+            kv, valid = torch.cat([kv, ckv], dim=1), torch.cat([valid, cvalid], dim=1)
+        return sink_attention(q, kv, valid, self.sinks, self.scale)
+
+    def _segments(self, batch: ForwardBatch, k_side: torch.Tensor, like: torch.Tensor):
+        """(query rows, K-side rows, end position, state before them, cache key) per piece:
+        each whole sequence in prefill, each row in decode."""
+        keys = batch.seq_keys if batch.kv is not None else None
+        if batch.is_decode:
+            assert keys is not None, "V4 decode needs the per-sequence cache"
+            for i, key in enumerate(keys):
+                rows = torch.tensor([i], device=like.device)
+                yield (rows, k_side[i:i + 1], int(batch.positions[i]) + 1,
+                       batch.kv.state(key, self.layer), key)
+            return
+        assert batch.split is not None
+        cu = batch.split.cu_seqlens
+        for s in range(len(cu) - 1):
+            rows = (batch.seq_ids == s).nonzero().flatten()
+            yield (rows, k_side[cu[s]:cu[s + 1]], cu[s + 1] - cu[s], self.empty_state(like),
+                   None if keys is None else keys[s])
+
+    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
+                ) -> torch.Tensor:
+        T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
+        rope = ropes[self.rope_name]
+        q_res = self.q_a_norm(self.q_a_proj(x_TH))
+        q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, Hq, D), self.eps)
+        q = apply_rope(q, rope.cos, rope.sin)
+        # The one CP collective of the layer: K-side rows of every token, flat order.
+        k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
+        out = torch.zeros_like(q)
+        for rows, k_rows, end, st, key in self._segments(batch, k_side, x_TH):
+            keys, new_st = self._extend(st, k_rows, end, rope.table)
+            first = end - keys.shape[0]
+            for i in range(0, rows.numel(), _QUERY_CHUNK):
+                r = rows[i:i + _QUERY_CHUNK]
+                out[r] = self._attend(q[r], q_res[r], x_TH[r], batch.positions[r], rope, r,
+                                      keys, first, new_st)
+            if key is not None:
+                batch.kv.put(key, self.layer, new_st)
+        # K = V carries RoPE on its trailing channels: rotate the output back at the query.
+        o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
+        w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", o, w).flatten(1))
