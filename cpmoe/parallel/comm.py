@@ -12,6 +12,8 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,29 @@ class CollectiveShapeError(RuntimeError):
 
 def _count(group: Group, op: str) -> None:
     group.stats[op] += 1
+
+
+class _timed:
+    """Records the span of one collective into group.timings when timing is on."""
+
+    def __init__(self, group: Group, op: str, x: torch.Tensor) -> None:
+        self.group, self.op, self.cuda = group, op, x.is_cuda
+
+    def __enter__(self) -> None:
+        if self.group.timings is not None:
+            self.start = _mark(self.cuda)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.group.timings is not None:
+            self.group.timings.append((self.op, self.start, _mark(self.cuda)))
+
+
+def _mark(cuda: bool):
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
 def _check_same_shape(x: torch.Tensor, group: Group, op: str, skip_dim0: bool = False) -> None:
@@ -55,7 +80,8 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     _count(group, "all_reduce")
     _check_same_shape(x, group, "all_reduce")
-    dist.all_reduce(x, group=group.pg)
+    with _timed(group, "all_reduce", x):
+        dist.all_reduce(x, group=group.pg)
     return x
 
 
@@ -67,7 +93,8 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     _check_same_shape(x, group, "all_gather")
     x = x.contiguous()
     out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
-    _all_gather_single(out, x, group=group.pg)
+    with _timed(group, "all_gather", x):
+        _all_gather_single(out, x, group=group.pg)
     return out
 
 
@@ -82,7 +109,8 @@ def reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
                                    f"split over {group.size} ranks")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group.pg)
+    with _timed(group, "reduce_scatter", x):
+        _reduce_scatter_single(out, x, group=group.pg)
     return out
 
 
@@ -102,7 +130,8 @@ def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
     _check_same_shape(x, group, "all_to_all", skip_dim0=True)
     x = x.contiguous()
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x, recv_counts, send_counts, group=group.pg)
+    with _timed(group, "all_to_all", x):
+        dist.all_to_all_single(out, x, recv_counts, send_counts, group=group.pg)
     return out
 
 
@@ -113,7 +142,8 @@ def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
     _count(group, "exchange_counts")
     send_counts = send_counts.to(torch.int64).contiguous()
     recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts, group=group.pg)
+    with _timed(group, "exchange_counts", send_counts):
+        dist.all_to_all_single(recv, send_counts, group=group.pg)
     return recv
 
 
@@ -129,5 +159,6 @@ def broadcast(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor
         return x
     _count(group, "broadcast")
     _check_same_shape(x, group, "broadcast")
-    dist.broadcast(x, src=group.ranks[src_index], group=group.pg)
+    with _timed(group, "broadcast", x):
+        dist.broadcast(x, src=group.ranks[src_index], group=group.pg)
     return x

@@ -28,6 +28,9 @@ class Group:
     pg: object | None  # torch ProcessGroup; None when the group has a single rank
     check_shapes: bool = False  # exchange shapes before size-sensitive collectives
     stats: Counter = field(default_factory=Counter)  # collectives issued, by op name
+    # When a list: every collective appends (op, start, end) CUDA events (or perf_counter
+    # floats on CPU) around itself, for benchmarks that report time in communication.
+    timings: list | None = None
 
     @property
     def size(self) -> int:
@@ -58,6 +61,23 @@ class ProcessGroups:
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {g.name: dict(g.stats) for g in self.all if g.stats}
+
+    def start_timing(self) -> None:
+        for g in self.all:
+            g.timings = []
+
+    def stop_timing(self) -> dict[str, float]:
+        """Seconds spent inside collectives since start_timing, per group kind (synchronises)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out: dict[str, float] = {}
+        for g in self.all:
+            for _, start, end in g.timings or []:
+                took = (start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time")
+                        else end - start)
+                out[g.name] = out.get(g.name, 0.0) + took
+            g.timings = None
+        return out
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ProcessGroups":

@@ -38,7 +38,7 @@ class AllToAllDispatcher(Dispatcher):
                                topk_ids_NK[token_S] - rank_S[:, None] * self.num_local_experts,
                                -1)
         send_counts = sends_RN.sum(dim=1)
-        recv_counts = comm.exchange_counts(send_counts.cpu(), group).tolist()
+        recv_counts = comm.exchange_counts(send_counts, group).tolist()  # host sync
         send_counts = send_counts.tolist()
         recv_x = comm.all_to_all(x_NH[token_S], send_counts, recv_counts, group)
         recv_ids = comm.all_to_all(local_SK, send_counts, recv_counts, group)
