@@ -116,6 +116,21 @@ def _resolve(name: str, params: dict[str, torch.Tensor], modules: dict[str, nn.M
 def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = True,
                     tied_embeddings: bool = False) -> dict[str, int]:
     """Fill `model` from `model_dir`; returns counts {'loaded', 'skipped', 'bytes'}."""
+    handles = []
+    for f in checkpoint_files(model_dir):
+        try:
+            handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
+        except Exception as e:  # safetensors raises several types for corrupt headers
+            raise LoadError(f"{f}: unreadable safetensors file ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return fill_parameters(model, handles, str(model_dir), show_progress=show_progress,
+                           tied_embeddings=tied_embeddings)
+
+
+def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progress: bool,
+                    tied_embeddings: bool) -> dict[str, int]:
+    """Fill `model` from (path, handle) pairs; a handle has `keys()` and `get_slice(name)`
+    (a safetensors file, or any source of full-shape tensors such as random weights)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     # Models whose checkpoints use other names map them to parameter names (DeepSeek-V4).
@@ -123,14 +138,6 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
     filled: dict[str, int] = defaultdict(int)
     regions: set[tuple[str, str]] = set()
     stats = {"loaded": 0, "skipped": 0, "bytes": 0}
-    files = checkpoint_files(model_dir)
-    handles = []
-    for f in files:
-        try:
-            handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
-        except Exception as e:  # safetensors raises several types for corrupt headers
-            raise LoadError(f"{f}: unreadable safetensors file ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
     total = sum(len(h.keys()) for _, h in handles)
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress,
                leave=False)
@@ -152,7 +159,7 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         names = _missing_tensor_names(missing, modules, regions)
-        raise LoadError(f"{model_dir}: checkpoint lacks {len(names)} tensor(s), first: "
+        raise LoadError(f"{where}: checkpoint lacks {len(names)} tensor(s), first: "
                         f"{names[0]!r}")
     return stats
 

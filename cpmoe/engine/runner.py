@@ -16,8 +16,9 @@ from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.split import CPSplit
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
-from cpmoe.loader import load_checkpoint
-from cpmoe.models.registry import load_model_config
+from cpmoe.loader import fill_parameters, load_checkpoint
+from cpmoe.models.random_weights import RandomCheckpoint
+from cpmoe.models.registry import config_from_dict, load_model_config
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
@@ -47,17 +48,36 @@ class StepTimes:
 class ModelRunner:
     def __init__(self, model_dir: Path, groups: ProcessGroups, dtype: torch.dtype,
                  show_progress: bool = True) -> None:
+        config, model_cls = load_model_config(model_dir)
+        self._build(config, model_cls, groups, dtype)
+        self.load_stats = load_checkpoint(self.model, model_dir,
+                                          show_progress=show_progress and groups.rank == 0,
+                                          tied_embeddings=self.config.tie_word_embeddings)
+
+    @classmethod
+    def from_config(cls, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,
+                    seed: int = 0) -> "ModelRunner":
+        """A runner with seeded random weights at the shape of an HF config.json's contents;
+        the weights are the same on every layout (see models/random_weights.py)."""
+        config, model_cls = config_from_dict(config_json)
+        self = cls.__new__(cls)
+        self._build(config, model_cls, groups, dtype)
+        source = RandomCheckpoint(model_cls.checkpoint_shapes(config), seed, groups.device,
+                                  dtype)
+        self.load_stats = fill_parameters(self.model, [(Path("<random weights>"), source)],
+                                          "<random weights>", show_progress=False,
+                                          tied_embeddings=config.tie_word_embeddings)
+        return self
+
+    def _build(self, config, model_cls: type, groups: ProcessGroups, dtype: torch.dtype) -> None:
         self.groups = groups
         self.layout = groups.layout
         self.device = groups.device
         self.dtype = dtype
-        self.config, model_cls = load_model_config(model_dir)
-        check_model_fit(self.layout, self.config)
+        self.config = config
+        check_model_fit(self.layout, config)
         with torch.device(self.device):
-            self.model = model_cls(self.config, groups, dtype)
-        self.load_stats = load_checkpoint(self.model, model_dir,
-                                          show_progress=show_progress and groups.rank == 0,
-                                          tied_embeddings=self.config.tie_word_embeddings)
+            self.model = model_cls(config, groups, dtype)
         self.model.eval()
         self.kv: KVCache | None = None
         self.times = StepTimes()

@@ -200,6 +200,10 @@ class QwenMoeForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
+    @staticmethod
+    def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
+        return checkpoint_shapes(cfg)
+
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden rows of every token in flat order, on every rank."""
         return cm.gather_output(self.model(batch), batch, self.groups)
@@ -208,3 +212,39 @@ class QwenMoeForCausalLM(nn.Module):
         weight = (self.model.embed_tokens.weight if self.lm_head is None
                   else self.lm_head.weight)
         return F.linear(hidden, weight)
+
+
+def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and full shape of a hub checkpoint of this config."""
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H),
+                                           "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                   p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)}
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if not cfg.is_sparse_layer(i):
+            shapes |= _mlp_shapes(p + "mlp.", H, cfg.intermediate_size)
+            continue
+        shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)
+        for e in range(cfg.num_experts):
+            shapes |= _mlp_shapes(f"{p}mlp.experts.{e}.", H, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            shapes |= _mlp_shapes(p + "mlp.shared_expert.", H,
+                                  cfg.shared_expert_intermediate_size)
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, H)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}

@@ -28,8 +28,11 @@ _REGISTRY: dict[str, Callable[[], tuple[Callable, type]]] = {
 
 def load_model_config(model_dir: Path) -> tuple[Any, type]:
     """-> (parsed config, model class); ConfigError with one line for anything unsupported."""
-    raw = read_config_json(model_dir)
-    where = str(Path(model_dir) / "config.json")
+    return config_from_dict(read_config_json(model_dir), str(Path(model_dir) / "config.json"))
+
+
+def config_from_dict(raw: dict, where: str = "config.json") -> tuple[Any, type]:
+    """An HF config.json's contents -> (parsed config, model class)."""
     arch = architecture_of(raw, where)
     if arch not in _REGISTRY:
         raise ConfigError(f"{where}: unsupported architecture {arch!r}; supported: "
