@@ -59,11 +59,13 @@ def plan_layers(layout: ParallelLayout, sparse: list[bool]) -> list[LayerPlan]:
     return [LayerPlan(i, s, TokenLayout.TP_ATTN_FULL, mlp_layout(s)) for i, s in enumerate(sparse)]
 
 
-def _even_rows(n: int, parts: int, index: int) -> tuple[int, int, int]:
-    """Contiguous split of n rows over `parts`: (start, stop, rows per part padded)."""
-    chunk = -(-n // parts)
+def _even_rows(n: int, max_n: int, parts: int, index: int) -> tuple[int, int, int]:
+    """Contiguous split of this rank's n rows over `parts`, with the chunk sized from the
+    largest n any rank of the group has (max_n), so every rank's chunk has the same padded
+    size: (start, stop, padded rows per part)."""
+    chunk = max(1, -(-max_n // parts))
     start = min(n, index * chunk)
-    return start, min(n, start + chunk), max(chunk, 1)
+    return start, min(n, start + chunk), chunk
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -105,8 +107,9 @@ class LayerCommunicator:
         group = self._split_group(batch)
         if group is None:
             return x
-        start, stop, _ = _even_rows(x.shape[0], group.size, group.rank)
-        return x[start:stop]
+        start, stop, chunk = _even_rows(x.shape[0], self._max_rows(batch), group.size,
+                                        group.rank)
+        return _pad_rows(x[start:stop], chunk)  # same row count on every rank
 
     def postprocess_layer(self, mlp_out: torch.Tensor, shared_out: torch.Tensor | None,
                           batch: ForwardBatch) -> torch.Tensor:
@@ -127,8 +130,12 @@ class LayerCommunicator:
         group = self._split_group(batch)
         if group is None:
             return out
-        _, _, chunk = _even_rows(batch.num_tokens, group.size, group.rank)
-        return comm.all_gather(_pad_rows(out, chunk), group)[:batch.num_tokens]
+        return comm.all_gather(out, group)[:batch.num_tokens]
+
+    @staticmethod
+    def _max_rows(batch: ForwardBatch) -> int:
+        """Rows of the rank with the most (decode rows are the same everywhere)."""
+        return batch.split.max_count if batch.split is not None else batch.num_tokens
 
     def _split_group(self, batch: ForwardBatch) -> Group | None:
         """The group whose ranks share this layer's MLP rows out between them, or None.

@@ -20,10 +20,25 @@ import torch.nn.functional as F
 _QUERY_CHUNK = 1024
 
 
+def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Host-side: maximal runs of consecutive positions of one sequence among the local rows,
+    as (first row, end row, sequence, first position). Zigzag gives two runs per sequence."""
+    if positions.numel() == 0:
+        return []
+    pos, seq = positions.cpu(), seq_ids.cpu()
+    breaks = ((pos[1:] != pos[:-1] + 1) | (seq[1:] != seq[:-1])).nonzero().flatten() + 1
+    bounds = [0, *breaks.tolist(), pos.numel()]
+    return [(a, b, int(seq[a]), int(pos[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
-                      scale: float) -> torch.Tensor:
-    """q [T, H, D] with positions/sequence ids [T]; k/v_flat [sum L, Hkv, D] flat order."""
+                      scale: float, runs: list[tuple[int, int, int, int]] | None = None
+                      ) -> torch.Tensor:
+    """q [T, H, D] with positions/sequence ids [T]; k/v_flat [sum L, Hkv, D] flat order.
+    On CUDA, given the query runs, fused kernels run per run with no host sync."""
+    if q.is_cuda and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
+        return _prefill_runs_cuda(q, k_flat, v_flat, cu_seqlens, scale, runs)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_flat.shape[1]
     for s in range(len(cu_seqlens) - 1):
@@ -67,3 +82,53 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     total = torch.logsumexp(lse, dim=0)  # [T, H]
     weight = torch.exp(lse - total.nan_to_num(neginf=0.0)[None])  # -inf shards -> 0
     return (weight[..., None] * o.float()).sum(dim=0)
+
+
+def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                       cu_seqlens: list[int], scale: float,
+                       runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """Each run [p0, p0+n) of one sequence attends keys [0, p0+n) causally: keys before
+    the run without a mask, the run's own keys with a square causal mask, the two partial
+    results merged by log-sum-exp (fp32). Square causal and unmasked attention are what the
+    fastest kernels (cuDNN, flash) do natively."""
+    out = torch.empty_like(q)
+    for row0, row1, s, p0 in runs:
+        n, base = row1 - row0, cu_seqlens[s]
+        qr = q[row0:row1].transpose(0, 1)[None]  # [1, H, n, D]
+        kd = k_flat[base + p0:base + p0 + n].transpose(0, 1)[None]
+        vd = v_flat[base + p0:base + p0 + n].transpose(0, 1)[None]
+        if p0 == 0:
+            o = F.scaled_dot_product_attention(qr, kd, vd, is_causal=True, scale=scale,
+                                               enable_gqa=kd.shape[1] != qr.shape[1])
+        else:
+            kp = k_flat[base:base + p0].transpose(0, 1)[None]
+            vp = v_flat[base:base + p0].transpose(0, 1)[None]
+            o1, l1 = attention_with_lse(qr, kd, vd, True, scale)
+            o2, l2 = attention_with_lse(qr, kp, vp, False, scale)
+            lse = torch.logaddexp(l1, l2)
+            o = (o1.float() * torch.exp(l1 - lse)[..., None]
+                 + o2.float() * torch.exp(l2 - lse)[..., None]).to(q.dtype)
+        out[row0:row1] = o[0].transpose(0, 1)
+    return out
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, H, n, D] x [1, Hkv, m, D] -> (o [1, H, n, D], lse [1, H, n] fp32) on CUDA, through
+    the cuDNN kernel when it takes the inputs, else flash attention."""
+    if k.shape[1] != q.shape[1]:  # these kernels want equal head counts
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if _CUDNN_OK[0]:
+        try:
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+            return o, lse.reshape(q.shape[:3]).float()
+        except RuntimeError:
+            _CUDNN_OK[0] = False  # not supported here: use flash from now on
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return o, lse.reshape(q.shape[:3]).float()
+
+
+_CUDNN_OK = [True]

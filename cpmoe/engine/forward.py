@@ -30,6 +30,7 @@ class ForwardBatch:
     write_rows: torch.Tensor | None = None  # int64 [W] rows of this batch stored here
     write_slots: torch.Tensor | None = None  # int64 [W] their cache slots
     ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # decode: (slots, positions)
+    q_runs: list[tuple[int, int, int, int]] | None = None  # prefill: cp.attention.query_runs
     seq_keys: list[int] | None = None  # cache key of each sequence (models with their own cache)
 
     @property

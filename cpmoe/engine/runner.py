@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from cpmoe.config import QwenMoeConfig
+from cpmoe.cp.attention import query_runs
 from cpmoe.cp.split import CPSplit
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
@@ -26,12 +27,12 @@ from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
     """All model-fit rules; run before spawning ranks."""
-    layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads,
-                       moe_intermediate_size=cfg.moe_intermediate_size)
     check_layout = getattr(cfg, "check_layout", None)  # model-specific rules (DeepSeek-V4)
     if check_layout is not None:
         check_layout(layout)
+    layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads,
+                       moe_intermediate_size=cfg.moe_intermediate_size)
     dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
     if dense and cfg.intermediate_size % layout.attn_tp_size:
         raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
@@ -128,9 +129,11 @@ class ModelRunner:
         cp = self.groups.attn_cp
         split = CPSplit.build(lens, cp.size, self.layout.cp_strategy)
         flat = self._ids([t for s in seqs for t in s])
+        positions, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
-                             positions=split.local_positions(cp.rank).to(self.device),
-                             seq_ids=split.local_seq_ids(cp.rank).to(self.device), split=split)
+                             positions=positions.to(self.device),
+                             seq_ids=seq_ids.to(self.device), split=split,
+                             q_runs=query_runs(positions, seq_ids))
         if self.kv is not None:
             self._reserve_prefill(batch, split, seq_keys or list(range(len(seqs))))
         hidden = self.model.hidden_states(batch)

@@ -251,6 +251,18 @@ class SeqState:
     index: CompressorState | None
 
 
+@dataclass
+class Queries:
+    """Query-side tensors of every local row of this forward."""
+
+    q: torch.Tensor  # [T, Hq, D], normed and rotated
+    q_res: torch.Tensor  # [T, q_lora_rank], the indexer's query input
+    x: torch.Tensor  # [T, H], the attention input (indexer head weights)
+    pos: torch.Tensor  # [T] absolute positions
+    cos: torch.Tensor  # [T, R/2] of the layer's RoPE table
+    sin: torch.Tensor
+
+
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
@@ -317,27 +329,26 @@ class DeepseekV4Attention(nn.Module):
         return keys, SeqState(keys[keep:], comp, index)
 
     # -- queries --------------------------------------------------------------------------
-    def _attend(self, q: torch.Tensor, q_res: torch.Tensor, x_TH: torch.Tensor,
-                pos: torch.Tensor, rope: Rope, rows: torch.Tensor, keys: torch.Tensor,
-                first: int, st: SeqState) -> torch.Tensor:
-        """Queries (positions pos) of one sequence: window keys from `keys` (positions from
-        `first` on) plus compressed entries of `st`."""
-        W, c = self.window, self.compressor
+    def _attend(self, qs: Queries, r: torch.Tensor, keys: torch.Tensor, first: int,
+                st: SeqState) -> torch.Tensor:
+        """Query rows r of one sequence: window keys from `keys` (positions `first` on) plus
+        the compressed entries of `st` -> [len(r), Hq, D]."""
+        W, c, pos = self.window, self.compressor, qs.pos[r]
         kpos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)  # [T, W]
         kv, valid = keys[(kpos - first).clamp(min=0)], kpos >= 0
         if c is not None and st.comp is not None:
             entries = st.comp.entries
             if c.indexer is not None:
                 assert st.index is not None
-                picks = c.indexer.select(q_res, x_TH, pos, rope.cos[rows], rope.sin[rows],
+                picks = c.indexer.select(qs.q_res[r], qs.x[r], pos, qs.cos[r], qs.sin[r],
                                          st.index.entries)
                 ckv, cvalid = entries[picks.clamp(min=0)], picks >= 0
-            else:
-                ckv = entries.expand(q.shape[0], -1, -1)
+            else:  # HCA: every entry whose window has closed
+                ckv = entries.expand(r.numel(), -1, -1)
                 cvalid = (torch.arange(entries.shape[0], device=pos.device)[None, :]
                           < ((pos + 1) // c.rate)[:, None])
             kv, valid = torch.cat([kv, ckv], dim=1), torch.cat([valid, cvalid], dim=1)
-        return sink_attention(q, kv, valid, self.sinks, self.scale)
+        return sink_attention(qs.q[r], kv, valid, self.sinks, self.scale)
 
     def _segments(self, batch: ForwardBatch, k_side: torch.Tensor, like: torch.Tensor):
         """(query rows, K-side rows, end position, state before them, cache key) per piece:
@@ -359,6 +370,7 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
                 ) -> torch.Tensor:
+        """This rank's rows [T, H] -> attention output [T, H], complete (no partial sums)."""
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
@@ -366,14 +378,13 @@ class DeepseekV4Attention(nn.Module):
         q = apply_rope(q, rope.cos, rope.sin)
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
+        qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
         out = torch.zeros_like(q)
         for rows, k_rows, end, st, key in self._segments(batch, k_side, x_TH):
             keys, new_st = self._extend(st, k_rows, end, rope.table)
-            first = end - keys.shape[0]
             for i in range(0, rows.numel(), _QUERY_CHUNK):
                 r = rows[i:i + _QUERY_CHUNK]
-                out[r] = self._attend(q[r], q_res[r], x_TH[r], batch.positions[r], rope, r,
-                                      keys, first, new_st)
+                out[r] = self._attend(qs, r, keys, end - keys.shape[0], new_st)
             if key is not None:
                 batch.kv.put(key, self.layer, new_st)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.

@@ -79,7 +79,7 @@ class DeepseekV4Config:
 
     # The names the engine's generic checks (`check_model_fit`, `cpmoe plan`) read.
     num_key_value_heads = 1  # one shared KV head, read as both key and value
-    num_kv_heads = 1
+    decode_cache_note = DECODE_CACHE_NOTE
 
     @property
     def intermediate_size(self) -> int:

@@ -71,7 +71,7 @@ class QwenMoeAttention(nn.Module):
             assert batch.split is not None
             k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
             o = prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
-                                  list(batch.split.cu_seqlens), self.scale)
+                                  list(batch.split.cu_seqlens), self.scale, batch.q_runs)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:

@@ -28,6 +28,12 @@ class LocalExperts(nn.Module):
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
+        if x_MH.is_cuda and _grouped_mm is not None:
+            return self._forward_grouped(x_MH, local_ids_MK, weights_MK)
+        return self._forward_loop(x_MH, local_ids_MK, weights_MK)
+
+    def _forward_loop(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
+        """Reference path (CPU): one matmul pair per expert that received rows."""
         out_MH = torch.zeros_like(x_MH)
         row_P, slot_P = (local_ids_MK >= 0).nonzero(as_tuple=True)
         if row_P.numel() == 0:
@@ -47,3 +53,24 @@ class LocalExperts(nn.Module):
             out_MH.index_add_(0, rows, y.to(out_MH.dtype))
             start += n
         return out_MH
+
+    def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
+        """GPU path with no host sync: every (row, slot) pair is sorted by expert, slots of
+        other ranks' experts sort last (expert id E) and fall outside the grouped GEMMs'
+        offsets; two grouped GEMMs do all experts at once."""
+        M, K = local_ids_MK.shape
+        E = self.num_local_experts
+        expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
+        order = torch.argsort(expert_P, stable=True)
+        row_P = order // K
+        offs = torch.cumsum(torch.bincount(expert_P, minlength=E + 1)[:E], 0).to(torch.int32)
+        h = _grouped_mm(x_MH[row_P], self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        # rows past offs[-1] (other ranks' slots) are left unwritten by the GEMM: mask them
+        w = weights_MK.flatten()[order]
+        y = torch.where((expert_P[order] < E)[:, None], y * w[:, None].to(y.dtype), 0)
+        return torch.zeros_like(x_MH).index_add_(0, row_P, y.to(x_MH.dtype))
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("none", "alltoall", "deepep", "mori")
-RANK_LOCAL_BACKENDS = ("alltoall", "deepep", "mori")
+BACKENDS = ("none", "alltoall", "alltoall_padded", "deepep", "mori")
+RANK_LOCAL_BACKENDS = ("alltoall", "alltoall_padded", "deepep", "mori")
 CP_STRATEGIES = ("zigzag", "interleave")
 GROUP_KINDS = ("attn_tp", "attn_cp", "moe_ep", "moe_tp", "moe_dp", "moe")
 

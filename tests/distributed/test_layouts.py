@@ -26,7 +26,7 @@ def valid_layouts(tp: int):
     for cp in (c for c in (1, 2, 4, 8) if tp % c == 0):
         for dp in sorted({1, cp}):
             for ep in sorted({1, tp // dp}):
-                for backend in ("none", "alltoall"):
+                for backend in ("none", "alltoall", "alltoall_padded"):
                     try:
                         yield ParallelLayout(tp_size=tp, attn_cp_size=cp, moe_dp_size=dp,
                                              ep_size=ep, moe_a2a_backend=backend)
@@ -44,7 +44,8 @@ def matrix() -> list[ParallelLayout]:
     for tp in (2, 4, 8):
         for i, lay in enumerate(valid_layouts(tp)):
             # Both strategies for CP layouts, alternating which comes first for coverage.
-            strategies = ("zigzag", "interleave") if lay.attn_cp_size > 1 else ("zigzag",)
+            both = lay.attn_cp_size > 1 and lay.moe_a2a_backend != "alltoall_padded"
+            strategies = ("zigzag", "interleave") if both else ("zigzag",)
             for s in strategies:
                 out.append(ParallelLayout(**{**lay.__dict__, "cp_strategy": s}))
     return out

@@ -45,8 +45,9 @@ class Dispatcher(ABC):
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
 
     def count(self, local_ids: torch.Tensor) -> torch.Tensor:
-        ids = local_ids[local_ids >= 0]
-        return torch.bincount(ids, minlength=self.num_local_experts)
+        """Rows per local expert, computed on the device without a host sync."""
+        ids = torch.where(local_ids >= 0, local_ids, self.num_local_experts).flatten()
+        return torch.bincount(ids, minlength=self.num_local_experts + 1)[:-1]
 
 
 class MissingBackendError(RuntimeError):
@@ -63,6 +64,9 @@ def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dis
     if name == "alltoall":
         from cpmoe.moe.dispatch.alltoall import AllToAllDispatcher
         return AllToAllDispatcher(groups, num_experts)
+    if name == "alltoall_padded":
+        from cpmoe.moe.dispatch.padded import PaddedAllToAllDispatcher
+        return PaddedAllToAllDispatcher(groups, num_experts)
     if name in _EXTERNAL:
         check_backend_available(name)
         raise MissingBackendError(f"--moe-a2a-backend {name}: package {_EXTERNAL[name]!r} is "
