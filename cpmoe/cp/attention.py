@@ -37,7 +37,8 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       ) -> torch.Tensor:
     """q [T, H, D] with positions/sequence ids [T]; k/v_flat [sum L, Hkv, D] flat order.
     On CUDA, given the query runs, fused kernels run per run with no host sync."""
-    if q.is_cuda and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
+    fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
+    if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
         return _prefill_runs_cuda(q, k_flat, v_flat, cu_seqlens, scale, runs)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_flat.shape[1]
