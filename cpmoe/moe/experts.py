@@ -28,7 +28,7 @@ class LocalExperts(nn.Module):
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
-        if x_MH.is_cuda and _grouped_mm is not None:
+        if x_MH.is_cuda and x_MH.dtype == torch.bfloat16 and _grouped_mm is not None:
             return self._forward_grouped(x_MH, local_ids_MK, weights_MK)
         return self._forward_loop(x_MH, local_ids_MK, weights_MK)
 

@@ -14,7 +14,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2)])
 def test_grouped_experts_match_loop(dtype, tol):
     torch.manual_seed(0)
     m = LocalExperts(16, 256, 128, dtype).cuda()
