@@ -35,10 +35,14 @@ import torch.nn.functional as F
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.engine.kv_cache import KVCache
-from cpmoe.models.deepseek_v4_attention import (DeepseekV4Attention, Fp32RMSNorm, Rope,
-                                                RopeTable, SeqState)
-from cpmoe.models.deepseek_v4_config import (CSA, DECODE_CACHE_NOTE, HCA, HASH_MOE,
-                                             DeepseekV4Config)
+from cpmoe.models.deepseek_v4_attention import (
+    DeepseekV4Attention,
+    Fp32RMSNorm,
+    Rope,
+    RopeTable,
+    SeqState,
+)
+from cpmoe.models.deepseek_v4_config import CSA, DECODE_CACHE_NOTE, HASH_MOE, HCA, DeepseekV4Config
 from cpmoe.models.layers import Linear
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
@@ -345,14 +349,14 @@ class V4Cache(KVCache):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    checkpoint_param_name = staticmethod(checkpoint_param_name)  # read by the loader
+
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
         self.config, self.groups, self.dtype = cfg, groups, dtype
         self.model = DeepseekV4Model(cfg, groups, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
-
-    checkpoint_param_name = staticmethod(checkpoint_param_name)  # read by the loader
 
     def make_kv_cache(self, capacity: int) -> V4Cache:
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots."""
