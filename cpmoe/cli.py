@@ -1,4 +1,4 @@
-"""`cpmoe` command line: plan / prefill / generate / check.
+"""`cpmoe` command line: plan / prefill / generate / check / bench.
 
 Everything a user can get wrong (layout flags, model fit, input files) is checked in the
 parent process before any rank is spawned; a failure prints one line and exits 2 without
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cpmoe import communicator as cm
+from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
@@ -97,6 +98,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in cm.plan_layers(layout, sparse)]
+    note = getattr(cfg, "decode_cache_note", None)
+    if note:
+        out["decode_cache"] = note
     if args.json:
         print(json.dumps(out))
         return 0
@@ -110,6 +114,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         modes.setdefault((m["attn"], m["mlp"]), []).append(m["layer"])
     for (attn, mlp), layers in modes.items():
         print(f"  layers {layers}: attention {attn}, mlp {mlp}")
+    if note:
+        print(f"decode cache: {note}")
     return 0
 
 
@@ -270,6 +276,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.matches == report.prompts else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cpmoe.bench.run import run_bench
+    from cpmoe.bench.spec import BenchError
+    try:
+        return run_bench(args, ["cpmoe", *sys.argv[1:]])
+    except BenchError as e:
+        raise InputError(str(e)) from None
+
+
 def _tokenizer(model_dir: Path):
     if not (model_dir / "tokenizer.json").exists() and \
             not (model_dir / "tokenizer_config.json").exists():
@@ -317,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
+    add_bench_arguments(p)
+    p.set_defaults(fn=cmd_bench)
     return parser
 
 

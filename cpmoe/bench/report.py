@@ -1,0 +1,156 @@
+"""Rows, the JSON file, the markdown table and the plot of `cpmoe bench`.
+
+A row is one (engine, layout, length) measurement or its error; the JSON file is
+{"header": {...}, "rows": [...]} and is rewritten after every row, so a run that dies keeps
+what it measured. Cross-row figures (speed-up vs the one-rank layout, ratio vs HF) are
+filled in by `relate_rows` once a run is complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from cpmoe.bench.spec import H200_BF16_FLOPS, MFU_FORMULA
+
+GIB = 2**30
+
+
+def header(argv: list[str], shape: str, raw_config: dict, active: int | None, dtype: str,
+           device: str, args: dict) -> dict:
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "command": " ".join(argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf_version,
+        "python": platform.python_version(), "gpu": None,  # filled from the first rank 0
+        "shape": shape, "config": raw_config, "active_params": active,
+        "active_params_note": "decoder layers + final norm; embedding and lm_head excluded",
+        "peak_flops_per_gpu": H200_BF16_FLOPS, "mfu_formula": MFU_FORMULA,
+        "dtype": dtype, "device": device, **args,
+    }
+
+
+def measured_row(base: dict, res: dict, flops: float | None, world: int) -> dict:
+    """base (engine, layout, length, ...) + a task's result -> a full row."""
+    seconds = max(res["seconds_per_rank"])  # the slowest rank finishes the batch
+    peaks = res["peak_bytes_per_rank"]
+    row = dict(base)
+    row.update({
+        "seconds": seconds, "seconds_per_rank": res["seconds_per_rank"],
+        "seconds_iters_rank0": res["seconds_iters_rank0"],
+        "tokens_per_s": base["tokens"] / seconds if seconds > 0 else None,
+        "model_flops": flops,
+        "model_tflops_per_s": flops / seconds / 1e12 if flops and seconds > 0 else None,
+        "mfu": flops / seconds / (H200_BF16_FLOPS * world) if flops and seconds > 0 else None,
+        "peak_gib_per_rank": None if min(peaks) < 0 else [p / GIB for p in peaks],
+        "comm_s_per_rank": res.get("comm_s_per_rank"),
+        "comm_s_by_group_per_rank": res.get("comm_s_by_group_per_rank"),
+        "error": None,
+    })
+    return row
+
+
+def error_row(base: dict, error: str, detail: str | None = None) -> dict:
+    row = dict(base)
+    row.update({"seconds": None, "tokens_per_s": None, "mfu": None, "peak_gib_per_rank": None,
+                "comm_s_per_rank": None, "error": error})
+    if detail:
+        row["error_detail"] = detail
+    return row
+
+
+def relate_rows(rows: list[dict], tp1_layout: str | None) -> None:
+    """speedup_vs_tp1 for every cpmoe row, ratio_vs_hf for one-rank cpmoe rows."""
+    def tok_s(engine: str, layout: str | None, length: int, batch: int) -> float | None:
+        for r in rows:
+            if (r["engine"], r["layout"], r["length"], r["batch"]) == (engine, layout, length,
+                                                                        batch):
+                return r.get("tokens_per_s")
+        return None
+
+    for r in rows:
+        if r["engine"] != "cpmoe" or not r.get("tokens_per_s"):
+            continue
+        ref = tok_s("cpmoe", tp1_layout, r["length"], r["batch"]) if tp1_layout else None
+        r["speedup_vs_tp1"] = r["tokens_per_s"] / ref if ref else None
+        hf = tok_s("hf", "hf", r["length"], r["batch"])
+        r["ratio_vs_hf"] = r["tokens_per_s"] / hf if hf and r["world_size"] == 1 else None
+
+
+def write_json(path: Path, head: dict, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"header": head, "rows": rows}, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _per_rank(values: list[float] | None, spec: str) -> str:
+    return "-" if not values else "/".join(format(v, spec) for v in values)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = ["layout", "length", "batch", "s", "tok/s", "MFU", "peak GiB/rank", "comm s/rank",
+            "vs HF", "vs tp1", "max |dlogit| vs tp1", "top-1 =", "error"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["layout"], str(r["length"]), str(r["batch"]), _fmt(r.get("seconds"), ".3f"),
+                 _fmt(r.get("tokens_per_s"), ",.0f"),
+                 _fmt(None if r.get("mfu") is None else 100 * r["mfu"], ".1f") +
+                 ("%" if r.get("mfu") is not None else ""),
+                 _per_rank(r.get("peak_gib_per_rank"), ".1f"),
+                 _per_rank(r.get("comm_s_per_rank"), ".3f"),
+                 _fmt(r.get("ratio_vs_hf"), ".2f"), _fmt(r.get("speedup_vs_tp1"), ".2f"),
+                 _fmt(r.get("logits_max_abs_diff_vs_tp1"), ".2e"),
+                 _fmt(r.get("top1_agrees_vs_tp1"), ""), r.get("error") or ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> str | None:
+    """tokens/s vs length, one line per layout, HF dashed; -> a warning, or None if drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.get("tokens_per_s"):
+            series.setdefault((r["layout"], r["batch"]), []).append((r["length"],
+                                                                     r["tokens_per_s"]))
+    batches = {b for _, b in series}
+    for (layout, batch), points in series.items():
+        points.sort()
+        label = layout if len(batches) == 1 else f"{layout} (batch {batch})"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                linestyle="--" if layout == "hf" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("prefill tokens/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)

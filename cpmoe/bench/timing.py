@@ -1,0 +1,71 @@
+"""Timing and memory helpers shared by the benchmarks (host timers around device syncs).
+
+CUDA work is asynchronous, so every timed region starts and ends with
+`torch.cuda.synchronize()`; on CPU the syncs are no-ops and the timers read wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# NVLink multicast must stay off on the lent multi-GPU machines (shared/notes/gpu-envelope.md);
+# children spawned by a RankPool inherit the parent's environment.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def keep_multicast_off() -> None:
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """-> (fn(), seconds), the device drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak allocated bytes since the last reset (CUDA); -1 where nobody counts (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return -1
+
+
+def free_cached(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(message: str) -> bool:
+    """A rank failure summary (or exception text) that says the device ran out of memory."""
+    return "OutOfMemoryError" in message or "out of memory" in message.lower()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

@@ -1,0 +1,195 @@
+"""`cpmoe bench` and the bench/ scripts on CPU (gloo, tiny shapes): they run, write the JSON
+they promise, and their correctness checks hold. No timing is asserted.
+
+The command-line runs are subprocesses (an interpreter and a torch import each, plus the
+ranks they spawn), so each is made once in a module fixture and read by several tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpmoe.bench.spec import (
+    SHAPES,
+    BenchError,
+    active_params,
+    model_flops,
+    parse_config,
+    parse_layout,
+    parse_layouts,
+    parse_lengths,
+)
+from cpmoe.parallel.layout import LayoutError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+LAYOUTS = "tp=1;tp=2,cp=2,ep=2"
+
+
+def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**os.environ, **(env or {})},
+                          check=False)
+
+
+def _bench(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return _run(["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu",
+                 "--iters", "1", "--warmup", "0", "--out", str(out), *extra], env)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    proc = _bench(out, "--lengths", "64,128", "--layouts", LAYOUTS, "--compare-hf", "--plot")
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def bench_rows(bench_run) -> list[dict]:
+    proc, out = bench_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
+# ---- cpmoe bench ---------------------------------------------------------------------------
+
+def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
+    proc, out = bench_run
+    head = json.loads(out.read_text())["header"]
+    assert head["active_params"] == active_params(parse_config(SHAPES["tiny"], "tiny"))
+    assert head["torch"] == torch.__version__ and head["date"] and "bench" in head["command"]
+    got = [(r["engine"], r["layout"], r["length"]) for r in bench_rows]
+    assert got == [("cpmoe", "tp=1", 64), ("cpmoe", "tp=1", 128),
+                   ("cpmoe", "tp=2,cp=2,ep=2", 64), ("cpmoe", "tp=2,cp=2,ep=2", 128),
+                   ("hf", "hf", 64), ("hf", "hf", 128)]
+    for r in bench_rows:
+        assert r["error"] is None
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0 and r["mfu"] > 0
+        assert r["tokens"] == r["batch"] * r["length"] == r["length"]
+        assert r["model_flops"] == model_flops(parse_config(SHAPES["tiny"], "tiny"),
+                                               [r["length"]])
+        assert r["peak_gib_per_rank"] is None  # nobody counts CPU memory
+    for r in bench_rows[:4]:
+        assert len(r["comm_s_per_rank"]) == r["world_size"] == r["sizes"]["world_size"]
+        assert len(r["weights_gib_per_rank"]) == r["world_size"]
+        assert r["speedup_vs_tp1"] > 0
+    cp = bench_rows[2]
+    assert cp["sizes"]["attn_cp_size"] == 2 and cp["sizes"]["moe_ep_size"] == 2
+    assert all(c > 0 for c in cp["comm_s_per_rank"])  # the CP layout communicates
+    assert bench_rows[0]["ratio_vs_hf"] > 0 and cp["ratio_vs_hf"] is None
+    assert "| tp=2,cp=2,ep=2 | 64 | 1 |" in proc.stdout  # the markdown table
+
+
+def test_bench_layout_logits_match_the_one_rank_layout(bench_rows):
+    cp_row, hf_row = bench_rows[2], bench_rows[4]
+    assert bench_rows[0]["check_note"].startswith("reference")
+    assert cp_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and cp_row["top1_agrees_vs_tp1"]
+    # HF gets the same random weights, so its logits match too (float32 on CPU)
+    assert hf_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and hf_row["top1_agrees_vs_tp1"]
+    assert "logits_max_abs_diff_vs_tp1" not in bench_rows[3]  # checked at the shortest only
+
+
+def test_bench_plots_or_warns(bench_run, bench_rows):
+    proc, out = bench_run
+    png = out.with_suffix(".png")
+    assert png.exists() or "matplotlib is not installed" in proc.stderr
+
+
+def test_bench_bad_layouts_exit_2_with_one_line(tmp_path):
+    for layouts in ("tp=2,cp=3", "tp=2,bogus=1", "tp=1;tp=3"):
+        proc = _bench(tmp_path / "bad.json", "--lengths", "64", "--layouts", layouts)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("cpmoe: error: --layouts"), lines
+        assert not (tmp_path / "bad.json").exists()
+
+
+def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "oom.json"
+    proc = _bench(out, "--lengths", "32,64,96", "--layouts", "tp=1",
+                  env={"CPMOE_BENCH_INJECT_OOM": "64"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["error"] for r in rows] == [None, "out of memory", "out of memory"]
+    assert "not run" in rows[2]["error_detail"] and rows[0]["tokens_per_s"] > 0
+
+
+# ---- pure parts ----------------------------------------------------------------------------
+
+def test_layout_strings_parse_to_validated_layouts():
+    bl = parse_layout("tp=2, cp=2 ,dp=1,ep=2,backend=alltoall")
+    assert bl.name == "tp=2,cp=2,ep=2,backend=alltoall"
+    assert (bl.layout.tp_size, bl.layout.attn_cp_size, bl.layout.ep_size) == (2, 2, 2)
+    assert parse_layout("tp=4,cp=2,strategy=interleave").name == "tp=4,cp=2,strategy=interleave"
+    cfg = parse_config(SHAPES["qwen3-30b-a3b"], "qwen3")
+    assert [b.name for b in parse_layouts("tp=1;tp=8,cp=8,ep=8", cfg)] == ["tp=1",
+                                                                            "tp=8,cp=8,ep=8"]
+    for bad in ("tp", "tp=1,tp=2", "cp=2", "tp=2,backend=nccl", "tp=1.5", ""):
+        with pytest.raises(LayoutError):
+            parse_layouts(bad, cfg)
+    with pytest.raises(LayoutError, match="num_attention_heads"):
+        parse_layouts("tp=1;tp=3", cfg)  # model fit, checked before anything runs
+    with pytest.raises(BenchError):
+        parse_lengths("64,abc")
+    assert parse_lengths("128,64,128") == [64, 128]
+
+
+def test_active_params_count_the_hf_models_weights_one_token_meets():
+    """Against transformers' own parameter list (meta device: no memory), with routed
+    experts counted top_k / num_experts and embedding / lm_head left out."""
+    from transformers import AutoModelForCausalLM
+
+    from cpmoe.bench.hf_task import hf_config
+    qwen2 = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+             "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
+             "qkv_bias": True, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    for raw in (SHAPES["qwen3-30b-a3b"], SHAPES["tiny"], qwen2):
+        cfg = parse_config(raw, "test")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config(raw))
+        want = sum(p.numel() * (cfg.num_experts_per_tok / cfg.num_experts
+                                if ".experts." in n else 1)
+                   for n, p in model.named_parameters()
+                   if "embed_tokens" not in n and not n.startswith("lm_head"))
+        assert active_params(cfg) == want
+    assert active_params(parse_config(SHAPES["qwen3-30b-a3b"], "q")) == 2_730_702_848
+
+
+def test_model_flops_add_causal_attention_per_sequence():
+    cfg = parse_config(SHAPES["qwen3-30b-a3b"], "q")
+    dense = 2 * 4096 * active_params(cfg)
+    attn = 2 * 48 * 32 * 128 * 4096**2
+    assert model_flops(cfg, [4096]) == dense + attn
+    assert model_flops(cfg, [2048, 2048]) == dense + attn / 2
+
+
+# ---- bench/ scripts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["attention_cp", "dispatch"])
+def test_bench_script_smoke_writes_json(tmp_path, script):
+    out = tmp_path / f"{script}.json"
+    proc = _run([f"bench/{script}.py", "--device", "cpu", "--smoke", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    measured = [r for r in data["rows"] if r.get("error") is None]
+    assert measured and data["header"]["device"] == "cpu"
+    if script == "attention_cp":
+        cp = [r for r in measured if r["engine"] == "cpmoe_cp"]
+        assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
+        assert all(r["speedup_vs_one_device"] > 0 for r in cp)
+    else:
+        assert {r["backend"] for r in measured} >= {"alltoall"}
+        for r in measured:
+            assert r["max_abs_diff"] < 1e-4  # combine(identity experts) gives x back
+            assert r["effective_gbps"] > 0 and r["nccl_busbw_gbps"] > 0
+            assert min(r["remote_bytes_per_rank"]) > 0
