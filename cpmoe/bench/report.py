@@ -115,9 +115,19 @@ def markdown_table(rows: list[dict]) -> str:
                  _per_rank(r.get("comm_s_per_rank"), ".3f"),
                  _fmt(r.get("ratio_vs_hf"), ".2f"), _fmt(r.get("speedup_vs_tp1"), ".2f"),
                  _fmt(r.get("logits_max_abs_diff_vs_tp1"), ".2e"),
-                 _fmt(r.get("top1_agrees_vs_tp1"), ""), r.get("error") or ""]
+                 _top1(r), r.get("error") or ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _top1(r: dict) -> str:
+    if r.get("top1_agrees_vs_tp1") is None:
+        return "-"
+    return "yes" if r["top1_agrees_vs_tp1"] else f"no (gap {r['ref_top1_top2_gap']:.1e})"
+
+
+def _length_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> str | None:
@@ -141,6 +151,10 @@ def plot(rows: list[dict], path: Path, title: str) -> str | None:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
                 linestyle="--" if layout == "hf" else "-")
     ax.set_xscale("log", base=2)
+    lengths = sorted({r["length"] for r in rows})
+    ax.set_xticks(lengths, [_length_label(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill tokens/s")
     ax.set_title(title)

@@ -91,6 +91,7 @@ def test_bench_layout_logits_match_the_one_rank_layout(bench_rows):
     cp_row, hf_row = bench_rows[2], bench_rows[4]
     assert bench_rows[0]["check_note"].startswith("reference")
     assert cp_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and cp_row["top1_agrees_vs_tp1"]
+    assert cp_row["ref_top1_top2_gap"] >= 0
     # HF gets the same random weights, so its logits match too (float32 on CPU)
     assert hf_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and hf_row["top1_agrees_vs_tp1"]
     assert "logits_max_abs_diff_vs_tp1" not in bench_rows[3]  # checked at the shortest only
