@@ -1,0 +1,58 @@
+"""Where prefill time goes: torch.profiler over one prefill, top CUDA kernels by self time.
+
+    python3 bench/profile_prefill.py --layout "tp=1" --length 4096 --layers 12
+    python3 bench/profile_prefill.py --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
+
+Builds a random-weight Qwen3-30B-A3B-shaped model (optionally fewer layers: per-layer costs
+are the same in every layer), warms up, profiles one prefill on rank 0 and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
+from cpmoe.engine.runner import ModelRunner  # noqa: E402
+from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
+from cpmoe.parallel.launch import RankInfo, RankPool, launch  # noqa: E402
+
+
+def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int) -> str | None:
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    runner = ModelRunner.from_config(config, groups, torch.bfloat16)
+    seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
+    for _ in range(2):
+        runner.prefill(seqs, last_only=True)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        runner.prefill(seqs, last_only=True)
+        torch.cuda.synchronize()
+    if info.rank != 0:
+        return None
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
+                                     max_name_column_width=70)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", default="tp=1")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--rows", type=int, default=30)
+    a = p.parse_args()
+    config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
+    layout = parse_layout(a.layout).layout
+    with RankPool(layout.world_size, "cuda") as pool:
+        print(f"== {a.layout} length {a.length} layers {a.layers}")
+        print(pool.run(profile_task, config, layout, a.length, a.rows)[0])
+
+
+if __name__ == "__main__":
+    main()
