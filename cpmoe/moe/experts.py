@@ -55,22 +55,28 @@ class LocalExperts(nn.Module):
         return out_MH
 
     def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
-        """GPU path with no host sync: every (row, slot) pair is sorted by expert, slots of
-        other ranks' experts sort last (expert id E) and fall outside the grouped GEMMs'
-        offsets; two grouped GEMMs do all experts at once."""
+        """GPU path: every (row, slot) pair sorted by expert, two grouped GEMMs for all
+        experts, the routing weight applied to the (narrower) activation before the down
+        projection, and the per-row sum done by un-sorting into [M, K, H] (no atomics).
+        Slots of other EP ranks' experts sort last; with EP > 1 their count is read once
+        per layer (the only host sync) so that no work is spent on them."""
         M, K = local_ids_MK.shape
         E = self.num_local_experts
         expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
-        order = torch.argsort(expert_P, stable=True)
-        row_P = order // K
-        offs = torch.cumsum(torch.bincount(expert_P, minlength=E + 1)[:E], 0).to(torch.int32)
-        h = _grouped_mm(x_MH[row_P], self.gate_up_proj.transpose(1, 2), offs=offs)
+        sorted_P, order = torch.sort(expert_P, stable=True)
+        bounds = torch.arange(1, E + 1, device=x_MH.device, dtype=sorted_P.dtype)
+        offs = torch.searchsorted(sorted_P, bounds).to(torch.int32)
+        sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
+        n = int(offs[-1]) if sparse else M * K
+        order = order[:n]
+        h = _grouped_mm(x_MH[order // K], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
-        y = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        # rows past offs[-1] (other ranks' slots) are left unwritten by the GEMM: mask them
-        w = weights_MK.flatten()[order]
-        y = torch.where((expert_P[order] < E)[:, None], y * w[:, None].to(y.dtype), 0)
-        return torch.zeros_like(x_MH).index_add_(0, row_P, y.to(x_MH.dtype))
+        act = F.silu(gate) * up
+        act *= weights_MK.flatten()[order][:, None].to(act.dtype)
+        y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs)
+        per_slot = (x_MH.new_zeros if sparse else x_MH.new_empty)((M * K, x_MH.shape[1]))
+        per_slot[order] = y.to(x_MH.dtype)
+        return per_slot.view(M, K, -1).sum(dim=1)
 
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

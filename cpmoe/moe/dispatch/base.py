@@ -47,7 +47,8 @@ class Dispatcher(ABC):
     def count(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows per local expert, computed on the device without a host sync."""
         ids = torch.where(local_ids >= 0, local_ids, self.num_local_experts).flatten()
-        return torch.bincount(ids, minlength=self.num_local_experts + 1)[:-1]
+        counts = torch.zeros(self.num_local_experts + 1, dtype=torch.int64, device=ids.device)
+        return counts.scatter_add_(0, ids, torch.ones_like(ids))[:-1]  # bincount would sync
 
 
 class MissingBackendError(RuntimeError):
