@@ -1,0 +1,547 @@
+"""End-to-end tests of the `cpmoe` command line, run as subprocesses (`python -m cpmoe.cli`).
+
+Every call gets `--device cpu`, a timeout, `CPMOE_CACHE_DIR` pointing at a temporary folder
+(the built-in default model is built there once) and two test-only environment entries:
+
+- `CPMOE_E2E_MARKER=<unique id>`: inherited by every process the call starts, so a /proc scan
+  finds exactly that call's processes (ranks included);
+- `CPMOE_E2E_SPAWN_LOG=<folder>` with a `sitecustomize.py` on PYTHONPATH that writes one file
+  per Python interpreter started: the CLI itself, and each rank / resource tracker it spawns.
+  "No rank was spawned" is then a fact read from that folder, not a timing guess.
+
+Each subprocess costs an interpreter + torch import (and each multi-rank call one per rank),
+so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture,
+the short multi-rank calls in a second one; the fault-injection run and the 4K-16K sweep run
+alone (the first has a fail-fast bound, the second is measured and reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cpmoe.engine.generate import generate
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.parallel.groups import ProcessGroups
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 256  # the conftest checkpoints
+QUICK_TIMEOUT_S = 180
+MULTI_TIMEOUT_S = 400
+SWEEP_TIMEOUT_S = 1200
+QUICK_WORKERS = 4
+MULTI_WORKERS = 2
+
+SITECUSTOMIZE = '''\
+import os
+_log = os.environ.get("CPMOE_E2E_SPAWN_LOG")
+if _log:
+    try:
+        with open("/proc/self/cmdline", "rb") as _f:
+            _cmd = _f.read().replace(b"\\0", b" ").decode(errors="replace")
+        with open(os.path.join(_log, str(os.getpid())), "w") as _f:
+            _f.write(_cmd)
+    except OSError:
+        pass
+'''
+
+
+# ---- running the CLI ----------------------------------------------------------------------
+
+@dataclass
+class CliResult:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+    marker: str
+    spawn_log: Path
+
+    def interpreters(self) -> list[str]:
+        """Command lines of every Python interpreter this call started (itself included)."""
+        return [p.read_text() for p in sorted(self.spawn_log.iterdir())]
+
+    def ranks_spawned(self) -> int:
+        return sum("spawn_main" in cmd for cmd in self.interpreters())
+
+    def describe(self) -> str:
+        return (f"cpmoe {' '.join(self.args)}\n  exit {self.returncode}\n"
+                f"  stdout: {self.stdout[-2000:]!r}\n  stderr: {self.stderr[-3000:]!r}")
+
+
+class Cli:
+    def __init__(self, workdir: Path, cache_dir: Path) -> None:
+        self.workdir, self.cache_dir = workdir, cache_dir
+        self.site_dir = workdir / "site"
+        self.site_dir.mkdir(parents=True, exist_ok=True)
+        (self.site_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = QUICK_TIMEOUT_S) -> CliResult:
+        marker = uuid.uuid4().hex
+        spawn_log = self.workdir / f"spawn-{marker}"
+        spawn_log.mkdir()
+        full_env = {**os.environ, **(env or {}),
+                    "CPMOE_CACHE_DIR": str(self.cache_dir),
+                    "PYTHONPATH": os.pathsep.join([str(self.site_dir), str(REPO_ROOT)]),
+                    "CPMOE_E2E_MARKER": marker, "CPMOE_E2E_SPAWN_LOG": str(spawn_log)}
+        argv = [*map(str, args), "--device", "cpu"]
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "cpmoe.cli", *argv], env=full_env,
+                              cwd=str(REPO_ROOT), capture_output=True, timeout=timeout,
+                              check=False)
+        elapsed = time.monotonic() - t0
+        # Bytes, not text=True: universal newlines would turn a progress bar's '\r' into '\n'.
+        return CliResult(argv, proc.returncode, decode(proc.stdout), decode(proc.stderr),
+                         elapsed, marker, spawn_log)
+
+    def many(self, calls: dict[str, tuple], workers: int,
+             timeout: float = QUICK_TIMEOUT_S) -> dict[str, CliResult]:
+        """Run named calls concurrently: name -> (args tuple[, env dict])."""
+        def one(spec: tuple) -> CliResult:
+            args, env = (spec[0], spec[1]) if len(spec) == 2 else (spec[0], None)
+            return self(*args, env=env, timeout=timeout)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {name: pool.submit(one, spec) for name, spec in calls.items()}
+            return {name: f.result() for name, f in futures.items()}
+
+
+def decode(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def marked_processes(marker: str) -> list[tuple[int, str, str]]:
+    """(pid, state, cmdline) of every live process whose environment carries the marker."""
+    needle = f"CPMOE_E2E_MARKER={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if needle in env.split(b"\0"):
+            found.append((int(entry), state, cmd.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def shown_lines(stderr: str) -> list[str]:
+    """stderr lines as a terminal shows them: a progress bar redrawn with '\\r' and then
+    overwritten leaves only the text after its last '\\r'."""
+    return [line.rsplit("\r", 1)[-1] for line in stderr.split("\n") if line.rsplit("\r", 1)[-1]]
+
+
+def report(request: pytest.FixtureRequest, text: str) -> None:
+    """Show a line in pytest's normal output (measured times)."""
+    plugins = request.config.pluginmanager
+    reporter, capman = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capman is not None:
+        with capman.global_and_fixture_disabled():  # else the line is captured and dropped
+            reporter.write_line(f"\n[e2e] {text}")
+
+
+def assert_user_error(res: CliResult, flag: str, out: Path | None = None) -> None:
+    """Exit 2, one `cpmoe: error:` line naming `flag` on stderr, no stdout, no output file,
+    and no rank ever spawned (only the CLI's own interpreter started)."""
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2, res.describe()
+    assert len(lines) == 1, res.describe()
+    assert lines[0].startswith("cpmoe: error: "), res.describe()
+    assert flag in lines[0], f"{flag!r} not named\n{res.describe()}"
+    assert res.stdout == "", res.describe()
+    if out is not None:
+        assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+    interpreters = res.interpreters()
+    assert len(interpreters) == 1 and "cpmoe.cli" in interpreters[0], \
+        f"processes started: {interpreters}\n{res.describe()}"
+
+
+CHECK_LINE = re.compile(r"^first-token matches: (\d+)/(\d+)$", re.MULTILINE)
+DIFF_LINE = re.compile(r"^max \|logit diff\|: (\S+)$", re.MULTILINE)
+LAYOUT_LINE = re.compile(r"^layout: (\{.*\})$", re.MULTILINE)
+
+
+def parse_check(res: CliResult) -> tuple[int, int, float, dict]:
+    m, d, lay = (CHECK_LINE.search(res.stdout), DIFF_LINE.search(res.stdout),
+                 LAYOUT_LINE.search(res.stdout))
+    assert m and d and lay, res.describe()
+    return int(m[1]), int(m[2]), float(d[1]), json.loads(lay[1])
+
+
+def runner_of(model_dir: Path) -> ModelRunner:
+    return ModelRunner(model_dir, ProcessGroups.single(), torch.float32, show_progress=False)
+
+
+# ---- shared inputs --------------------------------------------------------------------------
+
+PREFILL_LENGTHS = (1, 7, 40)
+TP4_CP2_EP4 = ("--tp-size", "4", "--attn-cp-size", "2", "--ep-size", "4")
+TP2_CP2_EP2 = ("--tp-size", "2", "--attn-cp-size", "2", "--ep-size", "2")
+SPARSE_DEFAULT_LAYERS = 4  # the built-in model: 4 layers, all sparse
+
+INVALID_LAYOUTS = {  # name -> (flags, the flag the error line must name)
+    "cp-not-dividing-tp": (("--tp-size", "4", "--attn-cp-size", "3"), "--attn-cp-size"),
+    "moe-dp-not-1-or-cp": (("--moe-dp-size", "2", "--attn-cp-size", "4", "--tp-size", "8"),
+                           "--moe-dp-size"),
+    "ep-times-dp-not-tp": (("--ep-size", "2", "--tp-size", "4"), "--ep-size"),
+    "alltoall-ep-not-tp": (("--moe-a2a-backend", "alltoall", "--tp-size", "4", "--ep-size",
+                            "1"), "--moe-a2a-backend"),
+    "attention-dp": (("--dp-size", "2"), "--dp-size"),
+    "deepep-missing": (("--moe-a2a-backend", "deepep", "--tp-size", "2", "--ep-size", "2"),
+                       "--moe-a2a-backend"),
+    "experts-not-divisible-by-ep": (("--tp-size", "16", "--ep-size", "16", "--model", "{q3}"),
+                                    "--ep-size"),
+}
+
+BAD_INPUTS = {  # name -> (file text or None for a missing file, substrings the line must have)
+    "not-json": ("[[1, 2", ("not JSON",)),
+    "empty-list": ("[]", ("non-empty JSON list",)),
+    "not-a-list": ('{"ids": [1, 2]}', ("non-empty JSON list",)),
+    "empty-sequence": ("[[1, 2], []]", ("sequence 1", "non-empty list")),
+    "id-too-large": (f"[[1, 2], [3, {VOCAB}]]", ("sequence 1", f"{VOCAB}", f"[0, {VOCAB})")),
+    "negative-id": ("[[-1, 2]]", ("sequence 0", "-1")),
+    "non-integer": ("[[1, 2.5]]", ("sequence 0", "2.5")),
+    "boolean-id": ("[[1, true]]", ("sequence 0", "True")),
+    "missing-file": (None, ("cannot read",)),
+}
+
+
+def seqs_for_prefill() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PREFILL_LENGTHS]
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def default_model_dir(workdir) -> Path:
+    """Build the built-in model once, in the cache folder every CLI call is pointed at."""
+    from cpmoe.default_model import ensure_default_model
+    cache = workdir / "cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(cache))
+        return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def cli(workdir, default_model_dir) -> Cli:
+    return Cli(workdir, workdir / "cache")
+
+
+@pytest.fixture(scope="module")
+def ids_file(workdir) -> Path:
+    path = workdir / "ids.json"
+    path.write_text(json.dumps(seqs_for_prefill()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
+    """Every call that must not (or need not) spawn ranks, run concurrently."""
+    q3 = str(qwen3_moe_dir)
+    calls: dict[str, tuple] = {
+        "plan": (("plan", *TP4_CP2_EP4, "--json"),),
+        "plan-text": (("plan", *TP4_CP2_EP4),),
+        "plan-alltoall": (("plan", "--moe-a2a-backend", "alltoall", "--ep-size", "4",
+                           "--tp-size", "4", "--attn-cp-size", "2", "--json"),),
+        "plan-coupled": (("plan", "--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "2",
+                          "--ep-size", "2", "--json"),),
+        "plan-q3": (("plan", "--model", q3, *TP4_CP2_EP4, "--json"),),
+        "plan-q3-ep8": (("plan", "--model", q3, "--tp-size", "8", "--ep-size", "8", "--json"),),
+        "prefill-1rank": (("prefill", "--model", q3, "--input-ids-file", ids_file,
+                           "--dump-logits", workdir / "logits-1rank.safetensors"),),
+        "generate-ids-1rank": (("generate", "--model", q3, "--input-ids", "1,2,3",
+                                "--max-new-tokens", "5"),),
+        "generate-default-1rank": (("generate", "--prompt", "Hello", "--max-new-tokens", "4"),),
+    }
+    for name, (flags, _) in INVALID_LAYOUTS.items():
+        flags = tuple(f.format(q3=q3) for f in flags)
+        calls[f"bad-layout-plan-{name}"] = (("plan", *flags, "--json"),)
+        calls[f"bad-layout-prefill-{name}"] = (
+            ("prefill", *flags, "--input-ids-file", ids_file,
+             "--dump-logits", workdir / f"bad-layout-{name}.safetensors"),)
+    for name, (text, _) in BAD_INPUTS.items():
+        path = workdir / f"bad-input-{name}.json"
+        if text is not None:
+            path.write_text(text)
+        calls[f"bad-input-{name}"] = (
+            ("prefill", "--model", q3, *TP2_CP2_EP2, "--input-ids-file", path,
+             "--dump-logits", workdir / f"bad-input-{name}.safetensors"),)
+    calls["bad-dump-folder"] = (("prefill", "--model", q3, *TP2_CP2_EP2, "--input-ids-file",
+                                 ids_file, "--dump-logits",
+                                 workdir / "no-such-folder" / "out.safetensors"),)
+    (workdir / "existing-dir").mkdir()
+    calls["dump-is-a-dir"] = (("prefill", "--model", q3, "--input-ids-file", ids_file,
+                               "--dump-logits", workdir / "existing-dir"),)
+    return cli.many(calls, QUICK_WORKERS)
+
+
+@pytest.fixture(scope="module")
+def multi(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
+    """The short multi-rank calls, run a few at a time."""
+    q3 = str(qwen3_moe_dir)
+    check = ("check", "--model", q3, "--prompts", "40", "--lengths", "17,64,129")
+    calls: dict[str, tuple] = {
+        "check-tp8-cp8-ep8-alltoall": ((*check, "--tp-size", "8", "--attn-cp-size", "8",
+                                        "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
+        "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
+                         "--dump-logits", workdir / "logits-tp4.safetensors"),),
+        "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4),),
+        "check-tp4-cp2-dp2-ep2": ((*check, "--tp-size", "4", "--attn-cp-size", "2",
+                                   "--moe-dp-size", "2", "--ep-size", "2"),),
+        "generate-default-tp2": (("generate", "--prompt", "Hello", "--max-new-tokens", "4",
+                                  *TP2_CP2_EP2),),
+    }
+    return cli.many(calls, MULTI_WORKERS, timeout=MULTI_TIMEOUT_S)
+
+
+# ---- plan ------------------------------------------------------------------------------------
+
+REQUIRED_SIZES = ("world_size", "attn_tp_size", "attn_cp_size", "moe_ep_size", "moe_tp_size",
+                  "moe_dp_size")
+
+
+def plan_json(res: CliResult) -> dict:
+    assert res.returncode == 0, res.describe()
+    out = json.loads(res.stdout)  # the whole stdout is one JSON document...
+    assert isinstance(out, dict), res.describe()  # ...and it is an object
+    return out
+
+
+def test_plan_json_sizes_groups_and_layer_modes(quick):
+    out = plan_json(quick["plan"])
+    assert {k: out[k] for k in REQUIRED_SIZES} == {
+        "world_size": 4, "attn_tp_size": 2, "attn_cp_size": 2, "moe_ep_size": 4,
+        "moe_tp_size": 1, "moe_dp_size": 1}
+    groups = out["groups"]
+    assert {"attn_tp", "attn_cp", "moe_ep", "moe_tp", "moe_dp"} <= set(groups)
+    assert groups["attn_tp"] == [[0, 1], [2, 3]]
+    assert groups["attn_cp"] == [[0, 2], [1, 3]]
+    assert groups["moe_ep"] == [[0, 1, 2, 3]]
+    assert groups["moe_tp"] == [[0], [1], [2], [3]]
+    assert groups["moe_dp"] == [[0, 2], [1, 3]]  # decoupled: MoE-DP is the CP group
+    assert out["layer_modes"] == [
+        {"layer": i, "sparse": True, "attn": "TP_ATTN_FULL", "mlp": "MOE_FULL"}
+        for i in range(SPARSE_DEFAULT_LAYERS)]
+
+
+def test_plan_text_output(quick):
+    res = quick["plan-text"]
+    assert res.returncode == 0, res.describe()
+    assert "cpmoe-tiny-qwen3-moe" in res.stdout
+    assert "attn_cp  [0, 2] [1, 3]" in res.stdout, res.describe()
+    assert "attention TP_ATTN_FULL, mlp MOE_FULL" in res.stdout, res.describe()
+
+
+def test_plan_alltoall_is_scattered(quick):
+    out = plan_json(quick["plan-alltoall"])
+    assert out["moe_a2a_backend"] == "alltoall"
+    assert [m["mlp"] for m in out["layer_modes"]] == ["SCATTERED"] * SPARSE_DEFAULT_LAYERS
+    assert {m["attn"] for m in out["layer_modes"]} == {"TP_ATTN_FULL"}
+
+
+def test_plan_coupled_moe_dp_is_full(quick):
+    out = plan_json(quick["plan-coupled"])
+    assert (out["moe_dp_size"], out["moe_ep_size"], out["moe_tp_size"]) == (2, 2, 1)
+    assert out["groups"]["moe_ep"] == [[0, 1], [2, 3]]
+    assert out["groups"]["moe_dp"] == [[0, 2], [1, 3]]
+    assert [m["mlp"] for m in out["layer_modes"]] == ["FULL"] * SPARSE_DEFAULT_LAYERS
+
+
+def test_plan_model_with_dense_layer(quick):
+    out = plan_json(quick["plan-q3"])  # mlp_only_layers=[1]
+    assert out["layer_modes"] == [
+        {"layer": 0, "sparse": True, "attn": "TP_ATTN_FULL", "mlp": "MOE_FULL"},
+        {"layer": 1, "sparse": False, "attn": "TP_ATTN_FULL", "mlp": "TP_ATTN_FULL"},
+        {"layer": 2, "sparse": True, "attn": "TP_ATTN_FULL", "mlp": "MOE_FULL"}]
+
+
+def test_plan_model_fit_ok(quick):
+    out = plan_json(quick["plan-q3-ep8"])  # 8 experts over 8 EP ranks
+    assert (out["world_size"], out["moe_ep_size"], out["attn_tp_size"]) == (8, 8, 8)
+
+
+# ---- user errors: exit 2, one line, nothing spawned or written ------------------------------
+
+@pytest.mark.parametrize("command", ["plan", "prefill"])
+@pytest.mark.parametrize("name", list(INVALID_LAYOUTS))
+def test_invalid_layout(quick, workdir, command, name):
+    flag = INVALID_LAYOUTS[name][1]
+    out = workdir / f"bad-layout-{name}.safetensors" if command == "prefill" else None
+    assert_user_error(quick[f"bad-layout-{command}-{name}"], flag, out)
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_prefill_input(quick, workdir, name):
+    res = quick[f"bad-input-{name}"]
+    path = workdir / f"bad-input-{name}.json"
+    assert_user_error(res, f"--input-ids-file {path}",
+                      workdir / f"bad-input-{name}.safetensors")
+    for text in BAD_INPUTS[name][1]:
+        assert text in res.stderr, f"{text!r} not in the error line\n{res.describe()}"
+
+
+def test_bad_dump_folder(quick, workdir):
+    assert_user_error(quick["bad-dump-folder"], "--dump-logits")
+    assert not (workdir / "no-such-folder").exists()
+
+
+DUMP_DIR_BUG = (
+    "cpmoe/cli.py cmd_prefill: --dump-logits naming an existing directory is not checked before "
+    "the run (only its parent is); the prefill runs, then os.replace(<out>.tmp, <dir>) raises "
+    "IsADirectoryError: exit 1 with an uncaught Python traceback and a stray <out>.tmp file "
+    "left behind, instead of exit 2 with one 'cpmoe: error: --dump-logits ...' line")
+
+
+@pytest.mark.xfail(strict=True, reason=DUMP_DIR_BUG)
+def test_dump_logits_to_a_directory(quick, workdir):
+    res = quick["dump-is-a-dir"]
+    out = workdir / "existing-dir"
+    assert out.is_dir() and not any(out.iterdir())  # the directory itself is untouched
+    assert_user_error(res, "--dump-logits")
+    assert not out.with_name(out.name + ".tmp").exists()
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+def read_logits(path: Path) -> list[torch.Tensor]:
+    tensors = load_file(str(path))
+    assert set(tensors) == {f"logits.{i}" for i in range(len(PREFILL_LENGTHS))}
+    out = [tensors[f"logits.{i}"] for i in range(len(PREFILL_LENGTHS))]
+    for t, n in zip(out, PREFILL_LENGTHS):
+        assert t.dtype == torch.float32 and tuple(t.shape) == (n, VOCAB)
+    return out
+
+
+def test_prefill_one_rank_equals_in_process(quick, workdir, qwen3_moe_dir):
+    res = quick["prefill-1rank"]
+    assert res.returncode == 0, res.describe()
+    assert res.stdout == (f"wrote logits of {len(PREFILL_LENGTHS)} sequence(s) to "
+                          f"{workdir / 'logits-1rank.safetensors'}\n")
+    got = read_logits(workdir / "logits-1rank.safetensors")
+    want = runner_of(qwen3_moe_dir).prefill(seqs_for_prefill()).split(list(PREFILL_LENGTHS))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g - w).abs().max().item() <= 1e-6, f"sequence {i}"
+    assert not (workdir / "logits-1rank.safetensors.tmp").exists()
+
+
+def test_prefill_tp4_cp2_ep4_equals_one_rank(quick, multi, workdir):
+    res = multi["prefill-tp4"]
+    assert res.returncode == 0, res.describe()
+    assert res.ranks_spawned() == 4, res.interpreters()
+    one = read_logits(workdir / "logits-1rank.safetensors")
+    four = read_logits(workdir / "logits-tp4.safetensors")
+    for i, (a, b) in enumerate(zip(one, four)):
+        assert (a - b).abs().max().item() <= 1e-5, f"sequence {i}"
+
+
+# ---- generate --------------------------------------------------------------------------------
+
+def test_generate_input_ids_equals_in_process(quick, qwen3_moe_dir):
+    res = quick["generate-ids-1rank"]
+    assert res.returncode == 0, res.describe()
+    runner = runner_of(qwen3_moe_dir)
+    want = generate(runner, [[1, 2, 3]], 5, runner.config.eos_token_ids)[0]
+    assert len(want) == 5
+    assert res.stdout == ",".join(map(str, want)) + "\n", res.describe()
+
+
+def test_generate_prompt_on_default_model(quick, default_model_dir):
+    from transformers import AutoTokenizer
+    res = quick["generate-default-1rank"]
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip(), res.describe()
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    runner = runner_of(default_model_dir)
+    new = generate(runner, [tok.encode("Hello")], 4, runner.config.eos_token_ids)[0]
+    assert 1 <= len(new) <= 4
+    assert res.stdout == tok.decode(new) + "\n", res.describe()
+
+
+def test_generate_tp2_cp2_ep2_equals_one_rank(quick, multi):
+    one, two = quick["generate-default-1rank"], multi["generate-default-tp2"]
+    assert two.returncode == 0, two.describe()
+    assert two.ranks_spawned() == 2, two.interpreters()
+    assert two.stdout == one.stdout
+
+
+# ---- check -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, sizes", [
+    ("check-tp4-cp2-ep4",
+     {"world_size": 4, "attn_cp_size": 2, "moe_ep_size": 4, "moe_dp_size": 1}),
+    ("check-tp4-cp2-dp2-ep2",
+     {"world_size": 4, "attn_cp_size": 2, "moe_ep_size": 2, "moe_dp_size": 2}),
+    ("check-tp8-cp8-ep8-alltoall",
+     {"world_size": 8, "attn_cp_size": 8, "moe_ep_size": 8, "moe_dp_size": 1,
+      "moe_a2a_backend": "alltoall"}),
+])
+def test_check_layout(multi, name, sizes):
+    res = multi[name]
+    assert res.returncode == 0, res.describe()
+    assert "first-token matches: 40/40\n" in res.stdout, res.describe()
+    matches, prompts, diff, layout = parse_check(res)
+    assert (matches, prompts) == (40, 40)
+    assert diff <= 1e-5, res.describe()
+    assert {k: layout[k] for k in sizes} == sizes
+    assert res.ranks_spawned() == sizes["world_size"]
+
+
+def test_check_long_prompts_4k_to_16k(cli, qwen2_moe_dir, request):
+    res = cli("check", "--model", qwen2_moe_dir, "--tp-size", "4", "--attn-cp-size", "4",
+              "--ep-size", "4", "--prompts", "4", "--lengths", "4096,8192,12288,16384",
+              timeout=SWEEP_TIMEOUT_S)
+    report(request, f"4K-16K check sweep (qwen2_moe, tp4 cp4 ep4, 4 prompts): "
+                    f"{res.elapsed_s:.1f} s, exit {res.returncode}")
+    assert res.returncode == 0, res.describe()
+    matches, prompts, diff, layout = parse_check(res)
+    assert (matches, prompts) == (4, 4), res.describe()
+    assert diff <= 1e-5, res.describe()
+    assert (layout["attn_cp_size"], layout["moe_ep_size"]) == (4, 4)
+
+
+# ---- fault injection -------------------------------------------------------------------------
+
+def test_injected_fault_fails_fast_and_leaves_no_rank(cli, workdir, ids_file, qwen3_moe_dir):
+    out = workdir / "fault.safetensors"
+    res = cli("prefill", "--model", qwen3_moe_dir, *TP4_CP2_EP4, "--input-ids-file", ids_file,
+              "--dump-logits", out, env={"CPMOE_INJECT_FAULT": "1:1"}, timeout=120)
+    ranks_left = [p for p in marked_processes(res.marker) if "spawn_main" in p[2]]
+    assert res.returncode == 1, res.describe()
+    assert res.elapsed_s < 30, f"took {res.elapsed_s:.1f} s\n{res.describe()}"
+    first = shown_lines(res.stderr)[0]
+    assert first.startswith("cpmoe: rank 1 failed:"), res.describe()
+    assert "injected fault at layer 1" in first, res.describe()
+    assert "Traceback (most recent call last):" in res.stderr
+    assert "RuntimeError: injected fault at layer 1" in res.stderr
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+    assert res.stdout == ""
+    # the ranks did run (4 spawned), and none of them outlived the CLI
+    assert res.ranks_spawned() == 4, res.interpreters()
+    assert ranks_left == [], ranks_left
+    deadline = time.monotonic() + 10  # helpers (multiprocessing's resource tracker) get a grace
+    while marked_processes(res.marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_processes(res.marker) == []
