@@ -68,14 +68,20 @@ class LocalExperts(nn.Module):
         offs = torch.searchsorted(sorted_P, bounds).to(torch.int32)
         sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
         n = int(offs[-1]) if sparse else M * K
+        # rank of every slot in the sorted order: un-sorting is then a fast row gather
+        rank_P = torch.empty_like(order)
+        rank_P[order] = torch.arange(M * K, device=order.device)
         order = order[:n]
         h = _grouped_mm(x_MH[order // K], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up
         act *= weights_MK.flatten()[order][:, None].to(act.dtype)
-        y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs)
-        per_slot = (x_MH.new_zeros if sparse else x_MH.new_empty)((M * K, x_MH.shape[1]))
-        per_slot[order] = y.to(x_MH.dtype)
+        y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs).to(x_MH.dtype)
+        if n == 0:
+            return torch.zeros_like(x_MH)
+        per_slot = y[rank_P.clamp(max=n - 1)]
+        if sparse:  # slots of other ranks' experts contribute nothing
+            per_slot = torch.where((rank_P < n)[:, None], per_slot, 0)
         return per_slot.view(M, K, -1).sum(dim=1)
 
 
