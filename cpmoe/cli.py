@@ -153,6 +153,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     out_path = Path(args.dump_logits)
     if not out_path.parent.is_dir():
         raise InputError(f"--dump-logits {out_path}: folder {out_path.parent} does not exist")
+    if out_path.is_dir():
+        raise InputError(f"--dump-logits {out_path}: is a directory; give a file name")
     spec = RunSpec(model_dir, layout, dtype)
     logits = launch(prefill_task, layout.world_size, device, spec, seqs)
     if logits is None:  # a non-zero torchrun rank
@@ -263,8 +265,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             cur = []
         cur.append(p)
     batches.append(cur)
+    # Rank 0 also runs the one-rank reference while its peers wait in their next
+    # collective: give them as long as a long reference prompt can take.
     report = launch(check_task, layout.world_size, device, RunSpec(model_dir, layout, dtype),
-                    batches)
+                    batches, collective_timeout_s=3600.0)
     if report is None:
         return 0
     print(f"layout: {json.dumps({k: v for k, v in layout.summary().items() if k != 'groups'})}")

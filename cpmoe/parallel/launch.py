@@ -277,8 +277,11 @@ class RankPool:
         self.close()
 
 
-def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any, **kwargs: Any) -> Any:
-    """Run fn(info, *args, **kwargs) for a CLI command; return this rank's (or rank 0's) result."""
+def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
+           collective_timeout_s: float = 600.0, **kwargs: Any) -> Any:
+    """Run fn(info, *args, **kwargs) for a CLI command; return this rank's (or rank 0's) result.
+    collective_timeout_s bounds how long a rank waits in one collective for its peers (a
+    rank that dies ends the job at once anyway; this only catches peers that stall)."""
     kind = _device_type(device)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join it
         if (env_world := int(os.environ["WORLD_SIZE"])) != world_size:
@@ -295,5 +298,5 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any, **k
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups
     if world_size == 1:  # no process group: single-rank code paths must not need one
         return fn(RankInfo(0, 1, _rank_device(kind, 0)), *args, **kwargs)
-    with RankPool(world_size, kind) as pool:
+    with RankPool(world_size, kind, collective_timeout_s=collective_timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)[0]

@@ -408,14 +408,6 @@ def test_bad_dump_folder(quick, workdir):
     assert not (workdir / "no-such-folder").exists()
 
 
-DUMP_DIR_BUG = (
-    "cpmoe/cli.py cmd_prefill: --dump-logits naming an existing directory is not checked before "
-    "the run (only its parent is); the prefill runs, then os.replace(<out>.tmp, <dir>) raises "
-    "IsADirectoryError: exit 1 with an uncaught Python traceback and a stray <out>.tmp file "
-    "left behind, instead of exit 2 with one 'cpmoe: error: --dump-logits ...' line")
-
-
-@pytest.mark.xfail(strict=True, reason=DUMP_DIR_BUG)
 def test_dump_logits_to_a_directory(quick, workdir):
     res = quick["dump-is-a-dir"]
     out = workdir / "existing-dir"
