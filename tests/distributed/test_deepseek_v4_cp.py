@@ -48,6 +48,7 @@ MATRIX = [
     lay(4, "none", 1, "zigzag", moe_dp=4),  # coupled: each rank runs every expert on its rows
     lay(2, "none", 2, "interleave"),
     lay(2, "alltoall", 2, "zigzag"),
+    lay(2, "alltoall_padded", 2, "interleave"),
     lay(2, "none", 1, "zigzag"),  # MoE-TP 2: each expert's intermediate dim split
     lay(8, "none", 8, "interleave"),
     lay(8, "alltoall", 8, "interleave"),
