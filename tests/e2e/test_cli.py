@@ -289,6 +289,9 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
         calls[f"bad-input-{name}"] = (
             ("prefill", "--model", q3, *TP2_CP2_EP2, "--input-ids-file", path,
              "--dump-logits", workdir / f"bad-input-{name}.safetensors"),)
+    calls["generate-does-not-fit"] = (("generate", "--model", q3, *TP2_CP2_EP2, "--input-ids",
+                                       ",".join(["7"] * 40), "--max-new-tokens", "8",
+                                       "--max-total-tokens", "20"),)
     calls["bad-dump-folder"] = (("prefill", "--model", q3, *TP2_CP2_EP2, "--input-ids-file",
                                  ids_file, "--dump-logits",
                                  workdir / "no-such-folder" / "out.safetensors"),)
@@ -299,11 +302,21 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
 
 
 @pytest.fixture(scope="module")
-def multi(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
+def v4_dir(workdir) -> Path:
+    from tests.distributed._v4_tasks import make_v4_model
+    return make_v4_model("base", workdir / "deepseek_v4")[1]
+
+
+@pytest.fixture(scope="module")
+def multi(cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]:
     """The short multi-rank calls, run a few at a time."""
     q3 = str(qwen3_moe_dir)
     check = ("check", "--model", q3, "--prompts", "40", "--lengths", "17,64,129")
     calls: dict[str, tuple] = {
+        "check-tp8-cp4-ep8": ((*check, "--tp-size", "8", "--attn-cp-size", "4",
+                               "--ep-size", "8"),),
+        "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", "40", "--lengths",
+                                  "17,64,129", *TP2_CP2_EP2, "--cp-strategy", "interleave"),),
         "check-tp8-cp8-ep8-alltoall": ((*check, "--tp-size", "8", "--attn-cp-size", "8",
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
         "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
@@ -403,6 +416,12 @@ def test_bad_prefill_input(quick, workdir, name):
         assert text in res.stderr, f"{text!r} not in the error line\n{res.describe()}"
 
 
+def test_generate_that_cannot_fit_the_kv_cache_is_refused_before_any_work(quick):
+    res = quick["generate-does-not-fit"]
+    assert_user_error(res, "--max-total-tokens")
+    assert "KV slots" in res.stderr
+
+
 def test_bad_dump_folder(quick, workdir):
     assert_user_error(quick["bad-dump-folder"], "--dump-logits")
     assert not (workdir / "no-such-folder").exists()
@@ -489,6 +508,10 @@ def test_generate_tp2_cp2_ep2_equals_one_rank(quick, multi):
     ("check-tp8-cp8-ep8-alltoall",
      {"world_size": 8, "attn_cp_size": 8, "moe_ep_size": 8, "moe_dp_size": 1,
       "moe_a2a_backend": "alltoall"}),
+    ("check-tp8-cp4-ep8",
+     {"world_size": 8, "attn_cp_size": 4, "moe_ep_size": 8, "moe_dp_size": 1}),
+    ("check-v4-tp2-cp2-ep2",
+     {"world_size": 2, "attn_cp_size": 2, "moe_ep_size": 2, "cp_strategy": "interleave"}),
 ])
 def test_check_layout(multi, name, sizes):
     res = multi[name]
