@@ -162,3 +162,16 @@ def broadcast(x: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor
     with _timed(group, "broadcast", x):
         dist.broadcast(x, src=group.ranks[src_index], group=group.pg)
     return x
+
+
+def broadcast_object(obj: object, group: Group, src_index: int = 0) -> object:
+    """Group member `src_index`'s picklable `obj` on every member (the others' obj is ignored).
+
+    For small control messages (a serving step's plan), not tensors: it pickles and makes
+    two broadcasts (size, then bytes)."""
+    if group.size == 1:
+        return obj
+    _count(group, "broadcast_object")
+    box = [obj]
+    dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
+    return box[0]
