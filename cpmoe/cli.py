@@ -1,4 +1,4 @@
-"""`cpmoe` command line: plan / prefill / generate / check / bench.
+"""`cpmoe` command line: plan / prefill / generate / check / bench / serve.
 
 Everything a user can get wrong (layout flags, model fit, input files) is checked in the
 parent process before any rank is spawned; a failure prints one line and exits 2 without
@@ -26,6 +26,7 @@ from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
 from cpmoe.parallel.launch import RankFailure, launch
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
+from cpmoe.serve.options import add_serve_arguments
 
 
 class InputError(ValueError):
@@ -289,6 +290,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError(str(e)) from None
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cpmoe.serve.options import BindError, ServeOptions
+    layout, model_dir, cfg, device, dtype = resolve(args)
+    try:
+        opts = ServeOptions.from_args(args)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    tokenizer = _tokenizer(model_dir)
+    if tokenizer is None:
+        raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
+    from cpmoe.serve.server import serve  # web framework imports only for this command
+    try:
+        return serve(opts, layout, model_dir, cfg, device, dtype, tokenizer)
+    except BindError as e:
+        raise InputError(str(e)) from None
+
+
 def _tokenizer(model_dir: Path):
     if not (model_dir / "tokenizer.json").exists() and \
             not (model_dir / "tokenizer_config.json").exists():
@@ -336,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_layout_flags(p)
+    add_model_flags(p)
+    add_serve_arguments(p)
+    p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
     add_bench_arguments(p)
     p.set_defaults(fn=cmd_bench)

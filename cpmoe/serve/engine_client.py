@@ -1,0 +1,203 @@
+"""The HTTP server's handle on the engine ranks.
+
+Threads of the server process:
+- the event loop (uvicorn): `submit` and `cancel` send on the link; every token reaches its
+  request through that request's asyncio queue;
+- the pool thread: `RankPool.run(engine_loop_task)`, which returns only when the engine stops
+  (or raises `RankFailure` within about a second of a rank dying);
+- the link thread: accepts rank 0's connection and hands each step's tokens to the loop.
+
+Invariants:
+- After a failure every waiting request receives `None` (-> `EngineDown`) and every later
+  `submit` raises `EngineDown`; `failure` keeps the root error for the exit message.
+- `waiting` counts requests accepted but without a first token; `submit` refuses
+  (`QueueFull`) once it reaches `max_queue`.
+- A cancelled or finished request leaves `_streams`, so late tokens for it are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+
+from cpmoe.parallel.launch import RankPool
+from cpmoe.serve.engine_loop import EngineSpec, engine_loop_task
+from cpmoe.serve.metrics import Metrics
+from cpmoe.serve.protocol import Job
+from cpmoe.serve.scheduler import Request, TokenEvent
+
+
+class EngineDown(RuntimeError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestStream:
+    rid: int
+    prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+
+    async def next(self) -> TokenEvent:
+        event = await self.queue.get()
+        if event is None:
+            raise EngineDown("the engine failed")
+        return event
+
+
+class EngineClient:
+    def __init__(self, spec: EngineSpec, pool: RankPool, listener: Listener, max_queue: int,
+                 metrics: Metrics, on_failure: Callable[[], None]) -> None:
+        self.spec, self.pool, self.max_queue, self.metrics = spec, pool, max_queue, metrics
+        self._listener = listener
+        self._on_failure = on_failure
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[int, RequestStream] = {}
+        self._next_rid = 0
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self._pool_thread = threading.Thread(target=self._run_pool, name="cpmoe-engine",
+                                             daemon=True)
+
+    @classmethod
+    def start(cls, spec: EngineSpec, world_size: int, device: str, max_queue: int,
+              metrics: Metrics, on_failure: Callable[[], None]) -> EngineClient:
+        """Spawn the ranks, start the engine and wait until the model is loaded on all ranks;
+        raises the engine's failure (RankFailure) if it dies first."""
+        authkey = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        spec = dataclasses.replace(spec, link_address=listener.address, link_authkey=authkey)
+        pool = RankPool(world_size, device, collective_timeout_s=120.0)
+        self = cls(spec, pool, listener, max_queue, metrics, on_failure)
+        self._pool_thread.start()
+        threading.Thread(target=self._read_link, name="cpmoe-link", daemon=True).start()
+        self._ready.wait()
+        if self.failure is not None:
+            raise self.failure
+        return self
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that requests live on (set once the server runs)."""
+        self._loop = loop
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and not self._stopping
+
+    # ---- event loop side ---------------------------------------------------------------------
+    def submit(self, job: Job) -> RequestStream:
+        if not self.alive:
+            raise EngineDown("the engine is not running")
+        if self.metrics.waiting >= self.max_queue:
+            raise QueueFull(f"{self.metrics.waiting} requests already wait (--max-queue "
+                            f"{self.max_queue}); retry later")
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        stream = RequestStream(rid, len(job.prompt_ids))
+        self._streams[rid] = stream
+        self.metrics.waiting += 1
+        self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens, job.kv_need,
+                                   job.ignore_eos)))
+        return stream
+
+    def release(self, stream: RequestStream, reason: str) -> None:
+        """The server is done with a request: tell the engine to drop it if it still runs."""
+        if self._streams.pop(stream.rid, None) is None:
+            return  # finished on the engine already
+        if stream.first is None:
+            self.metrics.waiting -= 1
+        self.metrics.finished[reason] += 1
+        if self.alive:
+            self._send(("cancel", stream.rid))
+
+    def _send(self, msg: tuple) -> None:
+        assert self._conn is not None
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except OSError:  # rank 0 is gone; the pool thread reports why
+            pass
+
+    def _on_step(self, events: list[TokenEvent], stats: dict) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        m.on_step(stats)
+        for ev in events:
+            stream = self._streams.get(ev.rid)
+            if stream is None:
+                continue
+            if stream.first is None:
+                stream.first = now
+                m.waiting -= 1
+                m.ttft.observe(now - stream.arrived)
+            else:
+                m.itl.observe(now - (stream.last or now))
+            stream.last = now
+            m.generation_tokens += 1
+            if ev.finish is not None:
+                del self._streams[ev.rid]
+                m.finished[ev.finish] += 1
+                m.e2e.observe(now - stream.arrived)
+            stream.queue.put_nowait(ev)
+
+    def _fail_all(self) -> None:
+        self.metrics.engine_up = False
+        for stream in self._streams.values():
+            stream.queue.put_nowait(None)
+            self.metrics.finished["error"] += 1
+        self._streams.clear()
+        self.metrics.waiting = 0
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _run_pool(self) -> None:
+        try:
+            self.pool.run(engine_loop_task, self.spec)
+            if not self._stopping:
+                raise EngineDown("the engine loop ended without being asked to")
+        except BaseException as err:  # noqa: BLE001  (reported to the server, then re-raised)
+            self.failure = err
+            self.metrics.engine_up = False
+            self._ready.set()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all)
+            self._on_failure()
+
+    def _read_link(self) -> None:
+        try:
+            self._conn = self._listener.accept()
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "ready":
+                    self.metrics.rank_pids = list(msg[1])
+                    self.metrics.kv_capacity = self.spec.kv_capacity
+                    self.metrics.engine_up = True
+                    self._ready.set()
+                elif msg[0] == "step" and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._on_step, msg[1], msg[2])
+        except (EOFError, OSError):
+            return  # rank 0 ended: the pool thread knows why
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine loop on every rank and close the pool (idempotent). An engine that
+        does not stop in time is left to the ranks' own watchdog: they exit with this process."""
+        if self.failure is None and not self._stopping:
+            self._stopping = True
+            self._send(("stop",))
+        self._pool_thread.join(timeout_s)
+        if not self._pool_thread.is_alive():
+            self.pool.close()
+        self._listener.close()

@@ -1,0 +1,125 @@
+"""Server metrics and their Prometheus text exposition (format 0.0.4), written by hand.
+
+All updates happen on the server's event loop thread, so no locking. Counters only grow;
+gauges that describe the engine (KV slots per rank, running requests) are the values rank 0
+reported with its latest step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+                break
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for upper, n in zip(self.buckets, self.counts or [0] * len(self.buckets)):
+            running += n
+            out.append(f'{name}_bucket{{le="{upper}"}} {running}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total:.6f}",
+                f"{name}_count {self.count}"]
+        return out
+
+
+@dataclass
+class Metrics:
+    requests: Counter = field(default_factory=Counter)  # (endpoint, HTTP status) -> n
+    finished: Counter = field(default_factory=Counter)  # finish reason -> n
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: Counter = field(default_factory=Counter)  # step kind -> n
+    step_seconds: Counter = field(default_factory=Counter)  # step kind -> seconds
+    ttft: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=Histogram)
+    waiting: int = 0  # accepted, no token yet (the queue --max-queue bounds)
+    running: int = 0
+    kv_used: list[int] = field(default_factory=list)  # per rank
+    kv_reserved: int = 0
+    kv_capacity: int = 0
+    rank_pids: list[int] = field(default_factory=list)
+    engine_up: bool = False
+
+    def on_step(self, stats: dict) -> None:
+        self.steps[stats["kind"]] += 1
+        self.step_seconds[stats["kind"]] += stats["step_s"]
+        self.running = stats["running"]
+        self.kv_used = list(stats["kv_used"])
+        self.kv_reserved = stats["kv_reserved"]
+
+    def render(self) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, samples: list[str]) -> None:
+            out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples])
+
+        family("cpmoe_requests_total", "counter", "HTTP generation requests by status",
+               [f'cpmoe_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                for (e, s), n in sorted(self.requests.items())])
+        family("cpmoe_requests_finished_total", "counter",
+               "Accepted requests by how they ended",
+               [f'cpmoe_requests_finished_total{{reason="{r}"}} {n}'
+                for r, n in sorted(self.finished.items())])
+        family("cpmoe_prompt_tokens_total", "counter", "Prompt tokens of accepted requests",
+               [f"cpmoe_prompt_tokens_total {self.prompt_tokens}"])
+        family("cpmoe_generation_tokens_total", "counter", "Tokens generated",
+               [f"cpmoe_generation_tokens_total {self.generation_tokens}"])
+        family("cpmoe_time_to_first_token_seconds", "histogram",
+               "Arrival to first generated token", self.ttft.lines(
+                   "cpmoe_time_to_first_token_seconds"))
+        family("cpmoe_inter_token_latency_seconds", "histogram",
+               "Time between consecutive tokens of a request", self.itl.lines(
+                   "cpmoe_inter_token_latency_seconds"))
+        family("cpmoe_request_latency_seconds", "histogram", "Arrival to last token",
+               self.e2e.lines("cpmoe_request_latency_seconds"))
+        family("cpmoe_requests_waiting", "gauge", "Queue depth: accepted, not yet started",
+               [f"cpmoe_requests_waiting {self.waiting}"])
+        family("cpmoe_requests_running", "gauge", "Requests holding KV on the engine",
+               [f"cpmoe_requests_running {self.running}"])
+        family("cpmoe_kv_slots_used", "gauge", "KV cache slots in use, per rank",
+               [f'cpmoe_kv_slots_used{{rank="{r}"}} {n}' for r, n in enumerate(self.kv_used)])
+        family("cpmoe_kv_slots_reserved", "gauge",
+               "KV slots reserved by admitted requests (busiest CP rank)",
+               [f"cpmoe_kv_slots_reserved {self.kv_reserved}"])
+        family("cpmoe_kv_slots_capacity", "gauge", "KV cache slots per rank",
+               [f"cpmoe_kv_slots_capacity {self.kv_capacity}"])
+        family("cpmoe_engine_steps_total", "counter", "Engine steps by kind",
+               [f'cpmoe_engine_steps_total{{kind="{k}"}} {n}'
+                for k, n in sorted(self.steps.items())])
+        family("cpmoe_engine_step_seconds_total", "counter", "Engine step time by kind",
+               [f'cpmoe_engine_step_seconds_total{{kind="{k}"}} {s:.6f}'
+                for k, s in sorted(self.step_seconds.items())])
+        family("cpmoe_rank_pid", "gauge", "Process id of each engine rank",
+               [f'cpmoe_rank_pid{{rank="{r}"}} {p}' for r, p in enumerate(self.rank_pids)])
+        family("cpmoe_engine_up", "gauge", "1 while the engine ranks are alive",
+               [f"cpmoe_engine_up {int(self.engine_up)}"])
+        return "\n".join(out) + "\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Exposition text -> {'name{labels}': value}; for tests and scripts."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
