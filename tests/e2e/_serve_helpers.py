@@ -1,0 +1,138 @@
+"""Helpers for test_serve.py: a `cpmoe serve` subprocess and per-prompt reference tokens.
+
+`Server` starts the real CLI (`python -m cpmoe.cli serve --device cpu --port 0`), reads the
+bound address from its "serving ... at http://HOST:PORT" stderr line and waits for /health.
+stdout/stderr go to files (no pipe to fill up). Every process it starts carries
+`CPMOE_E2E_MARKER=<id>` in its environment, so `processes()` finds them (ranks included).
+
+`Reference` runs `cpmoe.engine.generate.generate` in this process on one rank with ONE prompt,
+which is what `cpmoe generate --prompts-file` does for a one-prompt file; the server's
+tokens for the same prompt and seed must equal it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+from cpmoe.engine.generate import generate
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.engine.sampling import SamplingParams
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.serve.metrics import parse_metrics
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_LINE = re.compile(r"cpmoe: serving (\S+) at (http://\S+) ")
+
+
+class Server:
+    def __init__(self, workdir: Path, cache_dir: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.marker = uuid.uuid4().hex
+        self.err_path = workdir / f"serve-{self.marker}.err"
+        self.flags = flags
+        full_env = {**os.environ, **(env or {}), "CPMOE_CACHE_DIR": str(cache_dir),
+                    "CPMOE_E2E_MARKER": self.marker,
+                    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
+                                                   os.environ.get("PYTHONPATH", "")])}
+        with open(self.err_path, "wb") as err, open(workdir / f"serve-{self.marker}.out",
+                                                     "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cpmoe.cli", "serve", "--device", "cpu", "--port", "0",
+                 *flags], env=full_env, cwd=str(REPO_ROOT), stdout=out, stderr=err,
+                stdin=subprocess.DEVNULL)
+        self.url = ""
+        self.model = ""
+
+    def wait_ready(self, timeout_s: float = 180.0) -> Server:
+        deadline = time.monotonic() + timeout_s
+        while not self.url:
+            m = READY_LINE.search(self.stderr())
+            if m:
+                self.model, self.url = m[1], m[2]
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.stderr()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.stderr()}")
+            time.sleep(0.1)
+        while httpx.get(f"{self.url}/health", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("/health never answered 200")
+            time.sleep(0.1)
+        return self
+
+    def stderr(self) -> str:
+        return self.err_path.read_bytes().decode("utf-8", errors="replace")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """Metrics once no request waits or runs and no rank holds KV (or the last seen)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            used = [v for k, v in m.items() if k.startswith("cpmoe_kv_slots_used{")]
+            idle = (m["cpmoe_requests_waiting"] == 0 and m["cpmoe_requests_running"] == 0
+                    and used and not any(used))
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def processes(self) -> list[int]:
+        """Pids of live processes this server started (itself and its ranks)."""
+        needle = f"CPMOE_E2E_MARKER={self.marker}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{entry}/environ").read_bytes()
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if needle in env.split(b"\0") and state != "Z":
+                found.append(int(entry))
+        return found
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Reference:
+    """Tokens `cpmoe generate` gives for one prompt (one rank, in this process)."""
+
+    def __init__(self, model_dir: Path, eos_ids: tuple[int, ...]) -> None:
+        self.runner = ModelRunner(model_dir, ProcessGroups.single(), torch.float32,
+                                  show_progress=False)
+        self.eos_ids = eos_ids
+        self._cache: dict[tuple, list[int]] = {}
+
+    def tokens(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> list[int]:
+        key = (tuple(prompt_ids), max_tokens, temperature, top_p, top_k, seed)
+        if key not in self._cache:
+            self.runner.kv = None  # generate sizes the cache for its own prompt
+            self._cache[key] = generate(self.runner, [prompt_ids], max_tokens, self.eos_ids,
+                                        SamplingParams(temperature, top_p, top_k, seed))[0]
+        return self._cache[key]
