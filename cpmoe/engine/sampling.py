@@ -34,7 +34,8 @@ class SamplingParams:
 
 
 def _uniform(seed: int, prompt: int, step: int) -> float:
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + prompt) * 1_000_033 + step)
+    # hash() of a tuple of ints is deterministic (no per-process salt) and fits in 64 bits
+    gen = torch.Generator().manual_seed(hash((seed, prompt, step)) & (2**63 - 1))
     return torch.rand((), generator=gen, dtype=torch.float64).item()
 
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cpmoe.engine.generate import kv_slots_needed
 from cpmoe.engine.sampling import SamplingParams
 
-SEED_LIMIT = 1 << 24  # sampling.py seeds torch with seed * ~1e12, which must stay below 2**64
+SEED_LIMIT = 1 << 63  # seeds are non-negative 64-bit integers
 MAX_STOP_STRINGS = 16
 
 
