@@ -28,9 +28,12 @@ def run_model(groups: ProcessGroups, model_dir: Path, seqs: list[list[int]],
 
 
 def layout_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Path],
-                seqs: list[list[int]], new_tokens: int) -> dict | None:
+                seqs: list[list[int]], new_tokens: int | dict[str, int]) -> dict | None:
+    """new_tokens: one count for every model, or a count per model kind."""
     groups = ProcessGroups.build(layout, info.rank, info.device)
-    out = {kind: run_model(groups, d, seqs, new_tokens) for kind, d in model_dirs.items()}
+    counts = new_tokens if isinstance(new_tokens, dict) else dict.fromkeys(model_dirs,
+                                                                           new_tokens)
+    out = {kind: run_model(groups, d, seqs, counts[kind]) for kind, d in model_dirs.items()}
     return out if info.rank == 0 else {k: {"stats": v["stats"]} for k, v in out.items()}
 
 

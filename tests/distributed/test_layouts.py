@@ -18,7 +18,9 @@ from tests.distributed._model_tasks import layout_task, run_model
 
 SEQS_SEED = 7
 LENGTHS = [37, 1, 5, 16, 3]
-NEW_TOKENS = 32
+# Greedy tokens generated per prompt: 32 on Qwen3-MoE (the sharded-KV acceptance), fewer on
+# Qwen2-MoE, whose decode path differs only by the shared expert (2-core CI time).
+NEW_TOKENS = {"qwen3_moe": 32, "qwen2_moe": 8}
 TOL = 1e-5
 
 
@@ -96,7 +98,8 @@ def seqs() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(qwen3_moe_dir, qwen2_moe_dir, seqs):
     dirs = {"qwen3_moe": qwen3_moe_dir, "qwen2_moe": qwen2_moe_dir}
-    return {k: run_model(ProcessGroups.single(), d, seqs, NEW_TOKENS) for k, d in dirs.items()}
+    return {k: run_model(ProcessGroups.single(), d, seqs, NEW_TOKENS[k])
+            for k, d in dirs.items()}
 
 
 @pytest.mark.parametrize("layout", MATRIX, ids=layout_id)
