@@ -120,16 +120,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if k.shape[1] != q.shape[1]:  # these kernels want equal head counts
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if _CUDNN_OK[0]:
-        try:
-            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-            return o, lse.reshape(q.shape[:3]).float()
-        except RuntimeError:
-            _CUDNN_OK[0] = False  # not supported here: use flash from now on
+    try:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return o, lse.reshape(q.shape[:3]).float()
+    except RuntimeError:  # this cuDNN cannot take the inputs
+        pass
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale)[:2]
     return o, lse.reshape(q.shape[:3]).float()
 
-
-_CUDNN_OK = [True]
