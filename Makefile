@@ -24,7 +24,7 @@ demo: setup
 	$(VENV)/bin/cpmoe check $(DEMO_LAYOUT) --device cpu --prompts 8 --lengths 33,300,1025
 
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest --durations=15
 
 clean:
 	rm -rf $(VENV)
