@@ -43,7 +43,7 @@ from cpmoe.models.deepseek_v4_attention import (
     SeqState,
 )
 from cpmoe.models.deepseek_v4_config import CSA, DECODE_CACHE_NOTE, HASH_MOE, HCA, DeepseekV4Config
-from cpmoe.models.layers import Linear
+from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.parallel.groups import ProcessGroups
@@ -348,7 +348,7 @@ class V4Cache(KVCache):
         return total
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLMHead):
     checkpoint_param_name = staticmethod(checkpoint_param_name)  # read by the loader
 
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
@@ -362,11 +362,3 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots."""
         return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device)
 
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden rows of every token in flat order, on every rank."""
-        return cm.gather_output(self.model(batch), batch, self.groups)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight)

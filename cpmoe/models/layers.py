@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.communicator import gather_output
+
 Shard = tuple[str, int, int] | None
 
 
@@ -86,3 +88,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :half], sin[:, None, :half]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class CausalLMHead(nn.Module):
+    """What every causal-LM wrapper shares: `self.model` (with `embed_tokens`), `self.lm_head`
+    (None when tied to the embedding) and `self.groups`."""
+
+    def hidden_states(self, batch) -> torch.Tensor:
+        """Final-normed hidden rows of every token in flat order, on every rank."""
+        return gather_output(self.model(batch), batch, self.groups)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (self.model.embed_tokens.weight if self.lm_head is None
+                  else self.lm_head.weight)
+        return F.linear(hidden, weight)

@@ -22,8 +22,8 @@ from cpmoe import communicator as cm
 from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.attention import partial_attention, prefill_attention
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary, column_shard,
-                                 kv_head_shard, row_shard)
+from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                 column_shard, kv_head_shard, row_shard)
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.router import SoftmaxTopKRouter
@@ -189,7 +189,7 @@ class QwenMoeModel(nn.Module):
         return self.norm(h + residual)
 
 
-class QwenMoeForCausalLM(nn.Module):
+class QwenMoeForCausalLM(CausalLMHead):
     def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
@@ -204,14 +204,6 @@ class QwenMoeForCausalLM(nn.Module):
     def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
         return checkpoint_shapes(cfg)
 
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden rows of every token in flat order, on every rank."""
-        return cm.gather_output(self.model(batch), batch, self.groups)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight)
 
 
 def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
