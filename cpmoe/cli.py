@@ -94,7 +94,8 @@ def resolve(args: argparse.Namespace):
 # ---- commands ---------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    layout, model_dir, cfg, _, _ = resolve(args)
+    from cpmoe.engine.runner import memory_per_rank
+    layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
@@ -102,12 +103,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     note = getattr(cfg, "decode_cache_note", None)
     if note:
         out["decode_cache"] = note
+    out["dtype"] = str(dtype).removeprefix("torch.")
+    out["memory_per_rank"] = memory_per_rank(cfg, load_model_config(model_dir)[1], layout, dtype)
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"model: {model_dir} ({cfg.architecture})")
     print("sizes: " + ", ".join(f"{k}={v}" for k, v in out.items()
-                                if k not in ("groups", "layer_modes")))
+                                if k not in ("groups", "layer_modes", "memory_per_rank",
+                                             "decode_cache")))
     for kind, members in out["groups"].items():
         print(f"  {kind:<8} " + " ".join(str(m) for m in members))
     modes: dict[tuple[str, str], list[int]] = {}
@@ -115,6 +119,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         modes.setdefault((m["attn"], m["mlp"]), []).append(m["layer"])
     for (attn, mlp), layers in modes.items():
         print(f"  layers {layers}: attention {attn}, mlp {mlp}")
+    for m in out["memory_per_rank"]:
+        kv = m["kv_bytes_per_token"]
+        kv_text = ("replicated per-sequence caches" if kv is None else
+                   f"KV {kv} bytes per stored token ({kv / layout.attn_cp_size:.0f} per prompt "
+                   f"token: the KV of a prompt is sharded over {layout.attn_cp_size} CP ranks)")
+        print(f"  rank {m['rank']}: weights {m['weight_bytes'] / 2**30:.3f} GiB "
+              f"({out['dtype']}), {kv_text}")
     if note:
         print(f"decode cache: {note}")
     return 0

@@ -39,6 +39,25 @@ def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
                           f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
 
 
+def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
+                    dtype: torch.dtype) -> list[dict[str, int | None]]:
+    """Weight bytes and KV bytes per stored token of every rank's shard, from shards built
+    on the meta device (no memory, no processes). KV is None for models that keep their own
+    per-sequence caches (DeepSeek-V4)."""
+    out = []
+    for rank in range(layout.world_size):
+        with torch.device("meta"):
+            model = model_cls(config, ProcessGroups.offline(layout, rank), dtype)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv = None
+        if getattr(model, "make_kv_cache", None) is None:
+            attn = model.model.layers[0].self_attn
+            kv = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
+                  * torch.empty((), dtype=dtype).element_size())
+        out.append({"rank": rank, "weight_bytes": weights, "kv_bytes_per_token": kv})
+    return out
+
+
 @dataclass
 class StepTimes:
     prefill_s: float = 0.0

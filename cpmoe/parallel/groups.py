@@ -80,6 +80,18 @@ class ProcessGroups:
         return out
 
     @classmethod
+    def offline(cls, layout: ParallelLayout, rank: int,
+                device: torch.device | str = "meta") -> "ProcessGroups":
+        """Rank `rank`'s groups with no torch groups behind them: for building a model shard
+        to inspect it (sizes, memory), never for running collectives."""
+        groups = {}
+        for kind in (*GROUP_KINDS, "world"):
+            members = tuple(range(layout.world_size)) if kind == "world" else \
+                tuple(layout.group_of(kind, rank))
+            groups[kind] = Group(kind, members, members.index(rank), None)
+        return cls(layout=layout, rank=rank, device=torch.device(device), **groups)
+
+    @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ProcessGroups":
         """The groups of a one-rank world; needs no torch.distributed."""
         return cls.build(ParallelLayout(), 0, torch.device(device))
