@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 DEFAULT_MODEL_NAME = "cpmoe-tiny-qwen3-moe"
-_VERSION = "v1"
+_VERSION = "v2"  # v2: tensors drawn in the order of qwen_moe.checkpoint_shapes
 _SEED = 20240611
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -126,36 +126,25 @@ def _normal_like(
 
 
 def _tiny_weights(cfg: dict[str, object]) -> dict[str, torch.Tensor]:
-    """Draw every tensor in one fixed order from a generator seeded with ``_SEED``."""
+    """Every tensor the model's own checkpoint table names (so `mlp_only_layers` and other
+    overrides are honoured), drawn in that table's order from a generator seeded with
+    ``_SEED``: norms around 1, the embedding with std 1, linear weights with std
+    1/sqrt(fan_in), the router twice that so top-k routing is decisive, biases small."""
+    from cpmoe.config import parse_qwen_moe
+    from cpmoe.models.qwen_moe import checkpoint_shapes
+
     gen = torch.Generator(device="cpu").manual_seed(_SEED)
-    v, h, hd = int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["head_dim"])
-    q, kv = int(cfg["num_attention_heads"]) * hd, int(cfg["num_key_value_heads"]) * hd
-    n_exp, inter = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
-
-    def linear(out_f: int, in_f: int, scale: float = 1.0) -> torch.Tensor:
-        return _normal_like(gen, (out_f, in_f), scale / math.sqrt(in_f))
-
-    def norm(size: int) -> torch.Tensor:
-        return _normal_like(gen, (size,), 0.05, mean=1.0)
-
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _normal_like(gen, (v, h), 1.0)}
-    for i in range(int(cfg["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = norm(h)
-        out[p + "post_attention_layernorm.weight"] = norm(h)
-        out[p + "self_attn.q_proj.weight"] = linear(q, h)
-        out[p + "self_attn.k_proj.weight"] = linear(kv, h)
-        out[p + "self_attn.v_proj.weight"] = linear(kv, h)
-        out[p + "self_attn.o_proj.weight"] = linear(h, q)
-        out[p + "self_attn.q_norm.weight"] = norm(hd)
-        out[p + "self_attn.k_norm.weight"] = norm(hd)
-        out[p + "mlp.gate.weight"] = linear(n_exp, h, scale=2.0)  # decisive top-k routing
-        for e in range(n_exp):
-            out[p + f"mlp.experts.{e}.gate_proj.weight"] = linear(inter, h)
-            out[p + f"mlp.experts.{e}.up_proj.weight"] = linear(inter, h)
-            out[p + f"mlp.experts.{e}.down_proj.weight"] = linear(h, inter)
-    out["model.norm.weight"] = norm(h)
-    out["lm_head.weight"] = linear(v, h)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in checkpoint_shapes(parse_qwen_moe(cfg)).items():
+        if name.endswith("norm.weight"):
+            out[name] = _normal_like(gen, shape, 0.05, mean=1.0)
+        elif name == "model.embed_tokens.weight":
+            out[name] = _normal_like(gen, shape, 1.0)
+        elif name.endswith(".bias"):
+            out[name] = _normal_like(gen, shape, 0.02)
+        else:
+            scale = 2.0 if name.endswith("mlp.gate.weight") else 1.0
+            out[name] = _normal_like(gen, shape, scale / math.sqrt(shape[1]))
     return out
 
 

@@ -33,7 +33,7 @@ def shared_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         path = dm.ensure_default_model()
         print(f"\nbuilt-in model created in {time.perf_counter() - start:.2f}s; "
               f"model.safetensors = {(path / 'model.safetensors').stat().st_size} bytes")
-    assert path == cache / f"{dm.DEFAULT_MODEL_NAME}-v1"
+    assert path == cache / f"{dm.DEFAULT_MODEL_NAME}-v2"
     return path
 
 
@@ -41,9 +41,9 @@ def test_default_model_dir_honours_env(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     monkeypatch.setenv("CPMOE_CACHE_DIR", str(tmp_path))
-    assert dm.default_model_dir() == tmp_path / "cpmoe-tiny-qwen3-moe-v1"
+    assert dm.default_model_dir() == tmp_path / "cpmoe-tiny-qwen3-moe-v2"
     monkeypatch.delenv("CPMOE_CACHE_DIR")
-    assert dm.default_model_dir() == pathlib.Path.home() / ".cache/cpmoe/cpmoe-tiny-qwen3-moe-v1"
+    assert dm.default_model_dir() == pathlib.Path.home() / ".cache/cpmoe/cpmoe-tiny-qwen3-moe-v2"
 
 
 def test_config_is_hub_style(shared_model_dir: pathlib.Path) -> None:
@@ -136,7 +136,7 @@ def test_concurrent_creators_agree(tmp_path: pathlib.Path) -> None:
     results = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
     assert len({out.strip() for out, _ in results}) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpmoe-tiny-qwen3-moe-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpmoe-tiny-qwen3-moe-v2"]
 
 
 def test_writer_accepts_config_overrides(tmp_path: pathlib.Path) -> None:
@@ -148,3 +148,16 @@ def test_writer_accepts_config_overrides(tmp_path: pathlib.Path) -> None:
         assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
     with pytest.raises(ValueError):
         dm.write_tiny_qwen3_moe(tmp_path / "bad", vocab_size=100)
+
+
+def test_dense_layer_override_writes_a_checkpoint_cpmoe_loads(tmp_path):
+    """The writer follows the model's checkpoint table, so a dense layer gets an MLP, not
+    experts, and cpmoe's loader accepts every tensor."""
+    import torch
+
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+    dm.write_tiny_qwen3_moe(tmp_path, num_hidden_layers=2, mlp_only_layers=[1])
+    runner = ModelRunner(tmp_path, ProcessGroups.single(), torch.float32, show_progress=False)
+    assert runner.load_stats["skipped"] == 0
+    assert torch.isfinite(runner.prefill([[1, 2, 3]])).all()
