@@ -17,7 +17,7 @@ import torch
 
 from cpmoe import communicator as cm
 from cpmoe.bench.run import add_arguments as add_bench_arguments
-from cpmoe.config import ConfigError, parse_dtype
+from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import check_model_fit
@@ -132,13 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def read_id_batch(path: Path, vocab_size: int) -> list[list[int]]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise InputError(f"--input-ids-file {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"--input-ids-file {path}: not JSON ({e.msg} at line {e.lineno})") \
-            from None
+    data = read_json_file(path, "--input-ids-file", InputError)
     if not isinstance(data, list) or not data:
         raise InputError(f"--input-ids-file {path}: expected a non-empty JSON list of token-id "
                          f"lists")
@@ -190,13 +184,7 @@ def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[l
     elif args.prompt is not None:
         prompts, where = [args.prompt], ["--prompt"]
     else:
-        try:
-            prompts = json.loads(Path(args.prompts_file).read_text())
-        except OSError as e:
-            raise InputError(f"--prompts-file {args.prompts_file}: cannot read "
-                             f"({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise InputError(f"--prompts-file {args.prompts_file}: not JSON ({e.msg})") from None
+        prompts = read_json_file(args.prompts_file, "--prompts-file", InputError)
         if not isinstance(prompts, list) or not prompts:
             raise InputError(f"--prompts-file {args.prompts_file}: expected a non-empty JSON "
                              f"list of strings or token-id lists")

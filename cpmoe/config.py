@@ -62,6 +62,17 @@ def read_config_json(model_dir: Path) -> dict:
         raise ConfigError(f"{path}: unreadable config ({e})") from None
 
 
+def read_json_file(path: Path, flag: str, error: type[Exception]) -> object:
+    """The JSON document a command-line flag names; `error` with one line naming the flag
+    and file when it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise error(f"{flag} {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{flag} {path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
 def architecture_of(raw: dict, where: str) -> str:
     archs = raw.get("architectures") or []
     if len(archs) != 1:

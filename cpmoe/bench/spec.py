@@ -12,11 +12,10 @@ The second term is causal attention (QK^T and PV over the visible half of each L
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpmoe.config import ARCHITECTURES, QwenMoeConfig
+from cpmoe.config import ARCHITECTURES, QwenMoeConfig, read_json_file
 from cpmoe.engine.runner import check_model_fit
 from cpmoe.models.registry import config_from_dict
 from cpmoe.moe.dispatch.base import check_backend_available
@@ -57,13 +56,7 @@ SHAPES = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "tiny": _TINY}
 def read_shape(shape: str | None, config_path: Path | None) -> tuple[str, dict]:
     """--shape NAME or --config FILE -> (name for reports, HF config.json contents)."""
     if config_path is not None:
-        try:
-            raw = json.loads(Path(config_path).read_text())
-        except OSError as e:
-            raise BenchError(f"--config {config_path}: cannot read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise BenchError(f"--config {config_path}: not JSON ({e.msg} at line {e.lineno})") \
-                from None
+        raw = read_json_file(config_path, "--config", BenchError)
         if not isinstance(raw, dict):
             raise BenchError(f"--config {config_path}: expected a JSON object")
         return Path(config_path).stem, raw
