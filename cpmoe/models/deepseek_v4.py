@@ -139,17 +139,8 @@ class DeepseekV4Experts(LocalExperts):
         super().__init__(*args, **kwargs)
         self.limit = swiglu_limit
 
-    def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
-                weights_MK: torch.Tensor) -> torch.Tensor:
-        out_MH = torch.zeros_like(x_MH)
-        for e in range(self.num_local_experts):
-            rows, slots = (local_ids_MK == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            gate, up = F.linear(x_MH[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
-            out_MH.index_add_(0, rows, (y * weights_MK[rows, slots, None]).to(out_MH.dtype))
-        return out_MH
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _clamped_swiglu(gate, up, self.limit)
 
 
 class DeepseekV4MLP(nn.Module):

@@ -25,6 +25,11 @@ class LocalExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
 
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU; models with another gated activation override this alone, so both the
+        CPU path and the grouped GPU path use it."""
+        return F.silu(gate) * up
+
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
@@ -48,7 +53,7 @@ class LocalExperts(nn.Module):
                 continue
             rows = row_P[start:start + n]
             gate, up = F.linear(x_MH[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = F.linear(self.activation(gate, up), self.down_proj[e])
             y = y * weights_MK[rows, slot_P[start:start + n], None]
             out_MH.index_add_(0, rows, y.to(out_MH.dtype))
             start += n
@@ -74,7 +79,7 @@ class LocalExperts(nn.Module):
         order = order[:n]
         h = _grouped_mm(x_MH[order // K], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = self.activation(gate, up)
         act *= weights_MK.flatten()[order][:, None].to(act.dtype)
         y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs).to(x_MH.dtype)
         if n == 0:
