@@ -114,17 +114,20 @@ class LayerCommunicator:
     def postprocess_layer(self, mlp_out: torch.Tensor, shared_out: torch.Tensor | None,
                           batch: ForwardBatch) -> torch.Tensor:
         """MLP output (partial, or final for own rows) -> this CP rank's rows, TP_ATTN_FULL."""
-        mode = self.plan.mlp
+        mode, moe, cp = self.plan.mlp, self.groups.moe, self.groups.attn_cp
         if mode is TokenLayout.TP_ATTN_FULL:
             out = comm.all_reduce(mlp_out, self.groups.attn_tp)
         elif mode is TokenLayout.SCATTERED:
             out = mlp_out
+        elif mode is TokenLayout.MOE_FULL and not batch.is_decode and moe.ranks == cp.ranks:
+            # the expert shards are exactly the CP ranks: each keeps its own chunk's sum
+            out = comm.reduce_scatter(mlp_out, cp)[:batch.num_tokens]
         else:
-            out = comm.all_reduce(mlp_out, self.groups.moe)
-        if mode is TokenLayout.MOE_FULL and not batch.is_decode:
-            assert batch.split is not None
-            start = self.groups.attn_cp.rank * batch.split.max_count
-            out = out[start:start + batch.num_tokens]
+            out = comm.all_reduce(mlp_out, moe)
+            if mode is TokenLayout.MOE_FULL and not batch.is_decode:
+                assert batch.split is not None
+                start = cp.rank * batch.split.max_count
+                out = out[start:start + batch.num_tokens]
         if shared_out is not None:
             out = out + shared_out
         group = self._split_group(batch)

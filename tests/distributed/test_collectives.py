@@ -31,6 +31,16 @@ def test_moe_full_gathers_once_over_cp_and_reduces_once_over_moe_group(pools, qw
         assert set(stats) == {"attn_cp", "moe", "attn_tp"}
 
 
+def test_moe_full_reduce_scatters_when_the_expert_shards_are_the_cp_ranks(
+        pools, qwen3_moe_dir, seqs):  # noqa: F811
+    layout = ParallelLayout(tp_size=2, attn_cp_size=2, moe_dp_size=1, ep_size=2)
+    for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
+        # each CP rank keeps the sum of its own chunk: half the bytes of an all-reduce
+        assert stats["attn_cp"] == {"all_gather": LAYERS + SPARSE + 1,
+                                    "reduce_scatter": SPARSE}
+        assert set(stats) == {"attn_cp"}
+
+
 def test_alltoall_moe_issues_no_cp_collective(pools, qwen3_moe_dir, seqs):  # noqa: F811
     layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4,
                             moe_a2a_backend="alltoall")
