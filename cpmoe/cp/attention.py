@@ -116,17 +116,30 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, H, n, D] x [1, Hkv, m, D] -> (o [1, H, n, D], lse [1, H, n] fp32) on CUDA, through
-    the cuDNN kernel when it takes the inputs, else flash attention."""
-    if k.shape[1] != q.shape[1]:  # these kernels want equal head counts
+    the cuDNN kernel when it takes the inputs (GQA heads as they are, else repeated), else
+    flash attention (repeated heads)."""
+    if k.shape[1] != q.shape[1] and _CUDNN_GQA.get(q.device, True):
+        try:
+            return _cudnn_with_lse(q, k, v, causal, scale)
+        except RuntimeError:  # this cuDNN wants equal head counts
+            _CUDNN_GQA[q.device] = False
+    if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     try:
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-        return o, lse.reshape(q.shape[:3]).float()
+        return _cudnn_with_lse(q, k, v, causal, scale)
     except RuntimeError:  # this cuDNN cannot take the inputs
         pass
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return o, lse.reshape(q.shape[:3]).float()
+
+
+_CUDNN_GQA: dict[torch.device, bool] = {}  # whether cuDNN took unequal head counts here
+
+
+def _cudnn_with_lse(q, k, v, causal: bool, scale: float):
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     return o, lse.reshape(q.shape[:3]).float()
 
