@@ -139,8 +139,8 @@ class DeepseekV4Experts(LocalExperts):
         super().__init__(*args, **kwargs)
         self.limit = swiglu_limit
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return _clamped_swiglu(gate, up, self.limit)
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        return _clamped_swiglu(*h.chunk(2, dim=-1), self.limit)
 
 
 class DeepseekV4MLP(nn.Module):

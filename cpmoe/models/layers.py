@@ -81,15 +81,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D] (two equal halves). The same float operations as
-    x * cos + rotate_half(x) * sin, done on half-width tensors."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
 class CausalLMHead(nn.Module):
     """What every causal-LM wrapper shares: `self.model` (with `embed_tokens`), `self.lm_head`
     (None when tied to the embedding) and `self.groups`."""

@@ -22,11 +22,12 @@ from cpmoe import communicator as cm
 from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.attention import partial_attention, prefill_attention
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                 column_shard, kv_head_shard, row_shard)
+from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, column_shard,
+                                 kv_head_shard, row_shard)
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.router import SoftmaxTopKRouter
+from cpmoe.ops import norm_rope
 from cpmoe.parallel.groups import ProcessGroups
 
 
@@ -59,9 +60,11 @@ class QwenMoeAttention(nn.Module):
         q = self.q_proj(x_TH).view(T, self.num_heads, D)
         k = self.k_proj(x_TH).view(T, self.num_kv_heads, D)
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
+            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
+            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+        else:
+            q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
         kv = batch.kv
         if kv is not None and batch.write_rows is not None:
             kv.write(layer, batch.write_slots, k[batch.write_rows], v[batch.write_rows])

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.ops import silu_and_mul, weighted_row_sum
+
 
 class LocalExperts(nn.Module):
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
@@ -25,10 +27,10 @@ class LocalExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU; models with another gated activation override this alone, so both the
-        CPU path and the grouped GPU path use it."""
-        return F.silu(gate) * up
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of gate/up rows packed [.., 2I] (gate first) -> [.., I]; models with another
+        gated activation override this alone, so both the CPU and the GPU path use it."""
+        return silu_and_mul(h)
 
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
@@ -52,19 +54,19 @@ class LocalExperts(nn.Module):
             if n == 0:
                 continue
             rows = row_P[start:start + n]
-            gate, up = F.linear(x_MH[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.activation(gate, up), self.down_proj[e])
+            y = F.linear(self.activation(F.linear(x_MH[rows], self.gate_up_proj[e])),
+                         self.down_proj[e])
             y = y * weights_MK[rows, slot_P[start:start + n], None]
             out_MH.index_add_(0, rows, y.to(out_MH.dtype))
             start += n
         return out_MH
 
     def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
-        """GPU path: every (row, slot) pair sorted by expert, two grouped GEMMs for all
-        experts, the routing weight applied to the (narrower) activation before the down
-        projection, and the per-row sum done by un-sorting into [M, K, H] (no atomics).
-        Slots of other EP ranks' experts sort last; with EP > 1 their count is read once
-        per layer (the only host sync) so that no work is spent on them."""
+        """Grouped-GEMM path (GPU): every (row, slot) pair sorted by expert, two grouped GEMMs
+        for all experts, then each row's weighted sum of its slots' outputs in one
+        `embedding_bag` (gathers and sums without materialising [M, K, H]).
+        Slots of other EP ranks' experts (id -1) sort last and weigh zero; with EP > 1 their
+        count is read once per layer (the only host sync) so no GEMM work is spent on them."""
         M, K = local_ids_MK.shape
         E = self.num_local_experts
         expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
@@ -73,21 +75,18 @@ class LocalExperts(nn.Module):
         offs = torch.searchsorted(sorted_P, bounds).to(torch.int32)
         sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
         n = int(offs[-1]) if sparse else M * K
-        # rank of every slot in the sorted order: un-sorting is then a fast row gather
+        if n == 0:
+            return torch.zeros_like(x_MH)
+        # rank of every slot in the sorted order: where its output row lands
         rank_P = torch.empty_like(order)
         rank_P[order] = torch.arange(M * K, device=order.device)
         order = order[:n]
         h = _grouped_mm(x_MH[order // K], self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        act = self.activation(gate, up)
-        act *= weights_MK.flatten()[order][:, None].to(act.dtype)
-        y = _grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs).to(x_MH.dtype)
-        if n == 0:
-            return torch.zeros_like(x_MH)
-        per_slot = y[rank_P.clamp(max=n - 1)]
-        if sparse:  # slots of other ranks' experts contribute nothing
-            per_slot = torch.where((rank_P < n)[:, None], per_slot, 0)
-        return per_slot.view(M, K, -1).sum(dim=1)
+        y = _grouped_mm(self.activation(h), self.down_proj.transpose(1, 2), offs=offs)
+        # slots of other ranks' experts weigh zero (their row index is any valid one)
+        w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
+        rank_MK = rank_P.view(M, K).clamp(max=n - 1)
+        return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
 
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

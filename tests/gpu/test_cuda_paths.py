@@ -63,3 +63,27 @@ def test_model_on_cuda_matches_cpu_float32(tmp_path, monkeypatch):
     gpu = ModelRunner(d, ProcessGroups.single("cuda"), torch.float32, show_progress=False)
     diff = (cpu.prefill(seqs) - gpu.prefill(seqs).cpu()).abs().max().item()
     assert diff < 1e-3, diff
+
+
+@cuda
+def test_triton_ops_match_references_at_model_shapes():
+    from cpmoe import ops
+    assert ops.triton is not None, "the GPU machine has Triton"
+    torch.manual_seed(3)
+    dev, bf = "cuda", torch.bfloat16
+    h = torch.randn(3000, 1536, device=dev, dtype=bf)
+    torch.testing.assert_close(ops.silu_and_mul(h), ops.silu_and_mul_ref(h), rtol=2e-2,
+                               atol=2e-2)
+    y = torch.randn(24000, 2048, device=dev, dtype=bf)
+    idx = torch.randint(0, 24000, (3000, 8), device=dev)
+    w = torch.rand(3000, 8, device=dev, dtype=bf)
+    torch.testing.assert_close(ops.weighted_row_sum(y, idx, w), ops.weighted_row_sum_ref(y, idx, w),
+                               rtol=2e-2, atol=2e-2)
+    cos = torch.rand(1000, 64, device=dev).repeat(1, 2)
+    sin = torch.rand(1000, 64, device=dev).repeat(1, 2)
+    for heads, weight in ((32, torch.rand(128, device=dev, dtype=bf)), (4, None)):
+        proj = torch.randn(1000, heads * 128 + 7, device=dev, dtype=bf)  # strided rows
+        x = proj[:, :heads * 128].view(1000, heads, 128)
+        torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
+                                   ops.norm_rope_ref(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
+                                   rtol=2e-2, atol=2e-2)

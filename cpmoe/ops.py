@@ -1,0 +1,146 @@
+"""Fused elementwise ops of the model: one Triton kernel each on CUDA, the plain torch
+expression (the reference the kernels are tested against) everywhere else.
+
+- `silu_and_mul(h)`: SwiGLU of gate/up rows packed as [.., 2I] (gate first) -> [.., I].
+- `weighted_row_sum(y, index, weight)`: out[m] = sum_k weight[m, k] * y[index[m, k]]
+  (the MoE combine: every row's weighted sum of its top-k expert outputs).
+- `norm_rope(x, weight, eps, cos, sin)`: per-head RMSNorm (optional) then rotary embedding
+  of x [T, heads, D] (the Qwen3 q/k path).
+
+Kernels accumulate in fp32 and round once. Triton is optional: without it (or on CPU) the
+torch expressions run. Legend: T/M rows, H hidden, K top-k, I intermediate, D head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---- SwiGLU ----------------------------------------------------------------------------
+
+def silu_and_mul_ref(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(h) or h.shape[0] == 0:
+        return silu_and_mul_ref(h)
+    h = h.contiguous()
+    n, two_i = h.shape
+    out = h.new_empty((n, two_i // 2))
+    block = 1024
+    _silu_and_mul_kernel[(n, triton.cdiv(two_i // 2, block))](h, out, two_i // 2, BLOCK=block)
+    return out
+
+
+# ---- MoE combine -----------------------------------------------------------------------
+
+def weighted_row_sum_ref(y: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+                         ) -> torch.Tensor:
+    M, K = index.shape
+    rows = y[index.flatten()].float() * weight.flatten().float()[:, None]
+    return rows.view(M, K, -1).sum(dim=1).to(y.dtype)
+
+
+def weighted_row_sum(y: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+                     ) -> torch.Tensor:
+    if not _use_triton(y) or index.shape[0] == 0:
+        return weighted_row_sum_ref(y, index, weight)
+    y, index, weight = y.contiguous(), index.contiguous(), weight.contiguous()
+    M, K = index.shape
+    H = y.shape[1]
+    out = y.new_empty((M, H))
+    block = min(1024, triton.next_power_of_2(H))
+    _weighted_row_sum_kernel[(M, triton.cdiv(H, block))](y, index, weight, out, H, K=K,
+                                                         BLOCK=block)
+    return out
+
+
+# ---- q/k norm + rotary -------------------------------------------------------------------
+
+def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] with two equal halves (rotate-half convention)."""
+    xf = x.float()
+    if weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(x) or x.shape[0] == 0:
+        return norm_rope_ref(x, weight, eps, cos, sin)
+    T, heads, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(T,)](x, out, weight if weight is not None else x, cos, sin,
+                            x.stride(0), eps, heads, HAS_NORM=weight is not None,
+                            HEADS=triton.next_power_of_2(heads), HALF=D // 2)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_and_mul_kernel(h_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(h_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _weighted_row_sum_kernel(y_ptr, index_ptr, weight_ptr, out_ptr, hidden,
+                                 K: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = tl.load(index_ptr + row * K + k).to(tl.int64)
+            w = tl.load(weight_ptr + row * K + k).to(tl.float32)
+            acc += w * tl.load(y_ptr + src * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, x_row_stride, eps,
+                          heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+                          HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        base = x_ptr + t * x_row_stride + h * (2 * HALF) + d
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+            r = (1.0 / tl.sqrt(ms + eps))[:, None]
+            x1 = x1 * r * tl.load(w_ptr + d).to(tl.float32)
+            x2 = x2 * r * tl.load(w_ptr + HALF + d).to(tl.float32)
+        c = tl.load(cos_ptr + t * (2 * HALF) + d).to(tl.float32)
+        s = tl.load(sin_ptr + t * (2 * HALF) + d).to(tl.float32)
+        dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)

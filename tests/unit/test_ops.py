@@ -1,0 +1,64 @@
+"""Fused ops: the torch reference expressions against what the model did before them, and
+the Triton kernels against the references (Triton's CPU interpreter, in a subprocess since
+TRITON_INTERPRET is read at import; skipped where Triton is not installed)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpmoe import ops
+
+
+def test_references_match_the_plain_expressions() -> None:
+    torch.manual_seed(0)
+    h = torch.randn(5, 12)
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul_ref(h), F.silu(gate) * up)
+
+    y, idx, w = torch.randn(7, 6), torch.randint(0, 7, (4, 3)), torch.rand(4, 3)
+    want = torch.stack([sum(w[m, k] * y[idx[m, k]] for k in range(3)) for m in range(4)])
+    torch.testing.assert_close(ops.weighted_row_sum_ref(y, idx, w), want)
+
+    x, weight = torch.randn(3, 2, 8), torch.rand(8)
+    cos, sin = torch.rand(3, 4).repeat(1, 2), torch.rand(3, 4).repeat(1, 2)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    rotated = torch.cat([-normed[..., 4:], normed[..., :4]], dim=-1)
+    want = normed * cos[:, None] + rotated * sin[:, None]  # HF's rotate_half form
+    torch.testing.assert_close(ops.norm_rope_ref(x, weight, 1e-6, cos, sin), want)
+
+
+_KERNELS = r"""
+import torch
+from cpmoe import ops
+assert ops._use_triton(torch.zeros(1)), "interpreter not active"
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    h = torch.randn(9, 2 * 40).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(h).float(), ops.silu_and_mul_ref(h).float(),
+                               rtol=tol, atol=tol)
+    y, idx = torch.randn(20, 48).to(dtype), torch.randint(0, 20, (6, 3))
+    w = torch.rand(6, 3).to(dtype)
+    torch.testing.assert_close(ops.weighted_row_sum(y, idx, w).float(),
+                               ops.weighted_row_sum_ref(y, idx, w).float(), rtol=tol, atol=tol)
+    for heads, weight in ((3, torch.rand(16).to(dtype)), (4, None)):
+        x = torch.randn(5, heads, 16).to(dtype)
+        cos, sin = torch.rand(5, 8).repeat(1, 2).to(dtype), torch.rand(5, 8).repeat(1, 2).to(dtype)
+        torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos, sin).float(),
+                                   ops.norm_rope_ref(x, weight, 1e-6, cos, sin).float(),
+                                   rtol=tol, atol=tol)
+print("kernels ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_triton_kernels_match_references_in_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernels ok" in out.stdout
