@@ -7,7 +7,9 @@ shows which phase differs between ranks when a multi-GPU layout scales less than
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
+from cpmoe import communicator as cm  # noqa: E402
 from cpmoe.engine.runner import ModelRunner  # noqa: E402
 from cpmoe.models import qwen_moe  # noqa: E402
 from cpmoe.parallel import comm  # noqa: E402
@@ -23,6 +26,23 @@ from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
 from cpmoe.parallel.launch import RankInfo, RankPool  # noqa: E402
 
 SPANS: dict[str, list] = defaultdict(list)
+
+
+HOST: dict[str, float] = {}
+
+
+def _host_mark(fn):
+    def wrapper(*args, **kwargs):
+        HOST.setdefault("first layer", time.perf_counter())
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _gc_watch(phase, info):
+    if phase == "start":
+        HOST["gc start"] = time.perf_counter()
+    else:
+        HOST["gc"] = HOST.get("gc", 0.0) + time.perf_counter() - HOST["gc start"]
 
 
 def _timed(name, fn):
@@ -37,41 +57,64 @@ def _timed(name, fn):
 
 
 def phase_task(info: RankInfo, config: dict, layout, length: int) -> dict:
+    qwen_moe.QwenMoeDecoderLayer.forward = _host_mark(
+        _timed("layer", qwen_moe.QwenMoeDecoderLayer.forward))
     attn = qwen_moe.QwenMoeAttention
     attn.forward = _timed("attention (incl. K/V gather)", attn.forward)
+    cm.gather_kv = _timed("  K/V gather", cm.gather_kv)
+    qwen_moe.prefill_attention = _timed("  attention kernels", qwen_moe.prefill_attention)
+    lc = cm.LayerCommunicator
+    lc.prepare_mlp = _timed("prepare_mlp", lc.prepare_mlp)
+    lc.postprocess_layer = _timed("postprocess_layer", lc.postprocess_layer)
     block = qwen_moe.QwenMoeSparseBlock
     block.routed = _timed("moe routed", block.routed)
-    for op in ("all_gather", "all_reduce", "all_to_all"):
+    block.shared = _timed("moe shared", block.shared)
+    for op in ("all_gather", "all_reduce", "all_to_all", "reduce_scatter"):
         setattr(comm, op, _timed(f"comm {op}", getattr(comm, op)))
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner.from_config(config, groups, torch.bfloat16)
     seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
     runner.prefill(seqs, last_only=True)
     torch.cuda.synchronize()
+    comm.barrier(groups.world)
     SPANS.clear()
+    HOST.clear()
+    gc.callbacks.append(_gc_watch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host0 = time.perf_counter()
     runner.prefill(seqs, last_only=True)
+    gc.callbacks.remove(_gc_watch)
     end.record()
     torch.cuda.synchronize()
     out = {name: sum(s.elapsed_time(e) for s, e in spans) for name, spans in SPANS.items()}
     out["total"] = start.elapsed_time(end)
+    out["host: prefill entry to first layer"] = (HOST["first layer"] - host0) * 1e3
+    out["host: in garbage collection"] = HOST.get("gc", 0.0) * 1e3
+    layers = [s.elapsed_time(e) for s, e in SPANS["layer"]]
+    out["layer min"], out["layer max"] = min(layers), max(layers)
+    out["last layer starts at"] = start.elapsed_time(SPANS["layer"][-1][0])
+    out["first layer starts at"] = start.elapsed_time(SPANS["layer"][0][0])
+    gaps = [e.elapsed_time(s2) for (_, e), (s2, _) in zip(SPANS["layer"], SPANS["layer"][1:])]
+    out["gaps between layers"] = sum(gaps)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layout", default="tp=2,cp=2,dp=2")
+    p.add_argument("--layout", default="tp=2,cp=2,dp=2", help="layouts separated by ';'")
     p.add_argument("--length", type=int, default=65536)
     p.add_argument("--layers", type=int, default=12)
     a = p.parse_args()
     config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
-    layout = parse_layout(a.layout).layout
-    with RankPool(layout.world_size, "cuda", collective_timeout_s=600) as pool:
-        per_rank = pool.run(phase_task, config, layout, a.length)
-    print(f"== {a.layout} length {a.length} layers {a.layers} (ms, per rank)")
-    for name in per_rank[0]:
-        print(f"  {name:<32} " + "  ".join(f"{r.get(name, 0.0):9.1f}" for r in per_rank))
+    for spec in a.layout.split(";"):
+        layout = parse_layout(spec).layout
+        with RankPool(layout.world_size, "cuda", collective_timeout_s=600) as pool:
+            per_rank = pool.run(phase_task, config, layout, a.length)
+        print(f"== {spec} length {a.length} layers {a.layers} (ms, per rank)")
+        for name in per_rank[0]:
+            print(f"  {name:<32} " + "  ".join(f"{r.get(name, 0.0):9.1f}" for r in per_rank),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python3 bench/profile_prefill.py --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
 
 Builds a random-weight Qwen3-30B-A3B-shaped model (optionally fewer layers: per-layer costs
-are the same in every layer), warms up, profiles one prefill on rank 0 and prints a table.
+are the same in every layer), warms up, profiles one prefill and prints a table per rank.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch  # noqa: E402
 from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
 from cpmoe.engine.runner import ModelRunner  # noqa: E402
 from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
-from cpmoe.parallel.launch import RankInfo, RankPool, launch  # noqa: E402
+from cpmoe.parallel.launch import RankInfo, RankPool  # noqa: E402
 
 
-def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int) -> str | None:
+def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int,
+                 trace: str | None) -> str:
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner.from_config(config, groups, torch.bfloat16)
     seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
@@ -34,10 +35,11 @@ def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int) -
     with torch.profiler.profile(activities=acts) as prof:
         runner.prefill(seqs, last_only=True)
         torch.cuda.synchronize()
-    if info.rank != 0:
-        return None
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
-                                     max_name_column_width=70)
+    if trace:
+        prof.export_chrome_trace(f"{trace}/rank{info.rank}.json")
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
+                                      max_name_column_width=70)
+    return f"-- rank {info.rank}\n{table}"
 
 
 def main() -> None:
@@ -46,12 +48,14 @@ def main() -> None:
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--trace", help="folder for a Chrome trace per rank")
     a = p.parse_args()
     config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
     layout = parse_layout(a.layout).layout
     with RankPool(layout.world_size, "cuda") as pool:
         print(f"== {a.layout} length {a.length} layers {a.layers}")
-        print(pool.run(profile_task, config, layout, a.length, a.rows)[0])
+        for table in pool.run(profile_task, config, layout, a.length, a.rows, a.trace):
+            print(table)
 
 
 if __name__ == "__main__":
