@@ -46,9 +46,18 @@ def test_alltoall_moe_issues_no_cp_collective(pools, qwen3_moe_dir, seqs):  # no
                             moe_a2a_backend="alltoall")
     for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
         assert stats["attn_cp"] == {"all_gather": LAYERS + 1}  # K/V and logits only
-        # dispatch: counts + rows + ids + weights; combine: rows back
-        assert stats["moe_ep"] == {"exchange_counts": SPARSE, "all_to_all": 4 * SPARSE}
+        # dispatch: counts + packed rows (hidden, ids, weights); combine: rows back
+        assert stats["moe_ep"] == {"exchange_counts": SPARSE, "all_to_all": 2 * SPARSE}
         assert stats["attn_tp"] == {"all_reduce": LAYERS + 1, "all_gather": SPARSE}
+        assert "moe" not in stats
+
+
+def test_padded_moe_gathers_and_reduce_scatters_over_ep(pools, qwen3_moe_dir,
+                                                        seqs):  # noqa: F811
+    layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4,
+                            moe_a2a_backend="alltoall_padded")
+    for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
+        assert stats["moe_ep"] == {"all_gather": SPARSE, "reduce_scatter": SPARSE}
         assert "moe" not in stats
 
 

@@ -1,8 +1,9 @@
 """Backend `alltoall`: rank-local dispatch/combine over the EP group (needs ep == tp).
 
-Each rank sends only its own tokens (SCATTERED layout), one row per (token, destination
-rank) carrying the token's top-k ids (as the destination's local ids, -1 elsewhere) and
-weights, with `all_to_all_single` after a count exchange; works on gloo and NCCL. Experts
+Each rank sends only its own tokens (SCATTERED layout), one packed row per (token,
+destination rank) carrying the hidden state, the token's top-k ids and weights (one
+`all_to_all_single` after a count exchange; the receiver keeps the ids of its own experts);
+works on gloo and NCCL. Experts
 return weighted rows; combine sends them back and sums, per source token, over destinations.
 No collective touches ATTN_CP inside the MoE.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpmoe.moe.dispatch.base import Dispatcher
+from cpmoe.moe.dispatch.base import Dispatcher, pack_rows, unpack_rows
 from cpmoe.parallel import comm
 
 
@@ -33,16 +34,14 @@ class AllToAllDispatcher(Dispatcher):
         dest_NK = topk_ids_NK // self.num_local_experts
         ranks = torch.arange(group.size, device=x_NH.device)
         sends_RN = (dest_NK[None, :, :] == ranks[:, None, None]).any(dim=-1)  # [ep, N]
-        rank_S, token_S = sends_RN.nonzero(as_tuple=True)  # ordered by rank, then token
-        local_SK = torch.where(dest_NK[token_S] == rank_S[:, None],
-                               topk_ids_NK[token_S] - rank_S[:, None] * self.num_local_experts,
-                               -1)
+        _, token_S = sends_RN.nonzero(as_tuple=True)  # ordered by rank, then token
         send_counts = sends_RN.sum(dim=1)
         recv_counts = comm.exchange_counts(send_counts, group).tolist()  # host sync
         send_counts = send_counts.tolist()
-        recv_x = comm.all_to_all(x_NH[token_S], send_counts, recv_counts, group)
-        recv_ids = comm.all_to_all(local_SK, send_counts, recv_counts, group)
-        recv_w = comm.all_to_all(topk_weights_NK[token_S], send_counts, recv_counts, group)
+        packed = pack_rows(x_NH, topk_ids_NK, topk_weights_NK)[token_S]
+        recv = comm.all_to_all(packed, send_counts, recv_counts, group)
+        recv_x, ids, recv_w = unpack_rows(recv, x_NH.shape[1], topk_ids_NK.shape[1])
+        recv_ids = self.to_local(ids)
         handle = _Handle(token_S, send_counts, recv_counts, x_NH.shape[0])
         return recv_x, recv_ids, recv_w, self.count(recv_ids), handle
 

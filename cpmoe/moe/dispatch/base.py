@@ -51,6 +51,22 @@ class Dispatcher(ABC):
         return counts.scatter_add_(0, ids, torch.ones_like(ids))[:-1]  # bincount would sync
 
 
+def pack_rows(x_NH: torch.Tensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor
+              ) -> torch.Tensor:
+    """One tensor per row for one collective: [hidden | ids as int32 bits | weights], all
+    in x's dtype (ids are reinterpreted, not converted, so they survive any dtype)."""
+    ids = topk_ids_NK.to(torch.int32).contiguous().view(x_NH.dtype)
+    return torch.cat([x_NH, ids, topk_weights_NK.to(x_NH.dtype)], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int, top_k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (x rows [a view], global ids int64, weights), the inverse of pack_rows."""
+    id_cols = packed.shape[1] - hidden - top_k
+    ids = packed[:, hidden:hidden + id_cols].contiguous().view(torch.int32).long()
+    return packed[:, :hidden], ids, packed[:, hidden + id_cols:]
+
+
 class MissingBackendError(RuntimeError):
     pass
 
