@@ -7,7 +7,9 @@ shows which phase differs between ranks when a multi-GPU layout scales less than
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -56,7 +58,10 @@ def _timed(name, fn):
     return wrapper
 
 
-def phase_task(info: RankInfo, config: dict, layout, length: int) -> dict:
+def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int | None = None,
+               cprofile: bool = False) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
     qwen_moe.QwenMoeDecoderLayer.forward = _host_mark(
         _timed("layer", qwen_moe.QwenMoeDecoderLayer.forward))
     attn = qwen_moe.QwenMoeAttention
@@ -83,7 +88,14 @@ def phase_task(info: RankInfo, config: dict, layout, length: int) -> dict:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     host0 = time.perf_counter()
+    prof = cProfile.Profile() if cprofile else None
+    if prof:
+        prof.enable()
     runner.prefill(seqs, last_only=True)
+    if prof:
+        prof.disable()
+        if info.rank == 0:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     gc.callbacks.remove(_gc_watch)
     end.record()
     torch.cuda.synchronize()
@@ -105,12 +117,14 @@ def main() -> None:
     p.add_argument("--layout", default="tp=2,cp=2,dp=2", help="layouts separated by ';'")
     p.add_argument("--length", type=int, default=65536)
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--threads", type=int, help="torch CPU threads per rank (default: launch's)")
+    p.add_argument("--cprofile", action="store_true", help="host profile of rank 0's prefill")
     a = p.parse_args()
     config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
     for spec in a.layout.split(";"):
         layout = parse_layout(spec).layout
         with RankPool(layout.world_size, "cuda", collective_timeout_s=600) as pool:
-            per_rank = pool.run(phase_task, config, layout, a.length)
+            per_rank = pool.run(phase_task, config, layout, a.length, a.threads, a.cprofile)
         print(f"== {spec} length {a.length} layers {a.layers} (ms, per rank)")
         for name in per_rank[0]:
             print(f"  {name:<32} " + "  ".join(f"{r.get(name, 0.0):9.1f}" for r in per_rank),

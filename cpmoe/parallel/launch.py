@@ -124,9 +124,18 @@ def _quota_v1(path: Path) -> float | None:
     return None if limit <= 0 else limit / period
 
 
-def set_cpu_threads(ranks_on_host: int) -> None:
-    """Give each rank of this host an equal share of the CPUs it may use."""
-    torch.set_num_threads(max(1, available_cpus() // max(1, ranks_on_host)))
+# A GPU rank's CPU work is launching kernels plus per-step metadata on small tensors; there
+# wide OpenMP teams only cost wake-ups. Measured on the lent H200 machine (32 CPUs, one
+# 64K-token prefill): host time before the first kernel 92 ms with 32 threads, 12-17 ms
+# with 1-4 (bench/phase_times.py --threads).
+GPU_RANK_MAX_THREADS = 4
+
+
+def set_cpu_threads(ranks_on_host: int, kind: str = "cpu") -> None:
+    """Give each rank of this host an equal share of the CPUs it may use (at most
+    GPU_RANK_MAX_THREADS for a GPU rank)."""
+    share = max(1, available_cpus() // max(1, ranks_on_host))
+    torch.set_num_threads(min(share, GPU_RANK_MAX_THREADS) if kind == "cuda" else share)
 
 
 def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: float,
@@ -144,7 +153,7 @@ def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: fl
     try:
         if kind == "cuda":
             torch.cuda.set_device(rank)
-        set_cpu_threads(world_size)
+        set_cpu_threads(world_size, kind)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         dist.init_process_group(_BACKEND[kind], store=store, rank=rank, world_size=world_size,
@@ -323,7 +332,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
             raise ValueError(f"launched with WORLD_SIZE={env_world} (torchrun) but the command "
                              f"asks for world_size={world_size}; make them match")
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), kind)
         if kind == "cuda":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(_BACKEND[kind], init_method="env://", rank=rank,
@@ -333,7 +342,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
         finally:
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups
     if world_size == 1:  # no process group: single-rank code paths must not need one
-        set_cpu_threads(1)
+        set_cpu_threads(1, kind)
         return fn(RankInfo(0, 1, _rank_device(kind, 0)), *args, **kwargs)
     with RankPool(world_size, kind, collective_timeout_s=collective_timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)[0]

@@ -33,6 +33,8 @@ def test_threads_are_an_equal_share(monkeypatch) -> None:
         assert torch.get_num_threads() == 4
         launch.set_cpu_threads(16)
         assert torch.get_num_threads() == 1
+        launch.set_cpu_threads(1, "cuda")  # GPU ranks: a few threads at most
+        assert torch.get_num_threads() == launch.GPU_RANK_MAX_THREADS
     finally:
         torch.set_num_threads(before)
 
