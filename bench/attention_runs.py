@@ -85,8 +85,8 @@ def main() -> None:
             for name, kernel in VARIANTS.items():
                 A.attention_with_lse = kernel
                 try:
-                    t = timed(lambda: A._prefill_runs_cuda(q, k, v, [0, L], scale, runs))
-                    o = A._prefill_runs_cuda(q, k, v, [0, L], scale, runs)
+                    t = timed(lambda: A._prefill_runs_cuda(q, A.ReadyKV(k, v), [0, L], scale, runs))
+                    o = A._prefill_runs_cuda(q, A.ReadyKV(k, v), [0, L], scale, runs)
                 except RuntimeError as e:
                     print(f"  rank {r} {name:<13} failed: {str(e).splitlines()[0][:120]}")
                     continue

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from cpmoe.cp.attention import merge_partials
+from cpmoe.cp.attention import ReadyKV, merge_partials
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group, ProcessGroups
@@ -157,17 +157,29 @@ class LayerCommunicator:
 
 # ---- attention-side CP movement (model-wide, not per layer) -------------------------------
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-              groups: ProcessGroups) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill: local K/V rows -> K/V of every sequence in flat (original) order.
-    One all-gather over ATTN_CP carries K and V together."""
-    split = batch.split
-    assert split is not None
+def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups):
+    """Prefill: start gathering every sequence's K/V (one all-gather over ATTN_CP carries K
+    and V together) and return at once: `.local` is this rank's rows now, `.wait()` the
+    flat (original order) K/V. Attention computes on local keys while the gather moves."""
     if groups.attn_cp.size == 1:
-        return k, v
-    kv = torch.stack([split.pad_local(k), split.pad_local(v)], dim=1)  # [max, 2, Hkv, D]
-    kv = split.unpermute(comm.all_gather(kv, groups.attn_cp))
-    return kv[:, 0], kv[:, 1]
+        return ReadyKV(k, v, local=(k, v))
+    return _PendingKV(k, v, batch, groups)
+
+
+class _PendingKV:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                 groups: ProcessGroups) -> None:
+        assert batch.split is not None
+        self.local, self.split = (k, v), batch.split
+        kv = torch.stack([self.split.pad_local(k), self.split.pad_local(v)], dim=1)
+        self.pending = comm.all_gather_start(kv, groups.attn_cp)  # [cp*max, 2, Hkv, D]
+        self.flat: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.flat is None:
+            kv = self.split.unpermute(self.pending.wait())
+            self.flat = (kv[:, 0], kv[:, 1])
+        return self.flat
 
 
 def merge_decode_attention(o: torch.Tensor, lse: torch.Tensor,

@@ -112,9 +112,9 @@ def cpmoe_task(info: RankInfo, spec: AttnSpec) -> dict | None:
     scale = spec.head_dim ** -0.5
 
     def step() -> torch.Tensor:
-        k_flat, v_flat = cm.gather_kv(k, v, batch, groups)
-        return prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
-                                 list(split.cu_seqlens), scale, batch.q_runs)
+        return prefill_attention(q, batch.positions, batch.seq_ids,
+                                 cm.gather_kv(k, v, batch, groups), list(split.cu_seqlens),
+                                 scale, batch.q_runs)
 
     times, o = _time(step, spec, info.device, align=lambda: comm.barrier(groups.world))
     groups.start_timing()

@@ -31,7 +31,7 @@ def test_moe_full_gathers_once_over_cp_and_reduces_once_over_moe_group(pools, qw
         assert set(stats) == {"attn_cp", "moe", "attn_tp"}
 
 
-def test_moe_full_reduce_scatters_when_the_expert_shards_are_the_cp_ranks(
+def test_moe_full_reduce_scatters_when_the_expert_shards_are_the_cp_ranks(  # noqa: F811
         pools, qwen3_moe_dir, seqs):  # noqa: F811
     layout = ParallelLayout(tp_size=2, attn_cp_size=2, moe_dp_size=1, ep_size=2)
     for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
@@ -52,7 +52,7 @@ def test_alltoall_moe_issues_no_cp_collective(pools, qwen3_moe_dir, seqs):  # no
         assert "moe" not in stats
 
 
-def test_padded_moe_gathers_and_reduce_scatters_over_ep(pools, qwen3_moe_dir,
+def test_padded_moe_gathers_and_reduce_scatters_over_ep(pools, qwen3_moe_dir,  # noqa: F811
                                                         seqs):  # noqa: F811
     layout = ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=1, ep_size=4,
                             moe_a2a_backend="alltoall_padded")

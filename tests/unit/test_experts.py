@@ -22,8 +22,8 @@ def _grouped_mm_on_cpu() -> bool:
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_grouped_path_matches_loop(ep_size: int) -> None:
     torch.manual_seed(0)
-    E, H, I, M, K = 8, 64, 32, 300, 4
-    m = ex.LocalExperts(E, H, I, torch.float32, shard=(0, ep_size, 0, 1))
+    E, H, inter, M, K = 8, 64, 32, 300, 4
+    m = ex.LocalExperts(E, H, inter, torch.float32, shard=(0, ep_size, 0, 1))
     torch.nn.init.normal_(m.gate_up_proj, std=0.1)
     torch.nn.init.normal_(m.down_proj, std=0.1)
     x = torch.randn(M, H)
