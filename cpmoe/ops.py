@@ -120,7 +120,10 @@ if triton is not None:
         for k in tl.static_range(K):
             src = tl.load(index_ptr + row * K + k).to(tl.int64)
             w = tl.load(weight_ptr + row * K + k).to(tl.float32)
-            acc += w * tl.load(y_ptr + src * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            # a zero weight (a slot of another EP rank's expert) reads nothing
+            used = mask & ((tl.zeros([BLOCK], dtype=tl.float32) + w) != 0.0)
+            vals = tl.load(y_ptr + src * hidden + cols, mask=used, other=0.0)
+            acc += w * vals.to(tl.float32)
         tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -45,6 +45,16 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     w = torch.rand(6, 3).to(dtype)
     torch.testing.assert_close(ops.weighted_row_sum(y, idx, w).float(),
                                ops.weighted_row_sum_ref(y, idx, w).float(), rtol=tol, atol=tol)
+    # zero-weight slots (other EP ranks' experts) are not read: a NaN row there is ignored
+    idx = torch.cat([torch.arange(6)[:, None], torch.randint(6, 20, (6, 2))], dim=1)
+    y_nan = y.clone()
+    y_nan[:6] = float("nan")  # read only by slot 0
+    w0 = w.clone()
+    w0[:, 0] = 0
+    y_zero = torch.where(torch.isnan(y_nan), 0, y_nan)
+    torch.testing.assert_close(ops.weighted_row_sum(y_nan, idx, w0).float(),
+                               ops.weighted_row_sum_ref(y_zero, idx, w0).float(), rtol=tol,
+                               atol=tol)
     for heads, weight in ((3, torch.rand(16).to(dtype)), (4, None)):
         x = torch.randn(5, heads, 16).to(dtype)
         cos, sin = torch.rand(5, 8).repeat(1, 2).to(dtype), torch.rand(5, 8).repeat(1, 2).to(dtype)
