@@ -20,7 +20,7 @@ case "$part" in
     ;;
   peers)
     python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 4096,16384,32768,65536,131072 \
-      --layouts "tp=1" --compare-hf --iters 3 --warmup 1 --plot \
+      --layouts "tp=1" --compare-hf --iters 2 --warmup 1 --plot \
       --out "$out/qwen3-30b-a3b-1gpu-$stamp.json"
     for layout in "--tp-size 2 --attn-cp-size 2 --ep-size 2" \
                   "--tp-size 2 --attn-cp-size 2 --ep-size 2 --moe-a2a-backend alltoall_padded" \
