@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from cpmoe.bench.timing import cuda_ms  # noqa: E402
 from cpmoe.cp import attention as A  # noqa: E402
 from cpmoe.cp.split import CPSplit  # noqa: E402
 
@@ -46,18 +47,6 @@ VARIANTS = {"current": CURRENT, "repeat-cudnn": _kernel(False, True),
             "repeat-flash": _kernel(False, False)}
 
 
-def timed(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", default="65536,131072")
@@ -71,7 +60,7 @@ def main() -> None:
         kv = torch.randn(L, 2, Hkv, D, device=dev, dtype=dt)  # the gathered layout
         k, v = kv[:, 0], kv[:, 1]
         qf = torch.randn(L, H, D, device=dev, dtype=dt)
-        one = timed(lambda: F.scaled_dot_product_attention(
+        one = cuda_ms(lambda: F.scaled_dot_product_attention(
             qf.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=scale, enable_gqa=True))
         print(f"== L={L} cp={a.cp}: 1-GPU causal SDPA (GQA) {one:.2f} ms, ideal/rank "
@@ -85,8 +74,9 @@ def main() -> None:
             for name, kernel in VARIANTS.items():
                 A.attention_with_lse = kernel
                 try:
-                    t = timed(lambda: A._prefill_runs_cuda(q, A.ReadyKV(k, v), [0, L], scale, runs))
-                    o = A._prefill_runs_cuda(q, A.ReadyKV(k, v), [0, L], scale, runs)
+                    kv_ready = A.ReadyKV(k, v)
+                    t = cuda_ms(lambda: A._prefill_runs_cuda(q, kv_ready, [0, L], scale, runs))
+                    o = A._prefill_runs_cuda(q, kv_ready, [0, L], scale, runs)
                 except RuntimeError as e:
                     print(f"  rank {r} {name:<13} failed: {str(e).splitlines()[0][:120]}")
                     continue

@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpmoe import ops  # noqa: E402
+from cpmoe.bench.timing import cuda_ms  # noqa: E402
 
 
 def gather_sum(y, rank_MK, w_MK, n):
@@ -30,18 +31,6 @@ def bag(y, rank_MK, w_MK, n):
 
 def triton_sum(y, rank_MK, w_MK, n):
     return ops.weighted_row_sum(y, rank_MK.clamp(max=n - 1), w_MK)
-
-
-def timed(fn, iters=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def main() -> None:
@@ -63,7 +52,7 @@ def main() -> None:
             for name, fn in (("gather+sum", gather_sum), ("embedding_bag", bag),
                              ("triton", triton_sum)):
                 err = (fn(y, rank_MK, w_MK, n).float() - ref).abs().max().item()
-                times[name] = timed(lambda: fn(y, rank_MK, w_MK, n))
+                times[name] = cuda_ms(lambda: fn(y, rank_MK, w_MK, n), iters=20)
                 times[name + " max|diff|"] = err
             print(f"M={M:6d} K={K} ep={ep}: " + "  ".join(
                 f"{k} {v:.3f}" + ("" if "diff" in k else " ms") for k, v in times.items()),

@@ -39,6 +39,20 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def cuda_ms(fn: Callable[[], Any], iters: int = 5) -> float:
+    """Mean milliseconds of one fn() on the current CUDA stream (one untimed call first),
+    for kernel micro-benchmarks."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
