@@ -77,7 +77,7 @@ def fill_like_cpmoe(model, raw: dict, seed: int, device: torch.device,
     from cpmoe.models.random_weights import RandomCheckpoint
     from cpmoe.models.registry import config_from_dict
     cfg, model_cls = config_from_dict(raw, "<bench shape>")
-    source = RandomCheckpoint(model_cls.checkpoint_shapes(cfg), seed, device, dtype)
+    source = RandomCheckpoint.of(model_cls, cfg, seed, device, dtype)
     params = dict(model.named_parameters())
     filled: Counter = Counter()
     inter = cfg.moe_intermediate_size

@@ -82,8 +82,7 @@ class ModelRunner:
         config, model_cls = config_from_dict(config_json)
         self = cls.__new__(cls)
         self._build(config, model_cls, groups, dtype)
-        source = RandomCheckpoint(model_cls.checkpoint_shapes(config), seed, groups.device,
-                                  dtype)
+        source = RandomCheckpoint.of(model_cls, config, seed, groups.device, dtype)
         self.load_stats = fill_parameters(self.model, [(Path("<random weights>"), source)],
                                           "<random weights>", show_progress=False,
                                           tied_embeddings=config.tie_word_embeddings)

@@ -44,6 +44,7 @@ from cpmoe.models.deepseek_v4_attention import (
 )
 from cpmoe.models.deepseek_v4_config import CSA, DECODE_CACHE_NOTE, HASH_MOE, HCA, DeepseekV4Config
 from cpmoe.models.layers import CausalLMHead, Linear
+from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.parallel.groups import ProcessGroups
@@ -348,6 +349,18 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         self.model = DeepseekV4Model(cfg, groups, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+
+    @staticmethod
+    def checkpoint_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+        """Every tensor of a checkpoint of this config, in HF names (CHECKPOINT_RENAMES
+        leave them as they are), for random weights at real shapes."""
+        return one_rank_checkpoint_shapes(DeepseekV4ForCausalLM, cfg)
+
+    @staticmethod
+    def checkpoint_int_ranges(cfg: DeepseekV4Config) -> dict[str, int]:
+        """The hash layers' token -> expert tables hold expert ids."""
+        return {f"model.layers.{i}.mlp.gate.tid2eid": cfg.num_experts
+                for i, kind in enumerate(cfg.mlp_layer_types) if kind == HASH_MOE}
 
     def make_kv_cache(self, capacity: int) -> V4Cache:
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots."""

@@ -194,3 +194,37 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
             assert r["max_abs_diff"] < 1e-4  # combine(identity experts) gives x back
             assert r["effective_gbps"] > 0 and r["nccl_busbw_gbps"] > 0
             assert min(r["remote_bytes_per_rank"]) > 0
+
+
+def test_bench_takes_a_deepseek_v4_config_at_random_weights(tmp_path):
+    """Any supported config.json benches without a checkpoint, V4 included (its hash-routing
+    tables drawn as distinct expert ids); its CP layout's logits match one rank."""
+    config = tmp_path / "v4.json"
+    config.write_text(json.dumps({
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
+        "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+        "sliding_window": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 32,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "hc_mult": 4,
+        "compress_ratios": [128, 4, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}))
+    out = tmp_path / "v4-bench.json"
+    proc = _run(["-m", "cpmoe.cli", "bench", "--config", str(config), "--device", "cpu",
+                 "--dtype", "float32", "--iters", "1", "--warmup", "0", "--lengths", "300",
+                 "--layouts", "tp=1;tp=2,cp=2,ep=2,backend=alltoall_padded", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["tp=1", "tp=2,cp=2,ep=2,backend=alltoall_padded"]
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["logits_max_abs_diff_vs_tp1"] < 1e-4 and rows[1]["top1_agrees_vs_tp1"]
+
+
+def test_random_hash_tables_hold_distinct_expert_ids():
+    from cpmoe.models.random_weights import RandomCheckpoint
+    source = RandomCheckpoint({"t": (50, 3)}, 0, torch.device("cpu"), torch.float32,
+                              int_ranges={"t": 5})
+    t = source.get_slice("t")[:]
+    assert t.dtype == torch.int64 and t.min() >= 0 and t.max() < 5
+    assert all(len(set(row.tolist())) == 3 for row in t)
