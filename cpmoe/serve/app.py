@@ -198,34 +198,42 @@ async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[int], str | None]]
             pending = []
 
 
-async def _completion_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
+def _completion_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
+    want_ids = run.job.return_token_ids
+
+    def chunks(piece: str, ids: list[int], finish: str | None) -> list[list[dict]]:
+        return [[api.completion_choice(piece, finish, ids if want_ids else None)]]
+
     head = {"id": rid, "object": "text_completion", "created": api.now(), "model": name}
+    return _stream(run, head, [], chunks)
+
+
+def _chat_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
     want_ids = run.job.return_token_ids
-    try:
-        async for piece, ids, finish in _tokens(run):
-            yield _sse({**head, "choices": [api.completion_choice(
-                piece, finish, ids if want_ids else None)]})
-        if run.job.include_usage:
-            yield _sse({**head, "choices": [], "usage": run.usage()})
-        yield "data: [DONE]\n\n"
-    except EngineDown:
-        yield _sse(_unavailable("the engine failed while generating", "engine_down").body())
-    finally:
-        run.release()
 
+    def chunks(piece: str, ids: list[int], finish: str | None) -> list[list[dict]]:
+        out = []
+        if piece or want_ids:
+            out.append([api.chat_delta({"content": piece}, None, ids if want_ids else None)])
+        if finish is not None:
+            out.append([api.chat_delta({}, finish)])
+        return out
 
-async def _chat_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": api.now(), "model": name}
-    want_ids = run.job.return_token_ids
+    opening = [[api.chat_delta({"role": "assistant", "content": ""}, None)]]
+    return _stream(run, head, opening, chunks)
+
+
+async def _stream(run: _Run, head: dict, opening: list[list[dict]], chunks
+                  ) -> AsyncIterator[str]:
+    """One request's SSE events: the opening choices, the choices `chunks` makes of every
+    decoded step, usage if asked, [DONE]; an engine failure ends the stream with a 503 body."""
     try:
-        yield _sse({**head, "choices": [api.chat_delta({"role": "assistant", "content": ""},
-                                                       None)]})
+        for choices in opening:
+            yield _sse({**head, "choices": choices})
         async for piece, ids, finish in _tokens(run):
-            if piece or want_ids:
-                yield _sse({**head, "choices": [api.chat_delta(
-                    {"content": piece}, None, ids if want_ids else None)]})
-            if finish is not None:
-                yield _sse({**head, "choices": [api.chat_delta({}, finish)]})
+            for choices in chunks(piece, ids, finish):
+                yield _sse({**head, "choices": choices})
         if run.job.include_usage:
             yield _sse({**head, "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
