@@ -63,8 +63,8 @@ class LocalExperts(nn.Module):
 
     def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
         """Grouped-GEMM path (GPU): every (row, slot) pair sorted by expert, two grouped GEMMs
-        for all experts, then each row's weighted sum of its slots' outputs in one
-        `embedding_bag` (gathers and sums without materialising [M, K, H]).
+        for all experts, then each row's weighted sum of its slots' outputs in one pass
+        (`ops.weighted_row_sum`: no [M, K, H] intermediate).
         Slots of other EP ranks' experts (id -1) sort last and weigh zero; with EP > 1 their
         count is read once per layer (the only host sync) so no GEMM work is spent on them."""
         M, K = local_ids_MK.shape

@@ -95,10 +95,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def available_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota.
-    Containers often show every host core while their quota allows a few; torch's default
-    thread count then oversubscribes the quota and every small CPU op stalls for
-    milliseconds (seen on the lent GPU machines: 6-12 ms per op on 64K elements)."""
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota
+    (containers often show every host core while their quota allows a few)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     n = n or 1
     for path, parse in (("/sys/fs/cgroup/cpu.max", _quota_v2),
@@ -125,9 +123,9 @@ def _quota_v1(path: Path) -> float | None:
 
 
 # A GPU rank's CPU work is launching kernels plus per-step metadata on small tensors; there
-# wide OpenMP teams only cost wake-ups. Measured on the lent H200 machine (32 CPUs, one
-# 64K-token prefill): host time before the first kernel 92 ms with 32 threads, 12-17 ms
-# with 1-4 (bench/phase_times.py --threads).
+# wide OpenMP teams only cost wake-ups. Measured on the lent H200 machine (32 CPUs, no
+# quota, one 64K-token prefill): host time before the first kernel 92 ms with 32 threads,
+# 12-17 ms with 1-4, each small op 6-12 ms with 32 (bench/phase_times.py --threads).
 GPU_RANK_MAX_THREADS = 4
 
 

@@ -3,9 +3,8 @@
 Each rank sends only its own tokens (SCATTERED layout), one packed row per (token,
 destination rank) carrying the hidden state, the token's top-k ids and weights (one
 `all_to_all_single` after a count exchange; the receiver keeps the ids of its own experts);
-works on gloo and NCCL. Experts
-return weighted rows; combine sends them back and sums, per source token, over destinations.
-No collective touches ATTN_CP inside the MoE.
+works on gloo and NCCL. Experts return weighted rows; combine sends them back and sums, per
+source token, over destinations. No collective touches ATTN_CP inside the MoE.
 """
 
 from __future__ import annotations
