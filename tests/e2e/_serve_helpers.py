@@ -94,19 +94,7 @@ class Server:
 
     def processes(self) -> list[int]:
         """Pids of live processes this server started (itself and its ranks)."""
-        needle = f"CPMOE_E2E_MARKER={self.marker}".encode()
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if needle in env.split(b"\0") and state != "Z":
-                found.append(int(entry))
-        return found
+        return [pid for pid, state, _ in marked_processes(self.marker) if state != "Z"]
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -136,3 +124,21 @@ class Reference:
             self._cache[key] = generate(self.runner, [prompt_ids], max_tokens, self.eos_ids,
                                         SamplingParams(temperature, top_p, top_k, seed))[0]
         return self._cache[key]
+
+
+def marked_processes(marker: str) -> list[tuple[int, str, str]]:
+    """(pid, state, cmdline) of every process whose environment carries the marker."""
+    needle = f"CPMOE_E2E_MARKER={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if needle in env.split(b"\0"):
+            found.append((int(entry), state, cmd.replace(b"\0", b" ").decode(errors="replace")))
+    return found

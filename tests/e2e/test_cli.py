@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
+from tests.e2e._serve_helpers import marked_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256  # the conftest checkpoints
@@ -122,24 +123,6 @@ class Cli:
 
 def decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
-
-
-def marked_processes(marker: str) -> list[tuple[int, str, str]]:
-    """(pid, state, cmdline) of every live process whose environment carries the marker."""
-    needle = f"CPMOE_E2E_MARKER={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # gone meanwhile, or not ours
-            continue
-        if needle in env.split(b"\0"):
-            found.append((int(entry), state, cmd.replace(b"\0", b" ").decode(errors="replace")))
-    return found
 
 
 def shown_lines(stderr: str) -> list[str]:

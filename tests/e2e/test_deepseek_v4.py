@@ -30,6 +30,7 @@ from cpmoe.models.deepseek_v4 import DECODE_CACHE_NOTE, checkpoint_param_name
 from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, parse_deepseek_v4
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._v4_tasks import make_v4_model
+from tests.e2e._hf_helpers import hf_greedy
 
 LENGTHS = (1, 7, 130, 600)
 TOL = 1e-4
@@ -61,15 +62,6 @@ def runner(v4) -> ModelRunner:
 def random_ids(lengths, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
-
-
-@torch.no_grad()
-def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_prefill_logits_match_hf(v4, runner):

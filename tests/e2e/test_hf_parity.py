@@ -18,6 +18,7 @@ import torch
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
+from tests.e2e._hf_helpers import hf_greedy
 
 KINDS = ("qwen3_moe", "qwen2_moe")
 LENGTHS = (1, 7, 213)
@@ -40,15 +41,6 @@ def hf_logits(hf_model, seqs: list[list[int]]) -> torch.Tensor:
     """HF logits of each sequence alone (no padding), concatenated in flat order."""
     outs = [hf_model(input_ids=torch.tensor([s])).logits[0].float() for s in seqs]
     return torch.cat(outs)
-
-
-@torch.no_grad()
-def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
