@@ -263,26 +263,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_choice(text: str, finish: str | None, token_ids: list[int] | None = None
                       ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                              "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
+    return _choice({"text": text}, finish, token_ids)
 
 
 def chat_choice(text: str, finish: str | None, token_ids: list[int] | None = None
                 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
+    return _choice({"message": {"role": "assistant", "content": text}}, finish, token_ids)
 
 
 def chat_delta(delta: dict[str, str], finish: str | None, token_ids: list[int] | None = None
                ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": finish}
+    return _choice({"delta": delta}, finish, token_ids)
+
+
+def _choice(body: dict[str, Any], finish: str | None, token_ids: list[int] | None
+            ) -> dict[str, Any]:
+    """One choice of a response or chunk; `token_ids` only when the request asked for them."""
+    choice: dict[str, Any] = {"index": 0, **body, "logprobs": None, "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
