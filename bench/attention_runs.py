@@ -74,9 +74,8 @@ def main() -> None:
             for name, kernel in VARIANTS.items():
                 A.attention_with_lse = kernel
                 try:
-                    kv_ready = A.ReadyKV(k, v)
-                    t = cuda_ms(lambda: A._prefill_runs_cuda(q, kv_ready, [0, L], scale, runs))
-                    o = A._prefill_runs_cuda(q, kv_ready, [0, L], scale, runs)
+                    t = cuda_ms(lambda: A._prefill_runs_cuda(q, k, v, [0, L], scale, runs))
+                    o = A._prefill_runs_cuda(q, k, v, [0, L], scale, runs)
                 except RuntimeError as e:
                     print(f"  rank {r} {name:<13} failed: {str(e).splitlines()[0][:120]}")
                     continue

@@ -2,6 +2,12 @@
 shows which phase differs between ranks when a multi-GPU layout scales less than expected.
 
     python3 bench/phase_times.py --layout "tp=2,cp=2,dp=2" --length 65536 --layers 12
+
+--timeline N prints layer N's phases as start/end times on every rank, measured from one
+instant the ranks share (a GPU all-reduce just before the prefill), so waits show where
+they happen. --even-routing (an experiment) replaces the router's choice with a fixed one
+that gives every expert the same number of slots: the MoE load a perfectly balanced expert
+placement would see (logits are meaningless then).
 """
 
 from __future__ import annotations
@@ -28,16 +34,25 @@ from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
 from cpmoe.parallel.launch import RankInfo, RankPool  # noqa: E402
 
 SPANS: dict[str, list] = defaultdict(list)
+LAYER = [-1]  # index of the layer being run, for the timeline
 
 
 HOST: dict[str, float] = {}
 
 
 def _host_mark(fn):
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         HOST.setdefault("first layer", time.perf_counter())
-        return fn(*args, **kwargs)
+        LAYER[0] = self.layer
+        return fn(self, *args, **kwargs)
     return wrapper
+
+
+def _even_router(self, x_NH):
+    N, K, E = x_NH.shape[0], self.top_k, self.weight.shape[0]
+    slots = torch.arange(N * K, device=x_NH.device).view(N, K)
+    ids = (slots * 7919) % E  # K distinct ids per row (7919 is prime, E a power of two)
+    return ids, torch.full((N, K), 1.0 / K, dtype=x_NH.dtype, device=x_NH.device)
 
 
 def _gc_watch(phase, info):
@@ -53,15 +68,18 @@ def _timed(name, fn):
         start.record()
         out = fn(*args, **kwargs)
         end.record()
-        SPANS[name].append((start, end))
+        SPANS[name].append((start, end, LAYER[0]))
         return out
     return wrapper
 
 
 def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int | None = None,
-               cprofile: bool = False) -> dict:
+               cprofile: bool = False, timeline: int | None = None,
+               even_routing: bool = False) -> dict:
     if threads:
         torch.set_num_threads(threads)
+    if even_routing:
+        qwen_moe.SoftmaxTopKRouter.forward = _even_router
     qwen_moe.QwenMoeDecoderLayer.forward = _host_mark(
         _timed("layer", qwen_moe.QwenMoeDecoderLayer.forward))
     attn = qwen_moe.QwenMoeAttention
@@ -86,6 +104,7 @@ def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int |
     HOST.clear()
     gc.callbacks.append(_gc_watch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    comm.all_reduce(torch.ones(1, device=info.device), groups.world)  # align the GPU clocks
     start.record()
     host0 = time.perf_counter()
     prof = cProfile.Profile() if cprofile else None
@@ -99,16 +118,20 @@ def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int |
     gc.callbacks.remove(_gc_watch)
     end.record()
     torch.cuda.synchronize()
-    out = {name: sum(s.elapsed_time(e) for s, e in spans) for name, spans in SPANS.items()}
+    out = {name: sum(s.elapsed_time(e) for s, e, _ in spans) for name, spans in SPANS.items()}
     out["total"] = start.elapsed_time(end)
     out["host: prefill entry to first layer"] = (HOST["first layer"] - host0) * 1e3
     out["host: in garbage collection"] = HOST.get("gc", 0.0) * 1e3
-    layers = [s.elapsed_time(e) for s, e in SPANS["layer"]]
+    layers = [s.elapsed_time(e) for s, e, _ in SPANS["layer"]]
     out["layer min"], out["layer max"] = min(layers), max(layers)
     out["last layer starts at"] = start.elapsed_time(SPANS["layer"][-1][0])
     out["first layer starts at"] = start.elapsed_time(SPANS["layer"][0][0])
-    gaps = [e.elapsed_time(s2) for (_, e), (s2, _) in zip(SPANS["layer"], SPANS["layer"][1:])]
+    gaps = [e.elapsed_time(s2) for (_, e, _), (s2, _, _) in zip(SPANS["layer"], SPANS["layer"][1:])]
     out["gaps between layers"] = sum(gaps)
+    if timeline is not None:
+        spans = [(start.elapsed_time(s), start.elapsed_time(e), name)
+                 for name, items in SPANS.items() for s, e, layer in items if layer == timeline]
+        out["timeline"] = sorted(spans)
     return out
 
 
@@ -119,16 +142,29 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--threads", type=int, help="torch CPU threads per rank (default: launch's)")
     p.add_argument("--cprofile", action="store_true", help="host profile of rank 0's prefill")
+    p.add_argument("--timeline", type=int, metavar="LAYER",
+                   help="print this layer's phases as start/end ms on every rank")
+    p.add_argument("--even-routing", action="store_true",
+                   help="every expert gets the same slots (experiment; logits meaningless)")
     a = p.parse_args()
     config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
     for spec in a.layout.split(";"):
         layout = parse_layout(spec).layout
         with RankPool(layout.world_size, "cuda", collective_timeout_s=600) as pool:
-            per_rank = pool.run(phase_task, config, layout, a.length, a.threads, a.cprofile)
-        print(f"== {spec} length {a.length} layers {a.layers} (ms, per rank)")
+            per_rank = pool.run(phase_task, config, layout, a.length, a.threads, a.cprofile,
+                                a.timeline, a.even_routing)
+        note = " even routing" if a.even_routing else ""
+        print(f"== {spec} length {a.length} layers {a.layers}{note} (ms, per rank)")
+        timelines = [r.pop("timeline", None) for r in per_rank]
         for name in per_rank[0]:
             print(f"  {name:<32} " + "  ".join(f"{r.get(name, 0.0):9.1f}" for r in per_rank),
                   flush=True)
+        for rank, spans in enumerate(timelines):
+            if spans is None:
+                continue
+            print(f"  -- layer {a.timeline} on rank {rank} (start .. end ms, phase)")
+            for s, e, name in spans:
+                print(f"     {s:9.2f} .. {e:9.2f}  {e - s:8.2f}  {name.strip()}")
 
 
 if __name__ == "__main__":

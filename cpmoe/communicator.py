@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from cpmoe.cp.attention import ReadyKV, merge_partials
+from cpmoe.cp.attention import merge_partials
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group, ProcessGroups
@@ -157,29 +157,18 @@ class LayerCommunicator:
 
 # ---- attention-side CP movement (model-wide, not per layer) -------------------------------
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups):
-    """Prefill: start gathering every sequence's K/V (one all-gather over ATTN_CP carries K
-    and V together) and return at once: `.local` is this rank's rows now, `.wait()` the
-    flat (original order) K/V. Attention computes on local keys while the gather moves."""
+def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill: every sequence's K/V in flat (original) order, from one all-gather over
+    ATTN_CP that carries K and V together. Synchronous on purpose: overlapping it with the
+    attention to each run's own keys measured slower in the whole model on 2 H200s (NCCL's
+    kernel sharing the SMs with attention while it waits for the peer; BENCHMARKS.md)."""
     if groups.attn_cp.size == 1:
-        return ReadyKV(k, v, local=(k, v))
-    return _PendingKV(k, v, batch, groups)
-
-
-class _PendingKV:
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                 groups: ProcessGroups) -> None:
-        assert batch.split is not None
-        self.local, self.split = (k, v), batch.split
-        kv = torch.stack([self.split.pad_local(k), self.split.pad_local(v)], dim=1)
-        self.pending = comm.all_gather_start(kv, groups.attn_cp)  # [cp*max, 2, Hkv, D]
-        self.flat: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.flat is None:
-            kv = self.split.unpermute(self.pending.wait())
-            self.flat = (kv[:, 0], kv[:, 1])
-        return self.flat
+        return k, v
+    assert batch.split is not None
+    kv = torch.stack([batch.split.pad_local(k), batch.split.pad_local(v)], dim=1)
+    kv = batch.split.unpermute(comm.all_gather(kv, groups.attn_cp))  # [sum L, 2, Hkv, D]
+    return kv[:, 0], kv[:, 1]
 
 
 def merge_decode_attention(o: torch.Tensor, lse: torch.Tensor,

@@ -113,7 +113,7 @@ def cpmoe_task(info: RankInfo, spec: AttnSpec) -> dict | None:
 
     def step() -> torch.Tensor:
         return prefill_attention(q, batch.positions, batch.seq_ids,
-                                 cm.gather_kv(k, v, batch, groups), list(split.cu_seqlens),
+                                 *cm.gather_kv(k, v, batch, groups), list(split.cu_seqlens),
                                  scale, batch.q_runs)
 
     times, o = _time(step, spec, info.device, align=lambda: comm.barrier(groups.world))

@@ -13,8 +13,6 @@ D = head dim. GQA: query head h reads KV head h // (H / Hkv).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -33,30 +31,15 @@ def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int
     return [(a, b, int(seq[a]), int(pos[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@dataclass
-class ReadyKV:
-    """K/V of every sequence in flat order, already at hand. The communicator's pending
-    gather has the same two members: `local` (this rank's own rows, or None) and `wait()`."""
-
-    k_flat: torch.Tensor
-    v_flat: torch.Tensor
-    local: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_flat, self.v_flat
-
-
-def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor, kv,
-                      cu_seqlens: list[int], scale: float,
-                      runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
-    """q [T, H, D] with positions/sequence ids [T]; kv: ReadyKV or a pending gather whose
-    `wait()` gives k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given the query runs,
-    fused kernels run per run with no host sync, and each run's attention to its own keys
-    (this rank's rows) runs before waiting for the gather, overlapping it."""
+def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
+                      k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
+                      scale: float, runs: list[tuple[int, int, int, int]] | None = None
+                      ) -> torch.Tensor:
+    """q [T, H, D] with positions/sequence ids [T] against k/v_flat [sum L, Hkv, D] in flat
+    order. On CUDA, given the query runs, fused kernels run per run with no host sync."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
-        return _prefill_runs_cuda(q, kv, cu_seqlens, scale, runs)
-    k_flat, v_flat = kv.wait()
+        return _prefill_runs_cuda(q, k_flat, v_flat, cu_seqlens, scale, runs)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_flat.shape[1]
     for s in range(len(cu_seqlens) - 1):
@@ -102,36 +85,27 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (weight[..., None] * o.float()).sum(dim=0)
 
 
-def _prefill_runs_cuda(q: torch.Tensor, kv, cu_seqlens: list[int], scale: float,
+def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                       cu_seqlens: list[int], scale: float,
                        runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
     """Each run [p0, p0+n) of one sequence attends keys [0, p0+n) causally: the run's own
     keys with a square causal mask, keys before the run without a mask, the two partial
     results merged by log-sum-exp (fp32). Square causal and unmasked attention are what the
-    fastest kernels (cuDNN, flash) do natively. Own keys are this rank's rows of the run,
-    so every run's first half runs before kv.wait()."""
+    fastest kernels (cuDNN, flash) do natively."""
     out = torch.empty_like(q)
-    local = kv.local
-    flat = None if local is not None else kv.wait()
-    waiting = []
     for row0, row1, s, p0 in runs:
         n, base = row1 - row0, cu_seqlens[s]
-        if local is not None:
-            kd, vd = local[0][row0:row1], local[1][row0:row1]
-        else:
-            kd, vd = flat[0][base + p0:base + p0 + n], flat[1][base + p0:base + p0 + n]
-        qr, kd, vd = _heads_first(q[row0:row1]), _heads_first(kd), _heads_first(vd)
+        qr = _heads_first(q[row0:row1])
+        kd = _heads_first(k_flat[base + p0:base + p0 + n])
+        vd = _heads_first(v_flat[base + p0:base + p0 + n])
         if p0 == 0:
             o = F.scaled_dot_product_attention(qr, kd, vd, is_causal=True, scale=scale,
                                                enable_gqa=kd.shape[1] != qr.shape[1])
             out[row0:row1] = o[0].transpose(0, 1)
-        else:
-            waiting.append((row0, row1, base, p0, qr, *attention_with_lse(qr, kd, vd, True,
-                                                                           scale)))
-    if flat is None:
-        flat = kv.wait()  # also when no run needs it: the gather must complete
-    for row0, row1, base, p0, qr, o1, l1 in waiting:
-        o2, l2 = attention_with_lse(qr, _heads_first(flat[0][base:base + p0]),
-                                    _heads_first(flat[1][base:base + p0]), False, scale)
+            continue
+        o1, l1 = attention_with_lse(qr, kd, vd, True, scale)
+        o2, l2 = attention_with_lse(qr, _heads_first(k_flat[base:base + p0]),
+                                    _heads_first(v_flat[base:base + p0]), False, scale)
         lse = torch.logaddexp(l1, l2)
         o = (o1.float() * torch.exp(l1 - lse)[..., None]
              + o2.float() * torch.exp(l2 - lse)[..., None]).to(q.dtype)

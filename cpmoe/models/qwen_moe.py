@@ -72,8 +72,8 @@ class QwenMoeAttention(nn.Module):
             o = self._decode(q, batch, layer)
         else:
             assert batch.split is not None
-            kv = cm.gather_kv(k, v, batch, self.groups)
-            o = prefill_attention(q, batch.positions, batch.seq_ids, kv,
+            k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
+            o = prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
                                   list(batch.split.cu_seqlens), self.scale, batch.q_runs)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 

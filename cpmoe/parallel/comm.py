@@ -98,34 +98,6 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-class PendingGather:
-    """An all-gather in flight (`all_gather_start`); `wait()` returns its result once the
-    current stream may read it. With timing on, only the time the stream then waits is
-    counted: the overlapped part is not time spent in communication."""
-
-    def __init__(self, out: torch.Tensor, work, group: Group, src: torch.Tensor) -> None:
-        self.out, self.work, self.group, self.src = out, work, group, src
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            with _timed(self.group, "all_gather", self.out):
-                self.work.wait()
-            self.work = self.src = None
-        return self.out
-
-
-def all_gather_start(x: torch.Tensor, group: Group) -> PendingGather:
-    """`all_gather` issued without waiting, so compute can run while it moves."""
-    if group.size == 1:
-        return PendingGather(x, None, group, x)
-    _count(group, "all_gather")
-    _check_same_shape(x, group, "all_gather")
-    x = x.contiguous()
-    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
-    work = _all_gather_single(out, x, group=group.pg, async_op=True)
-    return PendingGather(out, work, group, x)
-
-
 def reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[size * n, ...] partial sums -> this rank's [n, ...] slice of the total."""
     if group.size == 1:

@@ -35,12 +35,8 @@ def test_run_decomposition_matches_masked_attention(monkeypatch, cp, strategy):
         runs = att.query_runs(pos, seq)
         assert len(runs) <= 2 * len(lens)
         cu = list(split.cu_seqlens)
-        want = att.prefill_attention(q, pos, seq, att.ReadyKV(k_flat, v_flat), cu, 0.25)
-        got = att._prefill_runs_cuda(q, att.ReadyKV(k_flat, v_flat), cu, 0.25, runs)
-        assert (got - want).abs().max() < 1e-5
-        # own keys from this rank's rows (what runs before a pending gather completes)
-        local = (split.scatter(k_flat, r), split.scatter(v_flat, r))
-        got = att._prefill_runs_cuda(q, att.ReadyKV(k_flat, v_flat, local), cu, 0.25, runs)
+        want = att.prefill_attention(q, pos, seq, k_flat, v_flat, cu, 0.25)
+        got = att._prefill_runs_cuda(q, k_flat, v_flat, cu, 0.25, runs)
         assert (got - want).abs().max() < 1e-5
 
 
