@@ -30,6 +30,8 @@ class ModelSpec:
     batch: int
     warmup: int
     iters: int
+    placement: str = "static"  # or "balanced": experts placed by a calibration prefill
+    calibration_tokens: int = 0
 
 
 INJECT_OOM = "CPMOE_BENCH_INJECT_OOM"  # a length at which length_task fails as out-of-memory
@@ -51,13 +53,22 @@ def setup_task(info: RankInfo, spec: ModelSpec) -> dict | None:
     sync(info.device)
     build_s = time.perf_counter() - t0
     _STATE["runner"] = runner
+    balance = None
+    if spec.placement == "balanced":  # a prompt no length_task uses (another seed)
+        runner.record_expert_load()
+        runner.prefill(prompts(runner.config.vocab_size, spec.calibration_tokens, 1,
+                               spec.seed + 1), last_only=True)
+        report = runner.rebalance_experts()
+        balance = {"calibration_tokens": spec.calibration_tokens,
+                   "busiest_rank_load_vs_mean_before": report.busiest_before,
+                   "busiest_rank_load_vs_mean_after": report.busiest_after}
     weights = torch.tensor([float(runner.weight_bytes())], dtype=torch.float64,
                            device=info.device)
     per_rank = runner.gather_from_ranks(weights)
     if info.rank != 0:
         return None
     return {"weight_bytes": [int(w[0]) for w in per_rank], "build_s": build_s,
-            "device_name": device_name(info.device)}
+            "device_name": device_name(info.device), "placement": balance}
 
 
 def length_task(info: RankInfo, spec: ModelSpec, length: int, keep_logits: bool

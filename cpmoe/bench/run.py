@@ -23,6 +23,7 @@ from cpmoe.bench import hf_task, model_task
 from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import OOM, Pooled
 from cpmoe.bench.spec import (
+    CALIBRATION_TOKENS,
     SHAPES,
     BenchError,
     BenchLayout,
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts of each length per prefill")
     p.add_argument("--layouts", default="tp=1",
                    help="';'-separated layouts of key=value (tp, cp, dp, ep, backend, "
-                        "strategy), e.g. \"tp=1;tp=2,cp=2,ep=2\"")
+                        "strategy, placement=static|balanced), e.g. \"tp=1;tp=2,cp=2,ep=2\"")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run HF transformers on one device (SDPA, grouped_mm experts)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -136,7 +137,7 @@ class _Run:
     def run_layout(self, bl: BenchLayout) -> None:
         a = self.args
         spec = model_task.ModelSpec(self.raw, bl.layout, self.dtype, a.seed, a.batch, a.warmup,
-                                    a.iters)
+                                    a.iters, bl.placement, CALIBRATION_TOKENS)
         is_ref = bl is self.layouts[0] and self.tp1 is not None
         sizes = bl.sizes()
 
@@ -145,12 +146,20 @@ class _Run:
             w = " / ".join(f"{b / rp.GIB:.2f}" for b in info["weight_bytes"])
             rp.progress(f"{bl.name}: model built in {info['build_s']:.1f} s, weights {w} GiB "
                         f"per rank")
+            if info["placement"]:
+                b = info["placement"]
+                rp.progress(f"{bl.name}: experts placed by a {b['calibration_tokens']}-token "
+                            f"calibration prefill; busiest EP rank's load / mean "
+                            f"{b['busiest_rank_load_vs_mean_before']:.3f} -> "
+                            f"{b['busiest_rank_load_vs_mean_after']:.3f}")
 
         def on_result(length: int, res: dict, info: dict) -> dict:
             row = rp.measured_row(self.base("cpmoe", bl.name, bl.world_size, sizes, length),
                                   res, model_flops(self.cfg, [length] * a.batch),
                                   bl.world_size)
             row["weights_gib_per_rank"] = [b / rp.GIB for b in info["weight_bytes"]]
+            if info["placement"]:
+                row["expert_placement"] = info["placement"]
             self.check_logits(row, res.get("logits"), is_ref)
             return row
 

@@ -87,12 +87,18 @@ def parse_lengths(text: str) -> list[int]:
 
 _INT_KEYS = {"tp": "tp_size", "cp": "attn_cp_size", "dp": "moe_dp_size", "ep": "ep_size"}
 _STR_KEYS = {"backend": "moe_a2a_backend", "strategy": "cp_strategy"}
+# Not part of the parallel layout: how the experts are placed over the EP ranks.
+# static: the fixed split; balanced: by the expert load of one calibration prefill
+# (another random prompt of CALIBRATION_TOKENS tokens), see moe/placement.py.
+PLACEMENTS = ("static", "balanced")
+CALIBRATION_TOKENS = 16384
 
 
 @dataclass(frozen=True)
 class BenchLayout:
     name: str  # canonical: tp first, then only the keys that differ from the defaults
     layout: ParallelLayout
+    placement: str = "static"
 
     @property
     def world_size(self) -> int:
@@ -103,16 +109,26 @@ class BenchLayout:
 
 
 def parse_layout(text: str) -> BenchLayout:
-    """'tp=2,cp=2,ep=2,backend=alltoall' -> a validated layout (defaults 1,1,1,1,none,zigzag)."""
+    """'tp=2,cp=2,ep=2,backend=alltoall' -> a validated layout (defaults 1,1,1,1,none,zigzag;
+    placement=static)."""
     kwargs: dict[str, object] = {}
+    placement = None
     for item in text.split(","):
         key, sep, value = item.strip().partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not value:
             raise LayoutError(f"--layouts {text!r}: expected key=value, got {item.strip()!r}")
+        if key == "placement":
+            if placement is not None:
+                raise LayoutError(f"--layouts {text!r}: placement given twice")
+            if value not in PLACEMENTS:
+                raise LayoutError(f"--layouts {text!r}: placement={value!r}, expected one of "
+                                  f"{', '.join(PLACEMENTS)}")
+            placement = value
+            continue
         if key not in _INT_KEYS and key not in _STR_KEYS:
             raise LayoutError(f"--layouts {text!r}: unknown key {key!r}; keys: "
-                              f"{', '.join([*_INT_KEYS, *_STR_KEYS])}")
+                              f"{', '.join([*_INT_KEYS, *_STR_KEYS, 'placement'])}")
         field = _INT_KEYS.get(key) or _STR_KEYS[key]
         if field in kwargs:
             raise LayoutError(f"--layouts {text!r}: {key} given twice")
@@ -128,15 +144,21 @@ def parse_layout(text: str) -> BenchLayout:
         layout = ParallelLayout(**kwargs)  # type: ignore[arg-type]
     except LayoutError as e:
         raise LayoutError(f"--layouts {text!r}: {e}") from None
-    return BenchLayout(layout_name(layout), layout)
+    if placement == "balanced" and layout.ep_size == 1:
+        raise LayoutError(f"--layouts {text!r}: placement=balanced needs ep > 1 (with ep=1 "
+                          f"every rank holds every expert)")
+    placement = placement or "static"
+    return BenchLayout(layout_name(layout, placement), layout, placement)
 
 
-def layout_name(layout: ParallelLayout) -> str:
+def layout_name(layout: ParallelLayout, placement: str = "static") -> str:
     default = ParallelLayout()
     parts = [f"tp={layout.tp_size}"]
     for key, field in [*_INT_KEYS.items(), *_STR_KEYS.items()][1:]:
         if getattr(layout, field) != getattr(default, field):
             parts.append(f"{key}={getattr(layout, field)}")
+    if placement != "static":
+        parts.append(f"placement={placement}")
     return ",".join(parts)
 
 

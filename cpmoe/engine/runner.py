@@ -20,6 +20,7 @@ from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
 from cpmoe.models.registry import config_from_dict, load_model_config
+from cpmoe.moe import placement
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
@@ -131,6 +132,16 @@ class ModelRunner:
     def gather_from_ranks(self, x: torch.Tensor) -> list[torch.Tensor]:
         """A small same-shaped tensor from every rank (for reports), in rank order."""
         return list(comm.all_gather(x[None], self.groups.world).cpu())
+
+    # ---- expert placement ------------------------------------------------------------------
+    def record_expert_load(self) -> None:
+        """Count routed slots per expert from now on (see moe/placement.py)."""
+        placement.record(self.model)
+
+    def rebalance_experts(self) -> placement.RebalanceReport:
+        """Re-place the experts over the EP ranks by the load recorded since
+        `record_expert_load()` and move their weights; the outputs stay the same."""
+        return placement.rebalance(self.model, self.groups)
 
     # ---- forward steps ---------------------------------------------------------------------
     def _ids(self, values) -> torch.Tensor:

@@ -47,6 +47,7 @@ from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
+from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.parallel.groups import ProcessGroups
 
 __all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
@@ -171,6 +172,7 @@ class DeepseekV4SparseMoeBlock(nn.Module):
             dtype, shard=(groups.moe_ep.rank, layout.ep_size, groups.moe_tp.rank,
                           layout.moe_tp_size), swiglu_limit=cfg.swiglu_limit)
         self.shared_experts = DeepseekV4MLP(H, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
+        self.placement = ExpertPlacement(cfg.num_experts)
         self.dispatcher = create_dispatcher(layout.moe_a2a_backend, groups, cfg.num_experts)
 
     def forward(self, x_TH: torch.Tensor, comm: cm.LayerCommunicator, batch: ForwardBatch
@@ -179,6 +181,7 @@ class DeepseekV4SparseMoeBlock(nn.Module):
         x = comm.to_mlp_layout(x_TH, batch)
         ids = comm.to_mlp_layout(batch.input_ids, batch) if self.hashed else None
         topk_ids, topk_w = self.gate(x, ids)
+        topk_ids = self.placement.route(topk_ids)
         recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x, topk_ids, topk_w)
         routed = self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
         shared = self.shared_experts(comm.local_rows(x_TH, batch))

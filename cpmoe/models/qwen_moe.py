@@ -26,6 +26,7 @@ from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding,
                                  kv_head_shard, row_shard)
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
+from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
 from cpmoe.ops import norm_rope
 from cpmoe.parallel.groups import ProcessGroups
@@ -118,6 +119,7 @@ class QwenMoeSparseBlock(nn.Module):
                                     cfg.moe_intermediate_size // layout.moe_tp_size, dtype,
                                     shard=(groups.moe_ep.rank, layout.ep_size,
                                            groups.moe_tp.rank, layout.moe_tp_size))
+        self.placement = ExpertPlacement(cfg.num_experts)
         self.dispatcher = create_dispatcher(backend, groups, cfg.num_experts)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = QwenMoeMLP(H, cfg.shared_expert_intermediate_size, dtype)
@@ -127,6 +129,7 @@ class QwenMoeSparseBlock(nn.Module):
 
     def routed(self, x_NH: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x_NH)
+        ids = self.placement.route(ids)
         recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x_NH, ids, weights)
         return self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
 

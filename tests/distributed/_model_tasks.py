@@ -65,3 +65,20 @@ def kv_and_sampling_task(info: RankInfo, layout: ParallelLayout, model_dir: Path
         kv.free(key)
     tokens = generate(runner, seqs, new_tokens, (), sampling)
     return {"kv_bytes": kv_bytes, "tokens": tokens, "kv_used_after": kv.used}
+
+
+def placement_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
+                   calibration: list[list[int]], seqs: list[list[int]], new_tokens: int
+                   ) -> dict:
+    """Record expert load on calibration prompts, re-place the experts, then run the model:
+    its outputs must not change."""
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    runner.record_expert_load()
+    runner.prefill(calibration)
+    report = runner.rebalance_experts()
+    prefill = runner.prefill(seqs)
+    runner.kv = None
+    steps: list[torch.Tensor] = []
+    tokens = generate(runner, seqs, new_tokens, observe=steps.append)
+    return {"report": report, "prefill": prefill, "tokens": tokens, "steps": steps}

@@ -30,7 +30,7 @@ from cpmoe.parallel.layout import LayoutError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
-LAYOUTS = "tp=1;tp=2,cp=2,ep=2"
+LAYOUTS = "tp=1;tp=2,cp=2,ep=2;tp=2,cp=2,ep=2,placement=balanced"
 
 
 def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -68,6 +68,8 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
     got = [(r["engine"], r["layout"], r["length"]) for r in bench_rows]
     assert got == [("cpmoe", "tp=1", 64), ("cpmoe", "tp=1", 128),
                    ("cpmoe", "tp=2,cp=2,ep=2", 64), ("cpmoe", "tp=2,cp=2,ep=2", 128),
+                   ("cpmoe", "tp=2,cp=2,ep=2,placement=balanced", 64),
+                   ("cpmoe", "tp=2,cp=2,ep=2,placement=balanced", 128),
                    ("hf", "hf", 64), ("hf", "hf", 128)]
     for r in bench_rows:
         assert r["error"] is None
@@ -76,7 +78,7 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
         assert r["model_flops"] == model_flops(parse_config(SHAPES["tiny"], "tiny"),
                                                [r["length"]])
         assert r["peak_gib_per_rank"] is None  # nobody counts CPU memory
-    for r in bench_rows[:4]:
+    for r in bench_rows[:6]:
         assert len(r["comm_s_per_rank"]) == r["world_size"] == r["sizes"]["world_size"]
         assert len(r["weights_gib_per_rank"]) == r["world_size"]
         assert r["speedup_vs_tp1"] > 0
@@ -88,13 +90,26 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
 
 
 def test_bench_layout_logits_match_the_one_rank_layout(bench_rows):
-    cp_row, hf_row = bench_rows[2], bench_rows[4]
+    cp_row, hf_row = bench_rows[2], bench_rows[6]
     assert bench_rows[0]["check_note"].startswith("reference")
     assert cp_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and cp_row["top1_agrees_vs_tp1"]
     assert cp_row["ref_top1_top2_gap"] >= 0
     # HF gets the same random weights, so its logits match too (float32 on CPU)
     assert hf_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and hf_row["top1_agrees_vs_tp1"]
     assert "logits_max_abs_diff_vs_tp1" not in bench_rows[3]  # checked at the shortest only
+
+
+def test_bench_balanced_placement_evens_the_ep_ranks_and_keeps_the_logits(bench_run,
+                                                                            bench_rows):
+    proc, _ = bench_run
+    placed = bench_rows[4]
+    balance = placed["expert_placement"]
+    assert balance["calibration_tokens"] > 0
+    assert (balance["busiest_rank_load_vs_mean_after"]
+            < balance["busiest_rank_load_vs_mean_before"])
+    assert placed["logits_max_abs_diff_vs_tp1"] <= 1e-4 and placed["top1_agrees_vs_tp1"]
+    assert "expert_placement" not in bench_rows[2]
+    assert "experts placed by a" in proc.stderr + proc.stdout
 
 
 def test_bench_plots_or_warns(bench_run, bench_rows):
@@ -132,7 +147,9 @@ def test_layout_strings_parse_to_validated_layouts():
     cfg = parse_config(SHAPES["qwen3-30b-a3b"], "qwen3")
     assert [b.name for b in parse_layouts("tp=1;tp=8,cp=8,ep=8", cfg)] == ["tp=1",
                                                                             "tp=8,cp=8,ep=8"]
-    for bad in ("tp", "tp=1,tp=2", "cp=2", "tp=2,backend=nccl", "tp=1.5", ""):
+    assert parse_layout("tp=2,cp=2,ep=2,placement=balanced").placement == "balanced"
+    for bad in ("tp", "tp=1,tp=2", "cp=2", "tp=2,backend=nccl", "tp=1.5", "",
+                "tp=2,ep=2,placement=eplb", "tp=2,cp=2,placement=balanced"):
         with pytest.raises(LayoutError):
             parse_layouts(bad, cfg)
     with pytest.raises(LayoutError, match="num_attention_heads"):
