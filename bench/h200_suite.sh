@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every figure of BENCHMARKS.md, in device calls of under 10 minutes each, on an
 # nvidia-h200-x2 machine:
-#   bash bench/h200_suite.sh scaling  OUT_DIR   # CUDA tests, CP attention, 2-GPU layouts vs 1 GPU
-#   bash bench/h200_suite.sh peers    OUT_DIR   # 1 GPU vs HF, cpmoe check on CUDA, 128K phases
+#   bash bench/h200_suite.sh scaling  OUT_DIR   # 2-GPU layouts vs 1 GPU (incl. expert placement)
+#   bash bench/h200_suite.sh profile  OUT_DIR   # CUDA tests, CP attention, 128K phases, check
+#   bash bench/h200_suite.sh peers    OUT_DIR   # 1 GPU vs HF, cpmoe check on CUDA
 #   bash bench/h200_suite.sh dispatch OUT_DIR   # dispatch + combine vs NCCL all_to_all
 set -euo pipefail
 part=$1
@@ -12,11 +13,21 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 stamp=$(date +%Y%m%d)
 case "$part" in
   scaling)
+    ep="tp=2,cp=2,ep=2"
+    python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 65536,131072 \
+      --layouts "tp=1;$ep;$ep,placement=balanced;$ep,backend=alltoall_padded;$ep,backend=alltoall_padded,placement=balanced;tp=2,cp=2,dp=2" \
+      --iters 2 --warmup 1 --plot --out "$out/qwen3-30b-a3b-2gpu-$stamp.json"
+    ;;
+  profile)
     python3 -m pytest -q tests/gpu
     python3 bench/attention_cp.py --out "$out/attention_cp-$stamp.json"
-    python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 16384,65536,131072 \
-      --layouts "tp=1;tp=2,cp=2,ep=2;tp=2,cp=2,ep=2,backend=alltoall_padded;tp=2,cp=2,ep=2,backend=alltoall;tp=2,cp=2,dp=2" \
-      --iters 2 --warmup 1 --plot --out "$out/qwen3-30b-a3b-2gpu-$stamp.json"
+    python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length 131072 \
+      --layers 4 --timeline 2
+    python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2" --length 131072 --layers 4 \
+      --timeline 2 --balanced
+    echo "== cpmoe check --tp-size 2 --attn-cp-size 2 --ep-size 2 --dtype bfloat16"
+    python3 -m cpmoe.cli check --tp-size 2 --attn-cp-size 2 --ep-size 2 --device cuda \
+      --dtype bfloat16 --prompts 40 --lengths 17,300,2049 || true
     ;;
   peers)
     python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 4096,16384,32768,65536,131072 \
@@ -32,11 +43,9 @@ case "$part" in
     echo "== cpmoe check --tp-size 2 --attn-cp-size 2 --ep-size 2 --dtype float32"
     python3 -m cpmoe.cli check --tp-size 2 --attn-cp-size 2 --ep-size 2 --device cuda \
       --dtype float32 --prompts 40 --lengths 17,300,2049 || true
-    python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length 131072 \
-      --layers 4
     ;;
   dispatch)
     python3 bench/dispatch.py --out "$out/dispatch-$stamp.json"
     ;;
-  *) echo "usage: bench/h200_suite.sh scaling|peers|dispatch [OUT_DIR]" >&2; exit 2 ;;
+  *) echo "usage: bench/h200_suite.sh scaling|profile|peers|dispatch [OUT_DIR]" >&2; exit 2 ;;
 esac

@@ -7,7 +7,8 @@ shows which phase differs between ranks when a multi-GPU layout scales less than
 instant the ranks share (a GPU all-reduce just before the prefill), so waits show where
 they happen. --even-routing (an experiment) replaces the router's choice with a fixed one
 that gives every expert the same number of slots: the MoE load a perfectly balanced expert
-placement would see (logits are meaningless then).
+placement would see (logits are meaningless then); --balanced places the experts by the load
+of a calibration prefill on another prompt first (what `placement=balanced` does in bench).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _timed(name, fn):
 
 def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int | None = None,
                cprofile: bool = False, timeline: int | None = None,
-               even_routing: bool = False) -> dict:
+               even_routing: bool = False, balanced: bool = False) -> dict:
     if threads:
         torch.set_num_threads(threads)
     if even_routing:
@@ -97,6 +98,14 @@ def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int |
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner.from_config(config, groups, torch.bfloat16)
     seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
+    if balanced:
+        runner.record_expert_load()
+        runner.prefill([torch.randint(0, config["vocab_size"], (16384,)).tolist()],
+                       last_only=True)
+        report = runner.rebalance_experts()
+        if info.rank == 0:
+            print(f"busiest EP rank's load / mean: {report.busiest_before:.3f} -> "
+                  f"{report.busiest_after:.3f}", flush=True)
     runner.prefill(seqs, last_only=True)
     torch.cuda.synchronize()
     comm.barrier(groups.world)
@@ -146,14 +155,16 @@ def main() -> None:
                    help="print this layer's phases as start/end ms on every rank")
     p.add_argument("--even-routing", action="store_true",
                    help="every expert gets the same slots (experiment; logits meaningless)")
+    p.add_argument("--balanced", action="store_true",
+                   help="place experts by a calibration prefill's load first")
     a = p.parse_args()
     config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
     for spec in a.layout.split(";"):
         layout = parse_layout(spec).layout
         with RankPool(layout.world_size, "cuda", collective_timeout_s=600) as pool:
             per_rank = pool.run(phase_task, config, layout, a.length, a.threads, a.cprofile,
-                                a.timeline, a.even_routing)
-        note = " even routing" if a.even_routing else ""
+                                a.timeline, a.even_routing, a.balanced)
+        note = " even routing" * a.even_routing + " balanced placement" * a.balanced
         print(f"== {spec} length {a.length} layers {a.layers}{note} (ms, per rank)")
         timelines = [r.pop("timeline", None) for r in per_rank]
         for name in per_rank[0]:
