@@ -21,10 +21,12 @@ case "$part" in
   profile)
     python3 -m pytest -q tests/gpu
     python3 bench/attention_cp.py --out "$out/attention_cp-$stamp.json"
-    python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length 131072 \
-      --layers 4 --timeline 2
-    python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2" --length 131072 --layers 4 \
-      --timeline 2 --balanced
+    for length in 65536 131072; do
+      python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length $length \
+        --layers 4 --timeline 2
+      python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2" --length $length --layers 4 \
+        --timeline 2 --balanced
+    done
     echo "== cpmoe check --tp-size 2 --attn-cp-size 2 --ep-size 2 --dtype bfloat16"
     python3 -m cpmoe.cli check --tp-size 2 --attn-cp-size 2 --ep-size 2 --device cuda \
       --dtype bfloat16 --prompts 40 --lengths 17,300,2049 || true
