@@ -14,7 +14,7 @@ stamp=$(date +%Y%m%d)
 case "$part" in
   scaling)
     ep="tp=2,cp=2,ep=2"
-    python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 65536,131072 \
+    python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 16384,65536,131072 \
       --layouts "tp=1;$ep;$ep,placement=balanced;$ep,backend=alltoall_padded;$ep,backend=alltoall_padded,placement=balanced;tp=2,cp=2,dp=2" \
       --iters 2 --warmup 1 --plot --out "$out/qwen3-30b-a3b-2gpu-$stamp.json"
     ;;

@@ -31,7 +31,6 @@ class ModelSpec:
     warmup: int
     iters: int
     placement: str = "static"  # or "balanced": experts placed by a calibration prefill
-    calibration_tokens: int = 0
 
 
 INJECT_OOM = "CPMOE_BENCH_INJECT_OOM"  # a length at which length_task fails as out-of-memory
@@ -53,22 +52,13 @@ def setup_task(info: RankInfo, spec: ModelSpec) -> dict | None:
     sync(info.device)
     build_s = time.perf_counter() - t0
     _STATE["runner"] = runner
-    balance = None
-    if spec.placement == "balanced":  # a prompt no length_task uses (another seed)
-        runner.record_expert_load()
-        runner.prefill(prompts(runner.config.vocab_size, spec.calibration_tokens, 1,
-                               spec.seed + 1), last_only=True)
-        report = runner.rebalance_experts()
-        balance = {"calibration_tokens": spec.calibration_tokens,
-                   "busiest_rank_load_vs_mean_before": report.busiest_before,
-                   "busiest_rank_load_vs_mean_after": report.busiest_after}
     weights = torch.tensor([float(runner.weight_bytes())], dtype=torch.float64,
                            device=info.device)
     per_rank = runner.gather_from_ranks(weights)
     if info.rank != 0:
         return None
     return {"weight_bytes": [int(w[0]) for w in per_rank], "build_s": build_s,
-            "device_name": device_name(info.device), "placement": balance}
+            "device_name": device_name(info.device)}
 
 
 def length_task(info: RankInfo, spec: ModelSpec, length: int, keep_logits: bool
@@ -83,6 +73,15 @@ def length_task(info: RankInfo, spec: ModelSpec, length: int, keep_logits: bool
     def step() -> torch.Tensor:
         return runner.prefill(seqs, last_only=True)
 
+    balance = None
+    if spec.placement == "balanced":  # calibrate on a prompt of this length, another seed
+        runner.record_expert_load()
+        runner.prefill(prompts(runner.config.vocab_size, length, spec.batch, spec.seed + 1),
+                       last_only=True)
+        report = runner.rebalance_experts()
+        balance = {"calibration_tokens": length * spec.batch,
+                   "busiest_rank_load_vs_mean_before": report.busiest_before,
+                   "busiest_rank_load_vs_mean_after": report.busiest_after}
     free_cached(device)
     reset_peak(device)
     for _ in range(spec.warmup):
@@ -108,4 +107,5 @@ def length_task(info: RankInfo, spec: ModelSpec, length: int, keep_logits: bool
         "comm_s_by_group_per_rank": [{k: float(v) for k, v in zip(kinds, r[3:]) if v > 0}
                                      for r in per_rank],
         "logits": logits.cpu() if keep_logits else None,
+        "placement": balance,
     }

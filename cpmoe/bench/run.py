@@ -23,7 +23,6 @@ from cpmoe.bench import hf_task, model_task
 from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import OOM, Pooled
 from cpmoe.bench.spec import (
-    CALIBRATION_TOKENS,
     SHAPES,
     BenchError,
     BenchLayout,
@@ -137,7 +136,7 @@ class _Run:
     def run_layout(self, bl: BenchLayout) -> None:
         a = self.args
         spec = model_task.ModelSpec(self.raw, bl.layout, self.dtype, a.seed, a.batch, a.warmup,
-                                    a.iters, bl.placement, CALIBRATION_TOKENS)
+                                    a.iters, bl.placement)
         is_ref = bl is self.layouts[0] and self.tp1 is not None
         sizes = bl.sizes()
 
@@ -146,20 +145,18 @@ class _Run:
             w = " / ".join(f"{b / rp.GIB:.2f}" for b in info["weight_bytes"])
             rp.progress(f"{bl.name}: model built in {info['build_s']:.1f} s, weights {w} GiB "
                         f"per rank")
-            if info["placement"]:
-                b = info["placement"]
-                rp.progress(f"{bl.name}: experts placed by a {b['calibration_tokens']}-token "
-                            f"calibration prefill; busiest EP rank's load / mean "
-                            f"{b['busiest_rank_load_vs_mean_before']:.3f} -> "
-                            f"{b['busiest_rank_load_vs_mean_after']:.3f}")
 
         def on_result(length: int, res: dict, info: dict) -> dict:
             row = rp.measured_row(self.base("cpmoe", bl.name, bl.world_size, sizes, length),
                                   res, model_flops(self.cfg, [length] * a.batch),
                                   bl.world_size)
             row["weights_gib_per_rank"] = [b / rp.GIB for b in info["weight_bytes"]]
-            if info["placement"]:
-                row["expert_placement"] = info["placement"]
+            if res["placement"]:
+                b = row["expert_placement"] = res["placement"]
+                rp.progress(f"{bl.name}: experts placed by a {b['calibration_tokens']}-token "
+                            f"calibration prefill (another prompt); busiest EP rank's load / "
+                            f"mean {b['busiest_rank_load_vs_mean_before']:.3f} -> "
+                            f"{b['busiest_rank_load_vs_mean_after']:.3f}")
             self.check_logits(row, res.get("logits"), is_ref)
             return row
 

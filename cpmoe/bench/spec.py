@@ -88,10 +88,9 @@ def parse_lengths(text: str) -> list[int]:
 _INT_KEYS = {"tp": "tp_size", "cp": "attn_cp_size", "dp": "moe_dp_size", "ep": "ep_size"}
 _STR_KEYS = {"backend": "moe_a2a_backend", "strategy": "cp_strategy"}
 # Not part of the parallel layout: how the experts are placed over the EP ranks.
-# static: the fixed split; balanced: by the expert load of one calibration prefill
-# (another random prompt of CALIBRATION_TOKENS tokens), see moe/placement.py.
+# static: the fixed split; balanced: before each length, by the expert load of one
+# calibration prefill of another random prompt of that length (moe/placement.py).
 PLACEMENTS = ("static", "balanced")
-CALIBRATION_TOKENS = 16384
 
 
 @dataclass(frozen=True)
