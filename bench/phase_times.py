@@ -7,8 +7,9 @@ shows which phase differs between ranks when a multi-GPU layout scales less than
 instant the ranks share (a GPU all-reduce just before the prefill), so waits show where
 they happen. --even-routing (an experiment) replaces the router's choice with a fixed one
 that gives every expert the same number of slots: the MoE load a perfectly balanced expert
-placement would see (logits are meaningless then); --balanced places the experts by the load
-of a calibration prefill on another prompt first (what `placement=balanced` does in bench).
+placement would see (logits are meaningless then); --balanced first places the experts by the
+load of a calibration prefill on another prompt of the same length (what bench's
+`placement=balanced` does).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int |
     seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
     if balanced:
         runner.record_expert_load()
-        runner.prefill([torch.randint(0, config["vocab_size"], (16384,)).tolist()],
+        runner.prefill([torch.randint(0, config["vocab_size"], (length,)).tolist()],
                        last_only=True)
         report = runner.rebalance_experts()
         if info.rank == 0:

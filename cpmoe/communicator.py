@@ -161,8 +161,8 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: Pro
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill: every sequence's K/V in flat (original) order, from one all-gather over
     ATTN_CP that carries K and V together. Synchronous on purpose: overlapping it with the
-    attention to each run's own keys measured slower in the whole model on 2 H200s (NCCL's
-    kernel sharing the SMs with attention while it waits for the peer; BENCHMARKS.md)."""
+    attention to each run's own keys measured slower in the whole model on 2 H200s (one
+    rank's attention ran ~20% longer; the cause is not pinned down, BENCHMARKS.md)."""
     if groups.attn_cp.size == 1:
         return k, v
     assert batch.split is not None

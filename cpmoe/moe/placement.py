@@ -128,7 +128,7 @@ def rebalance(model: nn.Module, groups: ProcessGroups) -> RebalanceReport:
         new = choose_placement(load_E, old, ep)
         before.append(_imbalance(rank_loads(load_E, old, ep)))
         after.append(_imbalance(rank_loads(load_E, new, ep)))
-        if ep > 1 and not torch.equal(old, new):
+        if not torch.equal(old, new):
             moved += _move_experts(block.experts, old, new, groups)
         p.set(new)
     n = len(blocks)
@@ -143,7 +143,8 @@ def _move_experts(experts: nn.Module, old: torch.Tensor, new: torch.Tensor,
                   groups: ProcessGroups) -> int:
     """Every expert-major parameter ([E_loc, ...]) of this rank's shard rewritten so local
     slot j holds logical expert new[rank*E_loc + j]; the rows come from whichever EP rank
-    holds them under `old`, in one all-to-all per parameter. -> experts received."""
+    holds them under `old`, in one all-to-all per parameter. -> local slots whose expert
+    changed."""
     ep, rank = groups.moe_ep.size, groups.moe_ep.rank
     per_rank = old.numel() // ep
     where = torch.empty_like(old)
@@ -151,7 +152,7 @@ def _move_experts(experts: nn.Module, old: torch.Tensor, new: torch.Tensor,
     # what this rank sends to each peer d: its own experts that d's new slots need, in d's
     # slot order; what it receives from each peer s: the experts its new slots need from s
     send_slots: list[int] = []
-    send_counts, recv_counts = [], []
+    send_counts = []
     for d in range(ep):
         mine = [int(where[e]) - rank * per_rank for e in new[d * per_rank:(d + 1) * per_rank]
                 if int(where[e]) // per_rank == rank]
@@ -162,11 +163,11 @@ def _move_experts(experts: nn.Module, old: torch.Tensor, new: torch.Tensor,
     # received rows arrive grouped by source rank, each group in this rank's slot order
     arrival = sorted(range(per_rank), key=lambda j: (sources[j], j))
     index = torch.tensor(send_slots, dtype=torch.int64)
-    for name, param in experts.named_parameters(recurse=False):
+    for param in experts.parameters(recurse=False):
         if param.dim() == 0 or param.shape[0] != per_rank:
             continue
         recv = comm.all_to_all(param.data[index.to(param.device)], send_counts, recv_counts,
                                groups.moe_ep)
         param.data[torch.tensor(arrival, device=param.device)] = recv
-    return sum(1 for j, s in enumerate(sources)
-               if s != rank or int(where[new[rank * per_rank + j]]) != rank * per_rank + j)
+    own = slice(rank * per_rank, (rank + 1) * per_rank)
+    return int((new[own] != old[own]).sum())
