@@ -6,6 +6,9 @@ expression (the reference the kernels are tested against) everywhere else.
   (the MoE combine: every row's weighted sum of its top-k expert outputs).
 - `norm_rope(x, weight, eps, cos, sin)`: per-head RMSNorm (optional) then rotary embedding
   of x [T, heads, D] (the Qwen3 q/k path).
+- `merge_two_attention(o1, lse1, o2, lse2, out)`: two partial attention outputs over
+  disjoint keys [T, H, D] with their log-sum-exps [T, H] -> the exact result, written into
+  out (CP prefill: a query run's own keys and the keys before it).
 
 Kernels accumulate in fp32 and round once. Triton is optional: without it (or on CPU) the
 torch expressions run. Legend: T/M rows, H hidden, K top-k, I intermediate, D head dim.
@@ -99,7 +102,58 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
+# ---- merge of two partial attention results ---------------------------------------------
+
+def merge_two_attention_ref(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                            lse2: torch.Tensor) -> torch.Tensor:
+    """o_i [T, H, D], lse_i [T, H] (natural log, fp32) -> merged [T, H, D] in o1's dtype."""
+    lse = torch.logaddexp(lse1, lse2).nan_to_num(neginf=0.0)  # no key at all: weights 0
+    merged = (o1.float() * torch.exp(lse1 - lse)[..., None]
+              + o2.float() * torch.exp(lse2 - lse)[..., None])
+    return merged.to(o1.dtype)
+
+
+def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                        lse2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """merge_two_attention_ref written into out [T, H, D] (any strides); returns out. One
+    pass over the inputs: the unfused expression moves ~9x the bytes (fp32 temporaries)."""
+    T, H, D = o1.shape
+    if (not _use_triton(o1) or T == 0 or D & (D - 1) or o1.stride(2) != 1
+            or o2.stride(2) != 1 or out.stride(2) != 1):
+        out.copy_(merge_two_attention_ref(o1, lse1, o2, lse2))
+        return out
+    block = 64
+    _merge_two_kernel[(triton.cdiv(T, block), H)](
+        o1, lse1, o2, lse2, out, T, o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
+        lse1.stride(0), lse1.stride(1), lse2.stride(0), lse2.stride(1), out.stride(0),
+        out.stride(1), BLOCK=block, D=D)
+    return out
+
+
 if triton is not None:
+    @triton.jit
+    def _merge_two_kernel(o1_ptr, l1_ptr, o2_ptr, l2_ptr, out_ptr, T, o1_st, o1_sh, o2_st,
+                          o2_sh, l1_st, l1_sh, l2_st, l2_sh, out_st, out_sh,
+                          BLOCK: tl.constexpr, D: tl.constexpr):
+        rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        ok = rows < T
+        l1 = tl.load(l1_ptr + rows * l1_st + h * l1_sh, mask=ok, other=float("-inf"))
+        l2 = tl.load(l2_ptr + rows * l2_st + h * l2_sh, mask=ok, other=float("-inf"))
+        m = tl.maximum(l1, l2)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w1, w2 = tl.exp(l1 - m), tl.exp(l2 - m)
+        total = w1 + w2
+        total = tl.where(total == 0.0, 1.0, total)
+        w1, w2 = (w1 / total)[:, None], (w2 / total)[:, None]
+        d = tl.arange(0, D)[None, :]
+        o1 = tl.load(o1_ptr + rows[:, None] * o1_st + h * o1_sh + d, mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        o2 = tl.load(o2_ptr + rows[:, None] * o2_st + h * o2_sh + d, mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * out_st + h * out_sh + d,
+                 (w1 * o1 + w2 * o2).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
     @triton.jit
     def _silu_and_mul_kernel(h_ptr, out_ptr, inter, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

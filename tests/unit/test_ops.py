@@ -31,6 +31,12 @@ def test_references_match_the_plain_expressions() -> None:
     want = normed * cos[:, None] + rotated * sin[:, None]  # HF's rotate_half form
     torch.testing.assert_close(ops.norm_rope_ref(x, weight, 1e-6, cos, sin), want)
 
+    from cpmoe.cp.attention import merge_partials
+    o, lse = torch.randn(2, 6, 3, 8), torch.randn(2, 6, 3)
+    lse[1, 0] = float("-inf")  # a row that saw no key in the second part
+    torch.testing.assert_close(ops.merge_two_attention_ref(o[0], lse[0], o[1], lse[1]),
+                               merge_partials(o, lse))
+
 
 _KERNELS = r"""
 import torch
@@ -61,6 +67,18 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos, sin).float(),
                                    ops.norm_rope_ref(x, weight, 1e-6, cos, sin).float(),
                                    rtol=tol, atol=tol)
+    # partial attention as cuDNN returns it ([1, H, T, D] over a [T, H, D] buffer, lse
+    # [1, H, T]), merged into a slice of a larger output
+    o1, o2 = (torch.randn(7, 3, 16).to(dtype).transpose(0, 1)[None] for _ in range(2))
+    l1, l2 = torch.randn(1, 3, 7), torch.randn(1, 3, 7)
+    l2[0, 1, 2] = float("-inf")
+    out = torch.zeros(10, 3, 16, dtype=dtype)
+    ops.merge_two_attention(o1[0].transpose(0, 1), l1[0].T, o2[0].transpose(0, 1), l2[0].T,
+                            out[2:9])
+    want = ops.merge_two_attention_ref(o1[0].transpose(0, 1), l1[0].T, o2[0].transpose(0, 1),
+                                       l2[0].T)
+    torch.testing.assert_close(out[2:9].float(), want.float(), rtol=tol, atol=tol)
+    assert not out[:2].any() and not out[9:].any()
 print("kernels ok")
 """
 
