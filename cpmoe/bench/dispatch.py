@@ -9,6 +9,9 @@ ids and weights are not counted. effective GB/s = those bytes / (dispatch + comb
 per rank, and the slowest rank is reported. The NCCL reference moves the same number of
 remote bytes per rank in one `all_to_all_single` with an even split; its bus bandwidth is
 algbw * (n-1)/n (nccl-tests' definition), which is the same "remote bytes / time".
+Both sides are timed two ways: host-timed (device drained before and after: includes every
+kernel's launch latency) and device time with the host queued ahead (`device_timed`: the
+prefill regime, where the host runs ahead of the GPU, and nccl-tests' back-to-back method).
 The experts are a pass-through (combine gets the received rows back), so only movement and
 the backends' own bookkeeping are timed.
 
@@ -25,7 +28,7 @@ import torch
 
 from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import Pooled
-from cpmoe.bench.timing import device_name, keep_multicast_off, median, timed
+from cpmoe.bench.timing import device_name, device_timed, keep_multicast_off, median, timed
 from cpmoe.moe.dispatch.base import MissingBackendError, create_dispatcher
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
@@ -90,7 +93,7 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
     for _ in range(spec.warmup):
         recv_x, recv_ids, recv_w, _, handle = dispatcher.dispatch(x, ids, w)
         dispatcher.combine(_experts_stand_in(recv_x, recv_ids, recv_w), handle)
-    t_dispatch, t_combine = [], []
+    t_dispatch, t_combine, d_dispatch, d_combine, queued = [], [], [], [], True
     for _ in range(spec.iters):
         align()
         (recv_x, recv_ids, recv_w, _, handle), s = timed(
@@ -100,8 +103,19 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
         align()
         back, s = timed(lambda y=y, handle=handle: dispatcher.combine(y, handle), info.device)
         t_combine.append(s)
+        align()
+        (recv_x, recv_ids, recv_w, _, handle), s, q1 = device_timed(
+            lambda: dispatcher.dispatch(x, ids, w), info.device)
+        d_dispatch.append(s)
+        y = _experts_stand_in(recv_x, recv_ids, recv_w)
+        align()
+        back, s, q2 = device_timed(lambda y=y, handle=handle: dispatcher.combine(y, handle),
+                                   info.device)
+        d_combine.append(s)
+        queued = queued and q1 and q2
     out["max_abs_diff"] = float((back.float() - x.float()).abs().max())
-    mine = torch.tensor([median(t_dispatch), median(t_combine), float(sent), out["max_abs_diff"]],
+    mine = torch.tensor([median(t_dispatch), median(t_combine), float(sent), out["max_abs_diff"],
+                         median(d_dispatch), median(d_combine), float(queued)],
                         dtype=torch.float64, device=info.device)
     per_rank = comm.all_gather(mine[None], groups.world).cpu()
     if info.rank != 0:
@@ -109,7 +123,11 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
     return {"dispatch_s_per_rank": per_rank[:, 0].tolist(),
             "combine_s_per_rank": per_rank[:, 1].tolist(),
             "remote_bytes_per_rank": [int(b) for b in per_rank[:, 2]],
-            "max_abs_diff": float(per_rank[:, 3].max()), "device_name": device_name(info.device)}
+            "max_abs_diff": float(per_rank[:, 3].max()),
+            "dispatch_device_s_per_rank": per_rank[:, 4].tolist(),
+            "combine_device_s_per_rank": per_rank[:, 5].tolist(),
+            "host_queued_ahead": bool(per_rank[:, 6].min() > 0),
+            "device_name": device_name(info.device)}
 
 
 def nccl_task(info: RankInfo, spec: DispatchSpec, remote_bytes_per_rank: int) -> dict | None:
@@ -125,18 +143,25 @@ def nccl_task(info: RankInfo, spec: DispatchSpec, remote_bytes_per_rank: int) ->
 
     for _ in range(spec.warmup):
         step()
-    times = []
+    times, device_times, queued = [], [], True
     for _ in range(spec.iters):
         comm.barrier(groups.world)
         times.append(timed(step, info.device)[1])
-    mine = torch.tensor([median(times)], dtype=torch.float64, device=info.device)
+        comm.barrier(groups.world)
+        _, s, q = device_timed(step, info.device)
+        device_times.append(s)
+        queued = queued and q
+    mine = torch.tensor([median(times), median(device_times), float(queued)],
+                        dtype=torch.float64, device=info.device)
     per_rank = comm.all_gather(mine[None], groups.world).cpu()
     if info.rank != 0:
         return None
-    seconds = float(per_rank.max())
+    seconds, device_seconds = float(per_rank[:, 0].max()), float(per_rank[:, 1].max())
     moved = per_peer * row_bytes * (n - 1)
-    return {"seconds": seconds, "remote_bytes_per_rank": moved,
-            "busbw_gbps": moved / seconds / 1e9}
+    return {"seconds": seconds, "device_seconds": device_seconds,
+            "remote_bytes_per_rank": moved, "busbw_gbps": moved / seconds / 1e9,
+            "device_busbw_gbps": moved / device_seconds / 1e9,
+            "host_queued_ahead": bool(per_rank[:, 2].min() > 0)}
 
 
 # ---- the script ------------------------------------------------------------------------
@@ -194,38 +219,58 @@ def _one(pooled: Pooled, spec: DispatchSpec, backend: str, head: dict) -> dict:
     if failed:
         return {**base, "error": failed.error, "error_detail": failed.detail}
     head["gpu"] = head["gpu"] or res["device_name"]
-    seconds = [d + c for d, c in zip(res["dispatch_s_per_rank"], res["combine_s_per_rank"])]
-    slowest = max(range(len(seconds)), key=lambda r: seconds[r])
-    moved = res["remote_bytes_per_rank"]
-    eff = 2 * moved[slowest] / seconds[slowest] / 1e9
-    nccl, failed = pooled.run(f"nccl {spec.tokens}", nccl_task, spec, max(moved))
+
+    def effective(dispatch_key: str, combine_key: str) -> float:
+        """dispatch + combine bytes over their time on the slowest rank."""
+        seconds = [d + c for d, c in zip(res[dispatch_key], res[combine_key])]
+        slowest = max(range(len(seconds)), key=lambda r: seconds[r])
+        return 2 * res["remote_bytes_per_rank"][slowest] / seconds[slowest] / 1e9
+
+    eff = effective("dispatch_s_per_rank", "combine_s_per_rank")
+    eff_dev = effective("dispatch_device_s_per_rank", "combine_device_s_per_rank")
+    nccl, failed = pooled.run(f"nccl {spec.tokens}", nccl_task, spec,
+                              max(res["remote_bytes_per_rank"]))
     row = {**base, **{k: v for k, v in res.items() if k != "device_name"},
            "effective_gbps": eff, "nccl_busbw_gbps": nccl["busbw_gbps"] if nccl else None,
            "ratio_vs_nccl": eff / nccl["busbw_gbps"] if nccl else None,
+           "effective_device_gbps": eff_dev,
+           "nccl_device_busbw_gbps": nccl["device_busbw_gbps"] if nccl else None,
+           "ratio_vs_nccl_device": eff_dev / nccl["device_busbw_gbps"] if nccl else None,
+           "nccl_host_queued_ahead": nccl["host_queued_ahead"] if nccl else None,
            "error": None if nccl else failed.error,
            "error_detail": None if nccl else failed.detail}
     rp.progress(f"dispatch {backend}: {spec.tokens} tokens/rank: dispatch "
                 f"{1e3 * max(res['dispatch_s_per_rank']):.2f} ms, combine "
-                f"{1e3 * max(res['combine_s_per_rank']):.2f} ms, effective {eff:.1f} GB/s"
-                + (f", NCCL a2a {row['nccl_busbw_gbps']:.1f} GB/s" if nccl else ""))
+                f"{1e3 * max(res['combine_s_per_rank']):.2f} ms, effective {eff:.1f} GB/s "
+                f"host-timed, {eff_dev:.1f} GB/s device time"
+                + (f"; NCCL a2a {row['nccl_busbw_gbps']:.1f} / "
+                   f"{row['nccl_device_busbw_gbps']:.1f} GB/s" if nccl else ""))
     return row
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [("| backend | tokens/rank | dispatch ms | combine ms | remote MiB/rank | effective "
-              "GB/s | NCCL a2a busbw GB/s | ratio | max abs diff | error |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| backend | tokens/rank | remote MiB/rank | host-timed: dispatch + combine ms | "
+              "effective GB/s | NCCL a2a busbw GB/s | ratio | device time: dispatch + "
+              "combine ms | effective GB/s | NCCL a2a busbw GB/s | ratio | max abs diff | "
+              "error |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     for r in rows:
         if r.get("dispatch_s_per_rank"):
-            cells = [f"{1e3 * max(r['dispatch_s_per_rank']):.2f}",
-                     f"{1e3 * max(r['combine_s_per_rank']):.2f}",
-                     f"{max(r['remote_bytes_per_rank']) / 2**20:.1f}",
-                     f"{r['effective_gbps']:.1f}",
-                     "-" if r["nccl_busbw_gbps"] is None else f"{r['nccl_busbw_gbps']:.1f}",
-                     "-" if r["ratio_vs_nccl"] is None else f"{r['ratio_vs_nccl']:.2f}",
-                     f"{r['max_abs_diff']:.1e}"]
+            host_ms = 1e3 * max(d + c for d, c in zip(r["dispatch_s_per_rank"],
+                                                      r["combine_s_per_rank"]))
+            dev_ms = 1e3 * max(d + c for d, c in zip(r["dispatch_device_s_per_rank"],
+                                                     r["combine_device_s_per_rank"]))
+            cells = [f"{max(r['remote_bytes_per_rank']) / 2**20:.1f}", f"{host_ms:.3f}",
+                     f"{r['effective_gbps']:.1f}", f(r["nccl_busbw_gbps"], ".1f"),
+                     f(r["ratio_vs_nccl"], ".2f"), f"{dev_ms:.3f}",
+                     f"{r['effective_device_gbps']:.1f}", f(r["nccl_device_busbw_gbps"], ".1f"),
+                     f(r["ratio_vs_nccl_device"], ".2f"), f"{r['max_abs_diff']:.1e}"]
         else:
-            cells = ["-"] * 7
+            cells = ["-"] * 10
         err = f"{r['error']} ({r.get('error_detail')})" if r.get("error") else ""
         lines.append(f"| {r['backend']} | {r['tokens_per_rank']} | " + " | ".join(cells) +
                      f" | {err} |")

@@ -39,6 +39,28 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def device_timed(fn: Callable[[], Any], device: torch.device,
+                 head_start_cycles: int = 4_000_000) -> tuple[Any, float, bool]:
+    """-> (fn(), seconds, queued): fn's device time with the host running ahead. On CUDA the
+    stream first runs a sleep kernel (~2 ms) while the host queues fn's work behind it, and
+    CUDA events around fn time its kernels alone, without launch latency: the regime of a
+    prefill (the host is ahead of the GPU) and how nccl-tests times back-to-back
+    collectives. queued says whether the host finished queueing before the sleep ended
+    (else launch latency leaked into the figure). On CPU: wall time, as `timed`."""
+    if device.type != "cuda":
+        out, seconds = timed(fn, device)
+        return out, seconds, True
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(head_start_cycles)
+    start.record()
+    out = fn()
+    end.record()
+    queued = not start.query()  # the sleep is still running: fn is queued behind it
+    sync(device)
+    return out, start.elapsed_time(end) / 1e3, queued
+
+
 def cuda_ms(fn: Callable[[], Any], iters: int = 5) -> float:
     """Mean milliseconds of one fn() on the current CUDA stream (one untimed call first),
     for kernel micro-benchmarks."""

@@ -210,6 +210,7 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
         for r in measured:
             assert r["max_abs_diff"] < 1e-4  # combine(identity experts) gives x back
             assert r["effective_gbps"] > 0 and r["nccl_busbw_gbps"] > 0
+            assert r["effective_device_gbps"] > 0 and r["nccl_device_busbw_gbps"] > 0
             assert min(r["remote_bytes_per_rank"]) > 0
 
 
