@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from cpmoe.bench.model_task import prompts  # noqa: E402
 from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
 from cpmoe.engine.runner import ModelRunner  # noqa: E402
 from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
@@ -27,7 +28,7 @@ def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int,
                  trace: str | None) -> str:
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner.from_config(config, groups, torch.bfloat16)
-    seqs = [torch.randint(0, config["vocab_size"], (length,)).tolist()]
+    seqs = prompts(config["vocab_size"], length, 1, seed=0)  # the same prompt on every rank
     for _ in range(2):
         runner.prefill(seqs, last_only=True)
     torch.cuda.synchronize()
