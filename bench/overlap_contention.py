@@ -93,7 +93,7 @@ def dispatch_device_time(rank: int) -> list[str]:
         x, ids, w = routing(spec, rank, dev)
 
         def step():
-            rx, rid, rw, _, h = d.dispatch(x, ids, w)
+            rx, rid, rw, h = d.dispatch(x, ids, w)
             return d.combine(_experts_stand_in(rx, rid, rw), h)
 
         def a2a():

@@ -91,12 +91,12 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
         comm.barrier(groups.world)
 
     for _ in range(spec.warmup):
-        recv_x, recv_ids, recv_w, _, handle = dispatcher.dispatch(x, ids, w)
+        recv_x, recv_ids, recv_w, handle = dispatcher.dispatch(x, ids, w)
         dispatcher.combine(_experts_stand_in(recv_x, recv_ids, recv_w), handle)
     t_dispatch, t_combine, d_dispatch, d_combine, queued = [], [], [], [], True
     for _ in range(spec.iters):
         align()
-        (recv_x, recv_ids, recv_w, _, handle), s = timed(
+        (recv_x, recv_ids, recv_w, handle), s = timed(
             lambda: dispatcher.dispatch(x, ids, w), info.device)
         t_dispatch.append(s)
         y = _experts_stand_in(recv_x, recv_ids, recv_w)
@@ -104,7 +104,7 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
         back, s = timed(lambda y=y, handle=handle: dispatcher.combine(y, handle), info.device)
         t_combine.append(s)
         align()
-        (recv_x, recv_ids, recv_w, _, handle), s, q1 = device_timed(
+        (recv_x, recv_ids, recv_w, handle), s, q1 = device_timed(
             lambda: dispatcher.dispatch(x, ids, w), info.device)
         d_dispatch.append(s)
         y = _experts_stand_in(recv_x, recv_ids, recv_w)

@@ -182,7 +182,7 @@ class DeepseekV4SparseMoeBlock(nn.Module):
         ids = comm.to_mlp_layout(batch.input_ids, batch) if self.hashed else None
         topk_ids, topk_w = self.gate(x, ids)
         topk_ids = self.placement.route(topk_ids)
-        recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x, topk_ids, topk_w)
+        recv_x, recv_ids, recv_w, handle = self.dispatcher.dispatch(x, topk_ids, topk_w)
         routed = self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
         shared = self.shared_experts(comm.local_rows(x_TH, batch))
         return comm.postprocess_layer(routed, shared, batch)

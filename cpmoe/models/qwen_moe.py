@@ -130,7 +130,7 @@ class QwenMoeSparseBlock(nn.Module):
     def routed(self, x_NH: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x_NH)
         ids = self.placement.route(ids)
-        recv_x, recv_ids, recv_w, _, handle = self.dispatcher.dispatch(x_NH, ids, weights)
+        recv_x, recv_ids, recv_w, handle = self.dispatcher.dispatch(x_NH, ids, weights)
         return self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
 
     def shared(self, x_NH: torch.Tensor) -> torch.Tensor | None:

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.ops import softmax_topk
+
 
 class SoftmaxTopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
@@ -24,9 +26,5 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (topk_ids_NK int64 global expert ids, topk_weights_NK in x's dtype)."""
-        logits_NE = F.linear(x_NH, self.weight)
-        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
-        weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-        return ids_NK, weights_NK.to(x_NH.dtype)
+        return softmax_topk(F.linear(x_NH, self.weight), self.top_k, self.norm_topk_prob,
+                            x_NH.dtype)

@@ -88,3 +88,14 @@ def test_triton_ops_match_references_at_model_shapes():
         torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
                                    ops.norm_rope_ref(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
                                    rtol=2e-2, atol=2e-2)
+    logits = torch.randn(5000, 128, device=dev, dtype=bf)
+    ids, w = ops.softmax_topk(logits, 8, True, bf)
+    ref_ids, ref_w = ops.softmax_topk_ref(logits.float(), 8, True, bf)  # fp32: no bf16 ties
+    same = (ids == ref_ids).all(dim=1)
+    assert same.float().mean() > 0.99, same.float().mean()  # bf16 logits can tie at the edge
+    torch.testing.assert_close(w[same], ref_w[same], rtol=2e-2, atol=2e-2)
+    o1, o2 = (torch.randn(3000, 32, 128, device=dev, dtype=bf) for _ in range(2))
+    l1, l2 = torch.randn(3000, 32, device=dev), torch.randn(3000, 32, device=dev)
+    out = torch.empty_like(o1)
+    torch.testing.assert_close(ops.merge_two_attention(o1, l1, o2, l2, out),
+                               ops.merge_two_attention_ref(o1, l1, o2, l2), rtol=2e-2, atol=2e-2)

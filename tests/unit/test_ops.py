@@ -79,6 +79,18 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                                        l2[0].T)
     torch.testing.assert_close(out[2:9].float(), want.float(), rtol=tol, atol=tol)
     assert not out[:2].any() and not out[9:].any()
+    # router: softmax + top-k (+ renormalise), E not a power of two, ties to the lower id
+    logits = torch.randn(37, 20).to(dtype)
+    logits[3, 5] = logits[3, 11] = logits[3].max() + 1  # a tie for the top slot
+    for k, renorm in ((4, True), (1, False), (20, True)):
+        ids, w = ops.softmax_topk(logits, k, renorm, dtype)
+        ref_ids, ref_w = ops.softmax_topk_ref(logits, k, renorm, dtype)
+        probs = torch.softmax(logits.float(), dim=-1)
+        want_ids = torch.sort(-probs, dim=-1, stable=True).indices[:, :k]
+        assert torch.equal(ids, want_ids), (ids, want_ids)
+        assert ids.dtype == torch.int64 and w.dtype == dtype and ids[3, 0] == 5
+        torch.testing.assert_close(w.float(), ref_w.float(), rtol=tol, atol=tol)
+        assert torch.equal(torch.sort(ids).values, torch.sort(ref_ids).values) or k == 1
 print("kernels ok")
 """
 

@@ -42,7 +42,7 @@ class AllToAllDispatcher(Dispatcher):
         recv_x, ids, recv_w = unpack_rows(recv, x_NH.shape[1], topk_ids_NK.shape[1])
         recv_ids = self.to_local(ids)
         handle = _Handle(token_S, send_counts, recv_counts, x_NH.shape[0])
-        return recv_x, recv_ids, recv_w, self.count(recv_ids), handle
+        return recv_x, recv_ids, recv_w, handle
 
     def combine(self, y_MH: torch.Tensor, handle: _Handle) -> torch.Tensor:
         back_SH = comm.all_to_all(y_MH, handle.recv_counts, handle.send_counts,

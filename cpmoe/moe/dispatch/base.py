@@ -1,16 +1,16 @@
 """The token-dispatch interface every MoE backend implements, and the factory.
 
     dispatch(x_NH, topk_ids_NK, topk_weights_NK)
-        -> (recv_x_MH, recv_local_ids_MK, recv_weights_MK, counts_E, handle)
+        -> (recv_x_MH, recv_local_ids_MK, recv_weights_MK, handle)
     combine(y_MH, handle) -> out_NH
 
 x_NH: this rank's tokens in the MoE layout of the backend (rows of the source rank).
 topk_ids_NK: global expert ids (int64); topk_weights_NK: routing weights, x's dtype.
 recv_local_ids_MK: ids of this rank's experts (0..E_loc-1), -1 where the expert lives
 elsewhere; the experts reduce each received row over its local slots, already weighted.
-counts_E: rows per local expert (int64). combine returns, for every source row, the sum of
-what the experts sent back for it. Whether `out_NH` is final or a partial sum over the MoE
-group is a property of the backend (`partial_output`); the communicator does the reduction.
+combine returns, for every source row, the sum of what the experts sent back for it.
+Whether `out_NH` is final or a partial sum over the MoE group is a property of the backend
+(`partial_output`); the communicator does the reduction.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Dispatcher(ABC):
     @abstractmethod
     def dispatch(self, x_NH: torch.Tensor, topk_ids_NK: torch.Tensor,
                  topk_weights_NK: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
     @abstractmethod
     def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor: ...
@@ -43,12 +43,6 @@ class Dispatcher(ABC):
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
         local = topk_ids - self.first_expert
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-
-    def count(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Rows per local expert, computed on the device without a host sync."""
-        ids = torch.where(local_ids >= 0, local_ids, self.num_local_experts).flatten()
-        counts = torch.zeros(self.num_local_experts + 1, dtype=torch.int64, device=ids.device)
-        return counts.scatter_add_(0, ids, torch.ones_like(ids))[:-1]  # bincount would sync
 
 
 def pack_rows(x_NH: torch.Tensor, topk_ids_NK: torch.Tensor, topk_weights_NK: torch.Tensor

@@ -13,8 +13,7 @@ class LocalDispatcher(Dispatcher):
     partial_output = True
 
     def dispatch(self, x_NH, topk_ids_NK, topk_weights_NK):
-        local_ids = self.to_local(topk_ids_NK)
-        return x_NH, local_ids, topk_weights_NK, self.count(local_ids), None
+        return x_NH, self.to_local(topk_ids_NK), topk_weights_NK, None
 
     def combine(self, y_MH: torch.Tensor, handle) -> torch.Tensor:
         return y_MH

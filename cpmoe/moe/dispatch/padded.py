@@ -25,8 +25,7 @@ class PaddedAllToAllDispatcher(Dispatcher):
         packed = comm.all_gather(pack_rows(x_NH, topk_ids_NK, topk_weights_NK),
                                  self.groups.moe_ep)
         recv_x, ids, recv_w = unpack_rows(packed, x_NH.shape[1], topk_ids_NK.shape[1])
-        recv_ids = self.to_local(ids)
-        return recv_x, recv_ids, recv_w, self.count(recv_ids), None
+        return recv_x, self.to_local(ids), recv_w, None
 
     def combine(self, y_MH: torch.Tensor, handle) -> torch.Tensor:
         return comm.reduce_scatter(y_MH, self.groups.moe_ep)
