@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every figure of BENCHMARKS.md, in device calls of under 10 minutes each, on an
 # nvidia-h200-x2 machine:
-#   bash bench/h200_suite.sh scaling  OUT_DIR   # 2-GPU layouts vs 1 GPU (incl. expert placement)
-#   bash bench/h200_suite.sh profile  OUT_DIR   # CUDA tests, CP attention, 128K phases, check
+#   bash bench/h200_suite.sh scaling  OUT_DIR   # 2-GPU layouts vs 1 GPU
+#   bash bench/h200_suite.sh profile  OUT_DIR   # CUDA tests, CP attention, expert load, phases, check
 #   bash bench/h200_suite.sh peers    OUT_DIR   # 1 GPU vs HF, cpmoe check on CUDA
 #   bash bench/h200_suite.sh dispatch OUT_DIR   # dispatch + combine vs NCCL all_to_all
 set -euo pipefail
@@ -15,17 +15,16 @@ case "$part" in
   scaling)
     ep="tp=2,cp=2,ep=2"
     python3 -m cpmoe.cli bench --shape qwen3-30b-a3b --lengths 16384,65536,131072 \
-      --layouts "tp=1;$ep;$ep,placement=balanced;$ep,backend=alltoall_padded;$ep,backend=alltoall_padded,placement=balanced;tp=2,cp=2,dp=2" \
+      --layouts "tp=1;$ep;$ep,backend=alltoall_padded;tp=2,cp=2,ep=1;tp=2,cp=2,dp=2" \
       --iters 2 --warmup 1 --plot --out "$out/qwen3-30b-a3b-2gpu-$stamp.json"
     ;;
   profile)
     python3 -m pytest -q tests/gpu
     python3 bench/attention_cp.py --out "$out/attention_cp-$stamp.json"
+    python3 bench/expert_load.py --lengths 16384,65536 --ep 2
     for length in 65536 131072; do
       python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length $length \
         --layers 4 --timeline 2
-      python3 bench/phase_times.py --layout "tp=2,cp=2,ep=2" --length $length --layers 4 \
-        --timeline 2 --balanced
     done
     echo "== cpmoe check --tp-size 2 --attn-cp-size 2 --ep-size 2 --dtype bfloat16"
     python3 -m cpmoe.cli check --tp-size 2 --attn-cp-size 2 --ep-size 2 --device cuda \
