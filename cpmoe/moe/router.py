@@ -1,7 +1,9 @@
 """Top-k routers (weights replicated on every rank; routing is a pure function of the row).
 
 Qwen2/3-MoE: softmax over expert logits in fp32, top-k, renormalise when `norm_topk_prob`,
-weights cast back to the activation dtype -- the order of operations of HF transformers.
+weights cast back to the activation dtype -- the order of operations of HF transformers (on
+CUDA in one Triton pass, `ops.softmax_topk`, which breaks exact ties toward the lower expert
+id; torch.topk leaves their order unspecified).
 
 Legend: N = tokens, H = hidden, E = experts, K = top-k.
 """

@@ -88,10 +88,16 @@ def make_v4_model(variant: str = "base", out_dir: Path | None = None, seed: int 
 
 
 def greedy_run(groups: ProcessGroups, model_dir: Path, seqs: list[list[int]],
-               new_tokens: int) -> dict:
+               new_tokens: int, calibration: list[list[int]] | None = None) -> dict:
     """Prefill logits of every position (the prefill also fills the cache), then greedy
-    decoding through the runner's decode steps: tokens per sequence, every step's logits."""
+    decoding through the runner's decode steps: tokens per sequence, every step's logits.
+    With `calibration`, the experts are first re-placed by the load of those prompts."""
     runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    report = None
+    if calibration is not None:
+        runner.record_expert_load()
+        runner.prefill(calibration)
+        report = runner.rebalance_experts()
     runner.allocate_kv(sum(len(s) for s in seqs) + len(seqs) * new_tokens)
     keys = list(range(len(seqs)))
     prefill = runner.prefill(seqs, keys)
@@ -101,11 +107,13 @@ def greedy_run(groups: ProcessGroups, model_dir: Path, seqs: list[list[int]],
         steps.append(runner.decode(keys, tokens[-1]))
         tokens.append(steps[-1].argmax(-1).tolist())
     return {"prefill": prefill, "steps": steps,
-            "tokens": [list(t) for t in zip(*tokens)]}
+            "tokens": [list(t) for t in zip(*tokens)], "report": report}
 
 
 def v4_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Path],
-            seqs: list[list[int]], new_tokens: int) -> dict | None:
+            seqs: list[list[int]], new_tokens: int,
+            calibration: list[list[int]] | None = None) -> dict | None:
     groups = ProcessGroups.build(layout, info.rank, info.device)
-    out = {kind: greedy_run(groups, d, seqs, new_tokens) for kind, d in model_dirs.items()}
+    out = {kind: greedy_run(groups, d, seqs, new_tokens, calibration)
+           for kind, d in model_dirs.items()}
     return out if info.rank == 0 else None

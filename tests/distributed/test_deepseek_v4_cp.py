@@ -12,6 +12,8 @@ crosses the HCA boundary while decoding, 1 and 7 leave some CP ranks without tok
   expert's alone, so a shared output summed over ranks would be off by the group size;
 - hash routing follows the rows: with only hash-routed layers' experts non-zero, token ids
   misaligned with hidden rows under CP would pick other experts;
+- experts re-placed by recorded load (weights moved between EP ranks, router and hash-table
+  ids mapped) give the same outputs;
 - invalid V4 layouts are refused before any rank starts, each with its own one-line message.
 """
 
@@ -196,6 +198,17 @@ def test_hash_routing_ids_follow_rows_under_cp(layout, pools, v4_dirs, short_seq
     got = pools(layout.world_size).run(v4_task, layout, {"v": v4_dirs["hash_only"]},
                                        short_seqs, SHORT_NEW_TOKENS)[0]["v"]
     assert_same(got, ref, f"hash-only {layout_id(layout)}")
+
+
+@pytest.mark.parametrize("layout", EXPLICIT, ids=layout_id)
+def test_v4_rebalanced_experts_give_the_same_outputs(layout, pools, v4_dirs, seqs, reference):
+    calibration = random_ids([150, 40], seed=9)
+    got = pools(layout.world_size).run(v4_task, layout, {"v": v4_dirs["base"]}, seqs,
+                                       NEW_TOKENS, calibration)[0]["v"]
+    report = got["report"]
+    assert report.experts_moved > 0, "the placement did not change"
+    assert report.busiest_after < report.busiest_before
+    assert_same(got, reference["base"], f"rebalanced {layout_id(layout)}")
 
 
 @pytest.mark.parametrize("layout", MATRIX, ids=layout_id)
