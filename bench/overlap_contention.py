@@ -43,7 +43,8 @@ class CopyEngineGather:
         self.rank, self.world = self.handle.rank, self.handle.world_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        nbytes = x.numel() * x.element_size()
+        if x.numel() * x.element_size() > self.buf.numel():
+            raise ValueError(f"{x.numel() * x.element_size()} bytes exceed the symmetric buffer")
         mine = self.handle.get_buffer(self.rank, x.shape, x.dtype)
         mine.copy_(x)
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
@@ -53,67 +54,7 @@ class CopyEngineGather:
             src = x if peer == self.rank else self.handle.get_buffer(peer, x.shape, x.dtype)
             out[peer * x.shape[0]:(peer + 1) * x.shape[0]].copy_(src)
         self.handle.barrier(channel=1)
-        assert nbytes <= self.buf.numel()
         return out
-
-
-def device_ms(fn, iters: int = 10) -> float:
-    """GPU time of fn() with the host queued ahead (a sleep kernel first), so launch latency
-    is not counted: the regime of a prefill, where the host runs ahead of the GPU."""
-    times = []
-    for _ in range(iters + 2):
-        dist.barrier()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)  # ~10 ms at H200 clocks
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[2:])
-
-
-def dispatch_device_time(rank: int) -> list[str]:
-    """alltoall_padded dispatch + combine at small sizes: host-timed vs device time, and
-    NCCL all_to_all of the same bytes both ways."""
-    import time
-
-    from cpmoe.bench.dispatch import DispatchSpec, _experts_stand_in, routing
-    from cpmoe.moe.dispatch.base import create_dispatcher
-    from cpmoe.parallel.groups import ProcessGroups
-    from cpmoe.parallel.layout import ParallelLayout
-    dev = torch.device("cuda", torch.cuda.current_device())
-    groups = ProcessGroups.build(ParallelLayout(tp_size=2, ep_size=2,
-                                                moe_a2a_backend="alltoall_padded"), rank, dev)
-    d = create_dispatcher("alltoall_padded", groups, 128)
-    rows = []
-    for n in (4096, 8192, 16384):
-        spec = DispatchSpec(n, 2048, 128, 8, torch.bfloat16, 2, 10)
-        x, ids, w = routing(spec, rank, dev)
-
-        def step():
-            rx, rid, rw, h = d.dispatch(x, ids, w)
-            return d.combine(_experts_stand_in(rx, rid, rw), h)
-
-        def a2a():
-            send = torch.empty(n, 2048, dtype=torch.bfloat16, device=dev)
-            out = torch.empty_like(send)
-            dist.all_to_all_single(out, send)
-            dist.all_to_all_single(send, out)
-
-        host = []
-        for _ in range(12):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            host.append(time.perf_counter() - t)
-        rows.append(f"| padded dispatch+combine (+stand-in) {n} tok/rank | host-timed "
-                    f"{statistics.median(host[2:]) * 1e3:.3f} ms | device {device_ms(step):.3f} ms"
-                    f" | NCCL a2a there+back device {device_ms(a2a):.3f} ms |")
-    return rows
 
 
 def main() -> None:
@@ -179,7 +120,6 @@ def main() -> None:
                             f"compute under AG {comp:.3f} ({comp / alone - 1:+.1%}) | "
                             f"both done {total:.3f} (serial would be "
                             f"{alone + (t_nccl if label == 'NCCL' else t_ce):.3f}) |")
-    rows += dispatch_device_time(rank)
     if rank == 0:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
         print("\n".join(rows))
