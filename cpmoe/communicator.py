@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from cpmoe.cp.attention import merge_partials
 from cpmoe.engine.forward import ForwardBatch
+from cpmoe.ops import merge_partials
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group, ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout

@@ -9,9 +9,11 @@ expression (the reference the kernels are tested against) everywhere else.
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
   renormalised -> (ids int64, weights in dtype).
-- `merge_two_attention(o1, lse1, o2, lse2, out)`: two partial attention outputs over
-  disjoint keys [T, H, D] with their log-sum-exps [T, H] -> the exact result, written into
-  out (CP prefill: a query run's own keys and the keys before it).
+- `merge_partials(o, lse)`: P partial attention outputs over disjoint keys [P, T, H, D] with
+  their log-sum-exps [P, T, H] -> the exact result, fp32 (o = sum_i exp(lse_i - lse) * o_i,
+  lse = logsumexp_i(lse_i); a part that saw no key, lse -inf, weighs zero).
+  `merge_two_attention(o1, lse1, o2, lse2, out)` is its P = 2 case written into out (CP
+  prefill: a query run's own keys and the keys before it).
 
 Kernels accumulate in fp32 and round once. Triton is optional: without it (or on CPU) the
 torch expressions run. Legend: T/M rows, H hidden, K top-k, I intermediate, D head dim.
@@ -136,24 +138,22 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.d
 
 # ---- merge of two partial attention results ---------------------------------------------
 
-def merge_two_attention_ref(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                            lse2: torch.Tensor) -> torch.Tensor:
-    """o_i [T, H, D], lse_i [T, H] (natural log, fp32) -> merged [T, H, D] in o1's dtype."""
-    lse = torch.logaddexp(lse1, lse2).nan_to_num(neginf=0.0)  # no key at all: weights 0
-    merged = (o1.float() * torch.exp(lse1 - lse)[..., None]
-              + o2.float() * torch.exp(lse2 - lse)[..., None])
-    return merged.to(o1.dtype)
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """o [P, T, H, D] and lse [P, T, H] of P parts -> merged o [T, H, D] (fp32)."""
+    total = torch.logsumexp(lse, dim=0)  # [T, H]
+    weight = torch.exp(lse - total.nan_to_num(neginf=0.0)[None])  # -inf parts -> 0
+    return (weight[..., None] * o.float()).sum(dim=0)
 
 
 def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
                         lse2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """merge_two_attention_ref written into out [T, H, D] (any strides); returns out. One
-    pass over the inputs: the unfused expression moves ~9x the bytes (fp32 temporaries)."""
+    """merge_partials of two parts (o_i [T, H, D], lse_i [T, H]) written into out [T, H, D]
+    (any strides); returns out. One pass over the inputs: the unfused expression moves ~9x
+    the bytes (fp32 temporaries)."""
     T, H, D = o1.shape
     if (not _use_triton(o1) or T == 0 or D & (D - 1) or o1.stride(2) != 1
             or o2.stride(2) != 1 or out.stride(2) != 1):
-        out.copy_(merge_two_attention_ref(o1, lse1, o2, lse2))
-        return out
+        return out.copy_(merge_partials(torch.stack([o1, o2]), torch.stack([lse1, lse2])))
     block = 64
     _merge_two_kernel[(triton.cdiv(T, block), H)](
         o1, lse1, o2, lse2, out, T, o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),

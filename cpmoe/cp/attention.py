@@ -3,9 +3,8 @@
 - `prefill_attention`: this rank's queries (its CP chunk, any order within a sequence)
   against the full K/V of their sequences in original order, causal on global positions.
 - `partial_attention`: queries against one KV shard, returning output and log-sum-exp
-  (natural log, fp32) so shards can be merged; a query that sees no key gets lse = -inf.
-- `merge_partials`: o = sum_i exp(lse_i - lse) * o_i with lse = logsumexp_i(lse_i), in fp32;
-  fully masked shards weigh zero.
+  (natural log, fp32) so shards can be merged (`ops.merge_partials`); a query that sees no
+  key gets lse = -inf.
 
 Legend: T = local query tokens, N = keys, H = local query heads, Hkv = local KV heads,
 D = head dim. GQA: query head h reads KV head h // (H / Hkv).
@@ -78,13 +77,6 @@ def partial_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: 
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
     o = torch.einsum("tkgn,nkd->tkgd", probs, v.float())
     return o.reshape(T, H, D), lse.reshape(T, H)
-
-
-def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """o [P, T, H, D] and lse [P, T, H] of P shards -> merged o [T, H, D] (fp32)."""
-    total = torch.logsumexp(lse, dim=0)  # [T, H]
-    weight = torch.exp(lse - total.nan_to_num(neginf=0.0)[None])  # -inf shards -> 0
-    return (weight[..., None] * o.float()).sum(dim=0)
 
 
 def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,

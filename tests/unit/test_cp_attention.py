@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpmoe import ops
 from cpmoe.cp import attention as att
 from cpmoe.cp.split import CPSplit
 
@@ -48,7 +49,7 @@ def test_merge_of_shards_equals_full_attention_and_empty_shard_weighs_zero():
     shards = [torch.arange(0, 20, 3), torch.arange(1, 20, 3), torch.arange(2, 20, 3),
               torch.tensor([], dtype=torch.int64)]
     parts = [att.partial_attention(q, q_pos, k[i], v[i], k_pos[i], 0.3) for i in shards]
-    merged = att.merge_partials(torch.stack([p[0] for p in parts]),
+    merged = ops.merge_partials(torch.stack([p[0] for p in parts]),
                                 torch.stack([p[1] for p in parts]))
     assert (merged - full).abs().max() < 1e-6
     assert torch.isfinite(merged).all()
