@@ -90,32 +90,28 @@ def backend_task(info: RankInfo, spec: DispatchSpec, backend: str) -> dict | Non
     def align() -> None:
         comm.barrier(groups.world)
 
+    def round_trip(clock) -> tuple[float, float, bool, torch.Tensor]:
+        """Dispatch, stand-in experts, combine; -> (dispatch s, combine s, queued, x back),
+        each side timed by clock(fn) -> (fn(), seconds, host queued ahead)."""
+        align()
+        (recv_x, recv_ids, recv_w, handle), t_d, q_d = clock(
+            lambda: dispatcher.dispatch(x, ids, w))
+        y = _experts_stand_in(recv_x, recv_ids, recv_w)
+        align()
+        back, t_c, q_c = clock(lambda: dispatcher.combine(y, handle))
+        return t_d, t_c, q_d and q_c, back
+
     for _ in range(spec.warmup):
-        recv_x, recv_ids, recv_w, handle = dispatcher.dispatch(x, ids, w)
-        dispatcher.combine(_experts_stand_in(recv_x, recv_ids, recv_w), handle)
-    t_dispatch, t_combine, d_dispatch, d_combine, queued = [], [], [], [], True
+        round_trip(lambda fn: (fn(), 0.0, True))
+    host, device = [], []
     for _ in range(spec.iters):
-        align()
-        (recv_x, recv_ids, recv_w, handle), s = timed(
-            lambda: dispatcher.dispatch(x, ids, w), info.device)
-        t_dispatch.append(s)
-        y = _experts_stand_in(recv_x, recv_ids, recv_w)
-        align()
-        back, s = timed(lambda y=y, handle=handle: dispatcher.combine(y, handle), info.device)
-        t_combine.append(s)
-        align()
-        (recv_x, recv_ids, recv_w, handle), s, q1 = device_timed(
-            lambda: dispatcher.dispatch(x, ids, w), info.device)
-        d_dispatch.append(s)
-        y = _experts_stand_in(recv_x, recv_ids, recv_w)
-        align()
-        back, s, q2 = device_timed(lambda y=y, handle=handle: dispatcher.combine(y, handle),
-                                   info.device)
-        d_combine.append(s)
-        queued = queued and q1 and q2
+        host.append(round_trip(lambda fn: (*timed(fn, info.device), True)))
+        device.append(round_trip(lambda fn: device_timed(fn, info.device)))
+    back = device[-1][3]
     out["max_abs_diff"] = float((back.float() - x.float()).abs().max())
-    mine = torch.tensor([median(t_dispatch), median(t_combine), float(sent), out["max_abs_diff"],
-                         median(d_dispatch), median(d_combine), float(queued)],
+    mine = torch.tensor([median([r[0] for r in host]), median([r[1] for r in host]),
+                         float(sent), out["max_abs_diff"], median([r[0] for r in device]),
+                         median([r[1] for r in device]), float(all(r[2] for r in device))],
                         dtype=torch.float64, device=info.device)
     per_rank = comm.all_gather(mine[None], groups.world).cpu()
     if info.rank != 0:
