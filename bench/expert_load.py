@@ -43,15 +43,11 @@ def layer_loads(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor:
 def busiest_over_mean(measured: torch.Tensor, calib: torch.Tensor, ep: int, pool: int,
                       placed: bool) -> float:
     total_max, total_mean = 0.0, 0.0
-    E = measured.shape[1]
     for c, c_cal in zip(measured, calib):
-        hot = torch.argsort(-c_cal)[:pool] if pool else torch.empty(0, dtype=torch.long)
-        rest = torch.tensor([e for e in range(E) if e not in set(hot.tolist())])
-        if placed:
-            p2l = rest[pl.balanced_placement(c_cal[rest], ep)]
-        else:
-            p2l = rest
-        loads = c[p2l].view(ep, -1).sum(1)
+        order = torch.argsort(-c_cal)
+        hot, rest = order[:pool], order[pool:].sort().values
+        p2l = rest[pl.balanced_placement(c_cal[rest], ep)] if placed else rest
+        loads = pl.rank_loads(c, p2l, ep)
         level = float(loads.sum() + c[hot].sum()) / ep
         total_max += max(float(loads.max()), level)
         total_mean += level
