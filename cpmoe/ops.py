@@ -196,7 +196,6 @@ if triton is not None:
         valid = ok[:, None] & (cols[None, :] < E)
         x = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=valid,
                     other=float("-inf")).to(tl.float32)
-        x = tl.where(valid, x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
         p = tl.where(valid, p, -1.0)  # padding columns never win
