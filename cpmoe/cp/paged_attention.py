@@ -1,0 +1,344 @@
+"""Paged decode attention: one query per sequence against that sequence's keys in a paged
+KV pool, returning the output and its natural-log LSE so CP ranks' partials merge exactly
+(`cpmoe.ops.merge_partials`).
+
+    paged_decode_attention(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
+                           num_splits=None, out_dtype=None, workspace=None)
+        -> (o_BHD, lse_BH)
+
+Legend: B rows (sequences), H local query heads, Hkv local KV heads, G = H // Hkv query
+heads per KV head, D head dim, P max pages per row (block-table width), S splits.
+
+Inputs:
+- q_BHD [B, H, D], bf16/fp16/fp32, last dim contiguous; any D (non-powers of two masked).
+- k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype, last dim contiguous (other
+  strides are passed through, so views of a larger pool work); page_size a power of two.
+- block_table_BP int32 [B, P]: row b's token t lives at page block_table[b, t // page_size],
+  offset t % page_size. Entries past a row's ceil(kv_len / page_size) pages are never read.
+- kv_lens_B int32 [B]: keys stored for the row, 0 <= kv_len <= P * page_size (checked only on
+  the torch path: the kernel reads no value on the host). No causal mask: the query sees
+  every stored key of its row. Query head h reads KV head h // G.
+
+Outputs: o_BHD in out_dtype (default q's dtype), accumulated in fp32 and rounded once;
+lse_BH float32 = logsumexp over the row's keys of scale * q.k (natural log). A row with no
+key gets o = 0 and lse = -inf (it weighs zero in a merge).
+
+CUDA (and TRITON_INTERPRET=1): a two-stage split-K Triton kernel. Stage 1 runs one program
+per (row, KV head, split): it loads the G query heads of that KV head once and streams the
+split's share of the row's keys, so each K/V tile is read once per KV head, and writes a
+partial o and lse per split. Stage 2 merges the S partials of each (row, head). With S = 1
+stage 1 writes o and lse directly and stage 2 is skipped. CUDA-graph safe: grids depend only
+on shapes and num_splits, per-row split bounds are computed on the device from kv_lens, and
+the work buffers (fp32 o [B, H, S, D] and lse [B, H, S]) are sized by shapes only; pass
+`workspace=(o_part, lse_part)` of those shapes to reuse buffers.
+
+Default num_splits (`default_num_splits`): enough (row, KV head, split) programs for about
+four per SM, S = ceil(4 * num_SMs / (B * Hkv)), but no split shorter than 256 tokens of the
+longest row the table can hold (S <= P * page_size // 256) and at most 64; at least 1. On an
+H200 (132 SMs) with Hkv = 4: B = 16 at 32K context -> 9 splits, B = 64 at 1K -> 3, B >= 132
+-> 1 (no stage 2). Depends on shapes only, so a captured graph keeps its split count.
+
+CPU (or no Triton): `paged_decode_attention_ref`, a float32 torch expression vectorised over
+the batch (gather the rows' pages, mask by kv_lens, softmax with lse); the kernel's reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from cpmoe.ops import _use_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+_MIN_SPLIT_TOKENS = 256
+_MAX_DEFAULT_SPLITS = 64
+_PROGRAMS_PER_SM = 4
+_DEFAULT_SMS = 132  # an H200; used when the tensors are not on a CUDA device (interpreter)
+_REF_CHUNK_ELEMENTS = 1 << 24  # gathered K elements per chunk of rows in the reference
+
+
+# ---- checks and dispatch -------------------------------------------------------------------
+
+def _check_inputs(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor) -> None:
+    """Shape/dtype/device checks only (no value is read, so no host sync)."""
+    if q_BHD.dim() != 3:
+        raise ValueError(f"paged_decode_attention: q must be [B, H, D], got {tuple(q_BHD.shape)}")
+    B, H, D = q_BHD.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("paged_decode_attention: k_cache/v_cache must both be [num_pages, "
+                         f"page_size, Hkv, D], got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    _, page, Hkv, Dk = k_cache.shape
+    if Dk != D or Hkv == 0 or H % Hkv:
+        raise ValueError(f"paged_decode_attention: q [B, H={H}, D={D}] does not fit KV heads "
+                         f"[Hkv={Hkv}, D={Dk}] (need equal D and H divisible by Hkv)")
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"paged_decode_attention: page_size must be a power of two, got {page}")
+    if k_cache.dtype != q_BHD.dtype or v_cache.dtype != q_BHD.dtype:
+        raise ValueError(f"paged_decode_attention: q, k_cache, v_cache dtypes differ: "
+                         f"{q_BHD.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (block_table_BP.dim() != 2 or block_table_BP.shape[0] != B
+            or block_table_BP.dtype != torch.int32):
+        raise ValueError(f"paged_decode_attention: block_table must be int32 [B={B}, P], got "
+                         f"{block_table_BP.dtype} {tuple(block_table_BP.shape)}")
+    if kv_lens_B.shape != (B,) or kv_lens_B.dtype != torch.int32:
+        raise ValueError(f"paged_decode_attention: kv_lens must be int32 [B={B}], got "
+                         f"{kv_lens_B.dtype} {tuple(kv_lens_B.shape)}")
+    devices = {t.device for t in (q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)}
+    if len(devices) != 1:
+        raise ValueError(f"paged_decode_attention: inputs on several devices: {devices}")
+
+
+def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
+                           num_splits: int | None = None, out_dtype: torch.dtype | None = None,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32)."""
+    _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
+    out_dtype = out_dtype or q_BHD.dtype
+    if not _use_triton(q_BHD):
+        o_BHD, lse_BH = paged_decode_attention_ref(q_BHD, k_cache, v_cache, block_table_BP,
+                                                   kv_lens_B, scale)
+        return o_BHD.to(out_dtype), lse_BH
+    return _paged_decode_triton(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
+                                num_splits, out_dtype, workspace)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, max_pages: int, page_size: int,
+                       num_sms: int = _DEFAULT_SMS) -> int:
+    """Splits per (row, KV head) from shapes only (the rule is in the module docstring)."""
+    want = -(-_PROGRAMS_PER_SM * num_sms // max(1, batch * kv_heads))
+    cap = max(1, max_pages * page_size // _MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, _MAX_DEFAULT_SPLITS))
+
+
+# ---- torch reference -----------------------------------------------------------------------
+
+def paged_decode_attention_ref(q_BHD: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_table_BP: torch.Tensor,
+                               kv_lens_B: torch.Tensor, scale: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 -> (o_BHD float32, lse_BH float32). Reads kv_lens on the host (CPU path)."""
+    B, H, D = q_BHD.shape
+    _, page, Hkv, _ = k_cache.shape
+    P = block_table_BP.shape[1]
+    o_BHD = torch.zeros(B, H, D, dtype=torch.float32, device=q_BHD.device)
+    lse_BH = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q_BHD.device)
+    if B == 0:
+        return o_BHD, lse_BH
+    lens = kv_lens_B.to("cpu", torch.int64)
+    if int(lens.min()) < 0 or int(lens.max()) > P * page:
+        raise ValueError(f"paged_decode_attention: kv_lens must lie in [0, {P * page}] "
+                         f"(block_table width {P} x page_size {page}), got "
+                         f"[{int(lens.min())}, {int(lens.max())}]")
+    pages_used = -(-int(lens.max()) // page)  # table columns any row reads
+    rows_per_chunk = max(1, _REF_CHUNK_ELEMENTS // max(1, pages_used * page * Hkv * D))
+    for b0 in range(0, B, rows_per_chunk):
+        rows = slice(b0, min(B, b0 + rows_per_chunk))
+        o_BHD[rows], lse_BH[rows] = _ref_rows(q_BHD[rows], k_cache, v_cache,
+                                              block_table_BP[rows, :pages_used],
+                                              kv_lens_B[rows], scale)
+    return o_BHD, lse_BH
+
+
+def _ref_rows(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, D = q_BHD.shape
+    num_pages, page, Hkv, _ = k_cache.shape
+    L = table_BP.shape[1] * page
+    # entries past a row's pages are arbitrary (-1, stale ids): clamp to read something
+    # in range, then zero those slots (an unwritten slot may hold NaN, and 0 * NaN = NaN)
+    pages_BP = table_BP.long().clamp(0, num_pages - 1)
+    visible_BL = torch.arange(L, device=q_BHD.device)[None, :] < kv_lens_B[:, None].long()
+    hidden_BL11 = ~visible_BL[:, :, None, None]
+    k_BLKD = k_cache[pages_BP].reshape(B, L, Hkv, D).float().masked_fill(hidden_BL11, 0.0)
+    v_BLKD = v_cache[pages_BP].reshape(B, L, Hkv, D).float().masked_fill(hidden_BL11, 0.0)
+    q_BKGD = q_BHD.float().reshape(B, Hkv, H // Hkv, D)
+    scores_BKGL = torch.einsum("bkgd,blkd->bkgl", q_BKGD, k_BLKD) * scale
+    scores_BKGL = scores_BKGL.masked_fill(~visible_BL[:, None, None, :], float("-inf"))
+    lse_BKG = torch.logsumexp(scores_BKGL, dim=-1)
+    probs_BKGL = torch.exp(scores_BKGL - lse_BKG.nan_to_num(neginf=0.0)[..., None])
+    o_BKGD = torch.einsum("bkgl,blkd->bkgd", probs_BKGL, v_BLKD)
+    return o_BKGD.reshape(B, H, D), lse_BKG.reshape(B, H)
+
+
+# ---- Triton ----------------------------------------------------------------------------------
+
+def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
+                         num_splits: int | None, out_dtype: torch.dtype,
+                         workspace: tuple[torch.Tensor, torch.Tensor] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, D = q_BHD.shape
+    _, page, Hkv, _ = k_cache.shape
+    P = block_table_BP.shape[1]
+    if q_BHD.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged_decode_attention: q, k_cache and v_cache need a contiguous "
+                         "last (head-dim) axis")
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, P, page, _sm_count(q_BHD.device))
+    if num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    o_BHD = torch.empty(B, H, D, dtype=out_dtype, device=q_BHD.device)
+    lse_BH = torch.empty(B, H, dtype=torch.float32, device=q_BHD.device)
+    if B == 0:
+        return o_BHD, lse_BH
+    if num_splits == 1:  # stage 1 writes the result: the "split" axis has stride 0
+        o_part, lse_part = o_BHD[:, :, None], lse_BH[:, :, None]
+    else:
+        o_part, lse_part = _workspace(workspace, B, H, num_splits, D, q_BHD.device)
+    G = H // Hkv
+    block_n = 32 if D > 128 else 64  # bounds the [BLOCK_N, D] K/V tiles in registers
+    d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
+    _paged_decode_stage1[(B, Hkv, num_splits)](
+        q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part,
+        scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table_BP.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        G, D, num_splits, PAGE=page, BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(G)),
+        D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype))
+    if num_splits > 1:
+        _paged_decode_stage2[(B, H)](
+            o_part, lse_part, o_BHD, lse_BH, o_part.stride(0), o_part.stride(1),
+            o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
+            o_BHD.stride(1), lse_BH.stride(0), D, num_splits,
+            BLOCK_S=min(16, triton.next_power_of_2(num_splits)), D_PAD=d_pad)
+    return o_BHD, lse_BH
+
+
+def _interpreter_bf16(dtype: torch.dtype) -> bool:
+    """Triton's interpreter (3.9) returns garbage from tl.dot on bf16 operands, so there the
+    kernel takes the dots in fp32 on the same bf16 values (bit-for-bit the same products)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _workspace(workspace: tuple[torch.Tensor, torch.Tensor] | None, B: int, H: int, S: int,
+               D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 o_part [B, H, S, D] and lse_part [B, H, S]: the caller's, or new ones."""
+    if workspace is None:
+        return (torch.empty(B, H, S, D, dtype=torch.float32, device=device),
+                torch.empty(B, H, S, dtype=torch.float32, device=device))
+    o_part, lse_part = workspace
+    ok = (o_part.shape == (B, H, S, D) and lse_part.shape == (B, H, S)
+          and o_part.dtype == lse_part.dtype == torch.float32 and o_part.stride(3) == 1
+          and o_part.device == lse_part.device == device)
+    if not ok:
+        raise ValueError(f"paged_decode_attention: workspace must be float32 ([{B}, {H}, {S}, "
+                         f"{D}], [{B}, {H}, {S}]) on {device}, got {o_part.dtype} "
+                         f"{tuple(o_part.shape)}, {lse_part.dtype} {tuple(lse_part.shape)}")
+    return o_part, lse_part
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
+                             q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
+                             o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
+                             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
+                             D_PAD: tl.constexpr, IEEE: tl.constexpr,
+                             UPCAST: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        kv_len = tl.load(lens_ptr + b)
+        # whole BLOCK_N tiles per split; splits past the row's keys get an empty range
+        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, kv_len)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        heads = kvh * GROUP + g
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            page = tl.load(bt_ptr + b * bt_sb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
+                        + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
+                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                            input_precision="ieee")
+            elif IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(t_ok[None, :], qk * scale_log2, float("-inf"))  # log2 domain
+            m_new = tl.maximum(m, tl.max(qk, axis=1))  # finite: t0 < end is a valid key
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
+                        + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:  # p rounded to bf16 as below, then exact products
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                            input_precision="ieee")
+            elif IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)  # bf16/fp16 tensor cores, fp32 accumulate
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
+        total = tl.where(empty, 1.0, total)
+        o = acc / total[:, None]
+        lse = tl.where(empty, float("-inf"), (m + tl.log2(total)) * 0.6931471805599453)
+        tl.store(o_ptr + b * o_sb + heads[:, None] * o_sh + split * o_ss + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
+
+    @triton.jit
+    def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, op_sb, op_sh, op_ss, lp_sb, lp_sh,
+                             o_sb, o_sh, lse_sb, HEAD_DIM, NUM_SPLITS, BLOCK_S: tl.constexpr,
+                             D_PAD: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        lp = lp_ptr + b * lp_sb + h * lp_sh
+        m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            lse_s = tl.load(lp + s0 + s, mask=s0 + s < NUM_SPLITS, other=float("-inf"))
+            m_vec = tl.maximum(m_vec, lse_s)
+        m = tl.max(m_vec, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # no key at all: every weight below is 0
+        w_vec = tl.zeros([BLOCK_S], dtype=tl.float32)
+        acc = tl.zeros([D_PAD], dtype=tl.float32)
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            s_ok = s0 + s < NUM_SPLITS
+            w = tl.exp(tl.load(lp + s0 + s, mask=s_ok, other=float("-inf")) - m)
+            o_s = tl.load(op_ptr + b * op_sb + h * op_sh + (s0 + s)[:, None] * op_ss
+                          + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(w[:, None] * o_s, axis=0)
+            w_vec += w
+        total = tl.sum(w_vec, axis=0)
+        empty = total == 0.0
+        total = tl.where(empty, 1.0, total)
+        o = acc / total
+        tl.store(o_ptr + b * o_sb + h * o_sh + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(lse_ptr + b * lse_sb + h, tl.where(empty, float("-inf"), m + tl.log(total)))

@@ -1,0 +1,241 @@
+"""Paged decode attention (cpmoe.cp.paged_attention): the torch reference against a naive
+float64 loop over each row's keys (taken from the dense per-row tensors the pool was filled
+from, not through the block table), the Triton kernel against the reference in Triton's CPU
+interpreter (a subprocess: TRITON_INTERPRET is read at import; skipped without Triton), and
+the CP use: results over two disjoint KV shards merge into the result over all keys.
+
+Pools are filled with NaN outside the rows' slots and block-table entries past a row's pages
+are -1 or stale page ids, so any read of a slot that is not the row's shows up as NaN."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpmoe import ops
+from cpmoe.cp import paged_attention as pa
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def build_paged(lens: list[int], page: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                seed: int, spare_pages: int = 3):
+    """-> (k_cache, v_cache, block_table_BP, kv_lens_B, rows_k, rows_v): row b's keys
+    rows_k[b] [len, Hkv, D] written into shuffled pages of a NaN-filled pool."""
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [-(-n // page) for n in lens]
+    num_pages = sum(n_pages) + spare_pages
+    width = max(n_pages, default=0) + 1  # a column past every row's pages
+    k_cache = torch.full((num_pages, page, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    perm = torch.randperm(num_pages, generator=g)
+    rows_k, rows_v, used = [], [], 0
+    for b, (n, np_) in enumerate(zip(lens, n_pages)):
+        ids = perm[used:used + np_]
+        used += np_
+        table[b, :np_] = ids.int()
+        if b % 2:  # stale ids (other rows' or spare pages) past this row's pages
+            table[b, np_:] = torch.randint(0, num_pages, (width - np_,), generator=g).int()
+        k = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
+        for t in range(n):
+            k_cache[ids[t // page], t % page] = k[t]
+            v_cache[ids[t // page], t % page] = v[t]
+        rows_k.append(k)
+        rows_v.append(v)
+    lens_B = torch.tensor(lens, dtype=torch.int32)
+    return k_cache, v_cache, table, lens_B, rows_k, rows_v
+
+
+def naive_attention(q_BHD: torch.Tensor, rows_k: list[torch.Tensor], rows_v: list[torch.Tensor],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain softmax attention per row and head in float64 -> (o [B, H, D], lse [B, H])."""
+    B, H, D = q_BHD.shape
+    o = torch.zeros(B, H, D, dtype=torch.float64)
+    lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        if rows_k[b].shape[0] == 0:
+            continue
+        group = H // rows_k[b].shape[1]
+        for h in range(H):
+            k = rows_k[b][:, h // group].double()
+            v = rows_v[b][:, h // group].double()
+            s = (k @ q_BHD[b, h].double()) * scale
+            lse[b, h] = torch.logsumexp(s, dim=0)
+            o[b, h] = torch.softmax(s, dim=0) @ v
+    return o, lse
+
+
+@pytest.mark.parametrize("page, dim", [(1, 16), (16, 32), (64, 80)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_reference_matches_naive_loop(page: int, dim: int, group: int) -> None:
+    lens = [0, 1, page, page + 1, max(150, 3 * page + 5), 5]
+    k_cache, v_cache, table, lens_B, rows_k, rows_v = build_paged(lens, page, 2, dim,
+                                                                 torch.float32, seed=page + group)
+    q = torch.randn(len(lens), 2 * group, dim)
+    scale = dim ** -0.5
+    o, lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
+    want_o, want_lse = naive_attention(q, rows_k, rows_v, scale)
+    assert o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_public_entry_on_cpu_rounds_the_reference_once(dtype: torch.dtype) -> None:
+    lens = [3, 0, 40]
+    k_cache, v_cache, table, lens_B, rows_k, rows_v = build_paged(lens, 16, 2, 32, dtype, seed=7)
+    q = torch.randn(3, 8, 32).to(dtype)
+    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, 0.2)
+    want_o, want_lse = naive_attention(q, rows_k, rows_v, 0.2)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    ref_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, 0.2)
+    assert torch.equal(o, ref_o.to(dtype))
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    o32, _ = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, 0.2,
+                                       out_dtype=torch.float32)
+    torch.testing.assert_close(o32.double(), want_o, rtol=1e-5, atol=1e-5)
+
+
+def test_shards_merge_to_the_full_result() -> None:
+    """The CP use: each rank holds some of a row's keys; merged partials equal the whole."""
+    lens = [0, 1, 40, 77, 33]
+    k_cache, v_cache, table, lens_B, rows_k, rows_v = build_paged(lens, 16, 2, 32,
+                                                                 torch.float32, seed=3)
+    q = torch.randn(len(lens), 8, 32)
+    full_o, full_lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, 0.3)
+    g = torch.Generator().manual_seed(4)
+    owner = [torch.randint(0, 2, (n,), generator=g) for n in lens]
+    owner[4].zero_()  # a row whose keys are all on shard 0: shard 1 has none (lse -inf)
+    parts_o, parts_lse = [], []
+    for shard in (0, 1):
+        sub_lens = [int((o == shard).sum()) for o in owner]
+        kc, vc, tb, lb, _, _ = build_paged(sub_lens, 16, 2, 32, torch.float32, seed=5)
+        for b in range(len(lens)):  # refill the shard's pool with this row's own keys
+            sel = owner[b] == shard
+            for t, (k, v) in enumerate(zip(rows_k[b][sel], rows_v[b][sel])):
+                kc[tb[b, t // 16], t % 16], vc[tb[b, t // 16], t % 16] = k, v
+        o, lse = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.3)
+        parts_o.append(o)
+        parts_lse.append(lse)
+    merged = ops.merge_partials(torch.stack(parts_o), torch.stack(parts_lse))
+    torch.testing.assert_close(merged, full_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.logsumexp(torch.stack(parts_lse), dim=0), full_lse,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_one_line_errors() -> None:
+    k_cache, v_cache, table, lens_B, _, _ = build_paged([5, 9], 4, 2, 16, torch.float32, 0)
+    q = torch.randn(2, 4, 16)
+    cases = [
+        ((q, k_cache, v_cache, table, lens_B.long()), "kv_lens must be int32"),
+        ((q, k_cache, v_cache, table.long(), lens_B), "block_table must be int32"),
+        ((torch.randn(2, 3, 16), k_cache, v_cache, table, lens_B), "H divisible by Hkv"),
+        ((q.double(), k_cache, v_cache, table, lens_B), "dtypes differ"),
+        ((q, k_cache, v_cache, table, torch.tensor([5, 99], dtype=torch.int32)),
+         r"kv_lens must lie in \[0, 16\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            pa.paged_decode_attention(*args, scale=0.25)
+        assert "\n" not in str(info.value)
+
+
+def test_default_num_splits_follows_the_documented_rule() -> None:
+    # H200 (132 SMs), Hkv 4: long contexts at small batch split, large batches do not
+    assert pa.default_num_splits(16, 4, 32768 // 16, 16, 132) == 9
+    assert pa.default_num_splits(64, 4, 1024 // 16, 16, 132) == 3
+    assert pa.default_num_splits(256, 4, 1024 // 64, 64, 132) == 1
+    assert pa.default_num_splits(1, 4, 1024 // 16, 16, 132) == 4  # >= 256 tokens a split
+    assert pa.default_num_splits(1, 1, 1 << 20, 16, 132) == 64  # capped
+    assert pa.default_num_splits(4, 4, 0, 16, 132) == 1
+
+
+_KERNEL = r"""
+import sys
+import torch
+from cpmoe import ops
+from cpmoe.cp import paged_attention as pa
+sys.path.insert(0, TEST_DIR)
+from test_paged_attention import build_paged
+
+assert ops._use_triton(torch.zeros(1)), "interpreter not active"
+torch.manual_seed(0)
+# error of one rounding to the dtype, relative. bf16: one ulp (2^-7), not half, because the
+# interpreter (Triton 3.9) truncates fp32 -> bf16 where the GPU rounds to nearest
+U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -11}
+
+
+def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views=False,
+          workspace=False):
+    k_cache, v_cache, table, lens_B, _, _ = build_paged(lens, page, kv_heads, dim, dtype, 11)
+    if views:  # K and V as views of one [pages, page, 2, Hkv, D] pool (strided pages)
+        kv = torch.stack([k_cache, v_cache], dim=2)
+        k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    scale = dim ** -0.5
+    ws = None
+    if workspace:
+        ws = (torch.empty(len(lens), heads, splits, dim), torch.empty(len(lens), heads, splits))
+    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale,
+                                       num_splits=splits, out_dtype=out_dtype, workspace=ws)
+    want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
+    abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.abs(), table, lens_B, scale)
+    # the kernel rounds p to the K/V dtype for the PV product and o once to out_dtype:
+    # |o - ref| <= u_kv * attn(|v|) + u_out * |ref| (+ fp32 accumulation slack)
+    u_out = U[out_dtype or dtype]
+    bound = U[dtype] * abs_o + u_out * want_o.abs() + 1e-5
+    err = (o.float() - want_o).abs()
+    assert o.dtype == (out_dtype or dtype) and lse.dtype == torch.float32
+    assert (err <= bound).all(), (lens, page, dtype, splits, (err - bound).max())
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    empty = lens_B == 0
+    assert not o[empty].any() and torch.isneginf(lse[empty]).all()
+    return q, k_cache, v_cache, table, lens_B, o, lse
+
+
+# None picks 1 split here (stage 1 writes o directly); 8 splits: rows of 1-2 pages leave
+# most splits empty
+for splits in (None, 3, 8):
+    check([0, 1, 16, 17, 100], 16, 8, 2, 32, torch.float32, splits)
+check([5, 70, 0], 1, 3, 3, 80, torch.bfloat16, 3)  # page 1, GQA group 1, D not a power of 2
+check([64, 65, 1], 64, 16, 2, 16, torch.float16, 2, out_dtype=torch.float32)  # group 8
+check([33, 0, 47], 16, 4, 1, 64, torch.float32, 4, views=True, workspace=True)
+check([130, 2], 16, 8, 2, 256, torch.bfloat16, 2)
+
+# CP merge with the kernel: two shards of row keys merged equal the whole
+q, kc, vc, tb, lb, o, lse = check([50, 20], 16, 8, 2, 32, torch.float32, 2)
+tail = torch.tensor([30, 7], dtype=torch.int32)  # shard 1: keys [lb - tail, lb)
+head = lb - tail
+o0, l0 = pa.paged_decode_attention(q, kc, vc, tb, head, 32 ** -0.5, num_splits=3)
+t_idx = head[:, None].long() + torch.arange(30)[None]
+pages = torch.gather(tb.long(), 1, t_idx.clamp(max=tb.shape[1] * 16 - 1) // 16)
+k_tail = kc[pages, t_idx % 16]  # [B, 30, Hkv, D]: the tail keys, repacked at page size 1
+v_tail = vc[pages, t_idx % 16]
+tb1 = torch.arange(2 * 30, dtype=torch.int32).view(2, 30)
+o1, l1 = pa.paged_decode_attention(q, k_tail.reshape(60, 1, 2, 32), v_tail.reshape(60, 1, 2, 32),
+                                   tb1, tail, 32 ** -0.5, num_splits=2)
+merged = ops.merge_partials(torch.stack([o0, o1]), torch.stack([l0, l1]))
+torch.testing.assert_close(merged, o, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(torch.logsumexp(torch.stack([l0, l1]), 0), lse, rtol=1e-5, atol=1e-5)
+print("paged kernel ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_triton_kernel_matches_reference_in_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    script = f"TEST_DIR = {str(pathlib.Path(__file__).parent)!r}\n" + _KERNEL
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "paged kernel ok" in out.stdout
