@@ -9,8 +9,11 @@ two roundings reach o: each probability p_t is rounded to bf16 for the P.V tenso
 (error <= u * sum_t p_t |v_t| / sum_t p_t = u * attn(|v|)), and o is rounded once to bf16
 (<= u * |o|). So |o - ref| <= u * (attn(|v|) + |ref|) + fp32 slack (1e-5 * attn(|v|) + 1e-6),
 elementwise, with attn(|v|) computed by the reference on |v|. lse: |d lse| <= max_t |d s_t|,
-and an fp32 dot of D = 128 bf16 products is off by <= D * 2^-24 * scale * sum_d |q_d k_d|
-(about 7e-5 for these N(0, 1) inputs); 1e-3 leaves room for the exp2/log2 approximations.
+and an fp32 dot of D products is off by <= D * 2^-24 * scale * sum_d |q_d k_d| <=
+D * 2^-24 * scale * |q| |k| (largest norms); twice that (exp2/log2 approximations, the fp32
+sums) is the lse tolerance, about 3e-4 for D = 128 and these N(0, 1) inputs. Seen on an
+H200: o within 0.59 of its bound, lse within 1.5e-6; a kernel that drops one split in stage
+2 fails every multi-split case.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None)
     err = (o.float() - want_o).abs()
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert (err <= bound).all(), f"o off by {(err - bound).max().item():.3g} past the bound"
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-3)
+    norms = q.float().norm(dim=-1).max() * k_cache.float().norm(dim=-1).max()
+    lse_tol = 2 * q.shape[-1] * 2.0 ** -24 * scale * norms.item() + 1e-6
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=lse_tol)
     empty = lens_B == 0
     assert not o[empty].any() and torch.isneginf(lse[empty]).all()
 

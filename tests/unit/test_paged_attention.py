@@ -150,11 +150,12 @@ def test_bad_inputs_raise_one_line_errors() -> None:
 
 
 def test_default_num_splits_follows_the_documented_rule() -> None:
-    # H200 (132 SMs), Hkv 4: long contexts at small batch split, large batches do not
-    assert pa.default_num_splits(16, 4, 32768 // 16, 16, 132) == 9
-    assert pa.default_num_splits(64, 4, 1024 // 16, 16, 132) == 3
+    # H200 (132 SMs), Hkv 4: one wave of <= 4 programs per SM; large batches do not split
+    assert pa.default_num_splits(16, 4, 32768 // 16, 16, 132) == 8
+    assert pa.default_num_splits(64, 4, 1024 // 16, 16, 132) == 2
+    assert pa.default_num_splits(128, 4, 1024 // 16, 16, 132) == 1
     assert pa.default_num_splits(256, 4, 1024 // 64, 64, 132) == 1
-    assert pa.default_num_splits(1, 4, 1024 // 16, 16, 132) == 4  # >= 256 tokens a split
+    assert pa.default_num_splits(1, 4, 1024 // 16, 16, 132) == 8  # >= 128 tokens a split
     assert pa.default_num_splits(1, 1, 1 << 20, 16, 132) == 64  # capped
     assert pa.default_num_splits(4, 4, 0, 16, 132) == 1
 
@@ -202,10 +203,10 @@ def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views
     return q, k_cache, v_cache, table, lens_B, o, lse
 
 
-# None picks 1 split here (stage 1 writes o directly); 8 splits: rows of 1-2 pages leave
-# most splits empty
+# None picks 1 split here (stage 1 writes o directly). Splits are whole 64-key tiles, so the
+# 150-key row fills 3 splits and 8 splits leave most of every row's splits empty
 for splits in (None, 3, 8):
-    check([0, 1, 16, 17, 100], 16, 8, 2, 32, torch.float32, splits)
+    check([0, 1, 16, 17, 150], 16, 8, 2, 32, torch.float32, splits)
 check([5, 70, 0], 1, 3, 3, 80, torch.bfloat16, 3)  # page 1, GQA group 1, D not a power of 2
 check([64, 65, 1], 64, 16, 2, 16, torch.float16, 2, out_dtype=torch.float32)  # group 8
 check([33, 0, 47], 16, 4, 1, 64, torch.float32, 4, views=True, workspace=True)
