@@ -9,6 +9,10 @@ Each sequence of the batch is split separately over ``cp_size`` ranks:
   attention work.
 * ``interleave``: token i goes to rank ``i % cp``.
 
+A sequence may be split with a rotation ``rot``: the token the rule gives rank r goes to
+rank ``(r + rot) % cp`` (chunked prefill rotates each chunk's split towards the ranks
+that hold fewer of the sequence's tokens).
+
 Invariants (what the rest of the engine relies on):
 
 1. Every token of every sequence lives on exactly one rank.
@@ -91,6 +95,32 @@ def split_positions(length: int, cp_size: int, strategy: str) -> list[torch.Tens
     return [pos[rank == r] for r in range(cp_size)]
 
 
+def rank_counts(length: int, cp_size: int, strategy: str, rotation: int = 0) -> list[int]:
+    """Tokens of one sequence of `length` that each CP rank keeps, in O(cp) (the counts
+    `CPSplit.build` produces for a sequence split with this rotation, without building it)."""
+    if strategy == "interleave":
+        base = [length // cp_size + (1 if r < length % cp_size else 0) for r in range(cp_size)]
+    else:
+        q, rem = divmod(length, 2 * cp_size)
+        block = [q + (1 if b < rem else 0) for b in range(2 * cp_size)]
+        base = [block[r] + block[2 * cp_size - 1 - r] for r in range(cp_size)]
+    return [base[(r - rotation) % cp_size] for r in range(cp_size)]
+
+
+def balancing_rotation(stored: Sequence[int], length: int, strategy: str) -> int:
+    """The rotation for `length` more tokens of a sequence whose ranks already store
+    `stored` tokens: the one whose rank totals, largest first, are smallest in lexicographic
+    order (the fullest rank lowest, then the next...; ties: the smallest rotation, so a new
+    sequence gets the plain split). Chunk after chunk, the larger shares
+    of a split go to the emptier ranks, so a chunked prompt ends as balanced as one piece."""
+    cp = len(stored)
+    if cp == 1 or not any(stored):
+        return 0
+    return min(range(cp), key=lambda rot: (sorted(
+        (a + b for a, b in zip(stored, rank_counts(length, cp, strategy, rot))), reverse=True),
+        rot))
+
+
 @dataclass(frozen=True)
 class CPSplit:
     """The split of one batch over CP ranks; build it with :meth:`CPSplit.build`.
@@ -107,6 +137,7 @@ class CPSplit:
     seq_counts: tuple[tuple[int, ...], ...]  # [rank][seq] tokens of seq on rank
     max_count: int  # max(counts), at least 1
     cu_seqlens: tuple[int, ...]  # len B+1, flat offsets
+    rotations: tuple[int, ...]  # per sequence, its split's rank rotation
     # flat indices grouped by rank, each group in local order (a stable sort by rank)
     _order: torch.Tensor = field(repr=False, compare=False)
     _rank_start: tuple[int, ...] = field(repr=False, compare=False)  # rank r's group in _order
@@ -117,8 +148,12 @@ class CPSplit:
     _dev_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
-    def build(seq_lens: Sequence[int], cp_size: int, strategy: str) -> "CPSplit":
+    def build(seq_lens: Sequence[int], cp_size: int, strategy: str,
+              rotations: Sequence[int] | None = None) -> "CPSplit":
         seq_lens, cp_size = _check(tuple(seq_lens), cp_size, strategy)
+        rots = tuple(int(r) % cp_size for r in rotations) if rotations else (0,) * len(seq_lens)
+        if len(rots) != len(seq_lens):
+            raise ValueError(f"{len(rots)} rotations for {len(seq_lens)} sequences")
         n_seq = len(seq_lens)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         cu = torch.zeros(n_seq + 1, dtype=torch.int64)
@@ -127,6 +162,8 @@ class CPSplit:
         seq_ids = torch.repeat_interleave(torch.arange(n_seq, dtype=torch.int64), lens)
         positions = torch.arange(total, dtype=torch.int64) - cu[:-1][seq_ids]
         rank = _rank_of(positions, lens[seq_ids], cp_size, strategy)
+        if any(rots):
+            rank = (rank + torch.tensor(rots, dtype=torch.int64)[seq_ids]) % cp_size
         # Stable sort keeps flat order inside each rank, which is exactly the local
         # order (invariant 2), so one sort gives every rank's local->flat map.
         order = torch.sort(rank, stable=True).indices
@@ -147,6 +184,7 @@ class CPSplit:
             seq_counts=tuple(tuple(row) for row in seq_counts_t.view(cp_size, n_seq).tolist()),
             max_count=max_count,
             cu_seqlens=tuple(cu.tolist()),
+            rotations=rots,
             _order=order,
             _rank_start=tuple(starts_t.tolist()),
             _positions=positions,

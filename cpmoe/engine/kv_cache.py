@@ -1,11 +1,27 @@
-"""A preallocated, CP-sharded KV cache of one rank.
+"""The paged KV cache of one rank, sharded over attention context parallelism (CP).
 
-Each rank stores K/V only for the tokens it owns: after a CP prefill that is its CP chunk,
-during decode the new token of a sequence goes to the CP rank holding the fewest tokens of
-that sequence (ties: lowest rank), so shards stay balanced. Attention-TP shards heads as
-usual. Slots are rows of one pool per layer; a sequence's rows need not be contiguous.
+Pools: one K and one V tensor per layer, `[num_pages + 1, page_size, Hkv, D]`. Pages
+`0..num_pages-1` hold tokens; the last page is a trash page that absorbs writes nobody reads
+(decode rows another CP rank stores, padded rows of a captured CUDA graph), so a step's
+writes never need a host-side branch.
 
-Legend: S = slots (capacity), Hkv = local KV heads, D = head dim.
+Sharding (the owner rule): each CP rank stores only its own tokens of every sequence.
+- Prefill / chunked prefill: the tokens the CP split of the chunk gives this rank.
+- Decode: the new token goes to the CP rank holding the fewest tokens of the sequence (ties:
+  lowest rank). Shards stay within one token of each other beyond the split's own imbalance,
+  so every rank reads ~1/cp of a sequence's KV per step. (A page-granular round robin has
+  the same page waste, at most one partly filled page per sequence per rank, but lets shards
+  drift apart by a page: more read on the busiest rank for nothing.)
+A sequence's tokens on a rank fill its pages in arrival order. Positions never matter to
+attention over stored keys: every stored key precedes the queries that read it (a decode
+row's own key is written before it is read; a chunk's own keys are attended separately).
+
+Bookkeeping is all here: page allocation, per-sequence page lists, the owner rule, capacity
+checks and the refusal message. Every rank tracks the token counts of *every* CP rank for
+every sequence (they follow from information all ranks share), so any rank -- the
+scheduler's -- knows every rank's page use without communication, and ranks never diverge.
+
+Legend: P = pages, S = page_size, Hkv = local KV heads, D = head dim, B = batch rows.
 """
 
 from __future__ import annotations
@@ -14,73 +30,227 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpmoe.cp.split import balancing_rotation, rank_counts
+
 
 class CacheFullError(RuntimeError):
-    pass
+    """Work that does not fit the KV cache; the message names --max-total-tokens."""
 
 
 @dataclass
-class SeqKV:
-    """What this rank holds of one sequence: slots and the positions stored in them."""
+class SeqPages:
+    counts: list[int]  # tokens stored on each CP rank
+    pages: list[int] = field(default_factory=list)  # this rank's pages, in fill order
 
-    slots: torch.Tensor  # int64 [n]
-    positions: torch.Tensor  # int64 [n]
-    length: int = 0  # tokens of the whole sequence so far, over all CP ranks
-    cp_counts: list[int] = field(default_factory=list)  # tokens held by each CP rank
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence stored over all CP ranks (= the next position)."""
+        return sum(self.counts)
 
 
-class KVCache:
-    def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.capacity = capacity
-        shape = (capacity, kv_heads, head_dim)
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def decode_fill(counts: list[int], new_tokens: int) -> list[int]:
+    """Per-rank token counts after `new_tokens` decode tokens are placed by the owner rule
+    (one at a time to the rank with the fewest, ties to the lowest rank), in O(cp)."""
+    if new_tokens <= 0:
+        return list(counts)
+    order = sorted(range(len(counts)), key=lambda r: (counts[r], r))
+    level, left, i = counts[order[0]], new_tokens, 1
+    while i < len(order) and left >= (counts[order[i]] - level) * i:
+        left -= (counts[order[i]] - level) * i
+        level, i = counts[order[i]], i + 1
+    raised = sorted(order[:i])  # these ranks now all hold `level`; the rest in lowest-rank order
+    out = list(counts)
+    for j, r in enumerate(raised):
+        out[r] = level + left // i + (1 if j < left % i else 0)
+    return out
+
+
+def request_rank_tokens(prompt_len: int, max_tokens: int, cp_size: int, strategy: str,
+                        chunk: int = 0) -> list[int]:
+    """Tokens each CP rank stores for one request at its longest: its prompt plus
+    max_tokens - 1 decode tokens (the last token is never fed back). Exact for a prompt
+    prefilled in one piece (chunk <= 0 or prompt_len <= chunk); for a prompt prefilled in
+    chunks an upper bound: a chunk's split gives a rank at most 2 tokens over its even share
+    (zigzag: two blocks of q or q + 1; interleave: 1), and chunk boundaries depend on what
+    else shares the step's token budget."""
+    if chunk <= 0 or prompt_len <= chunk:
+        counts = rank_counts(prompt_len, cp_size, strategy)
+    else:
+        slack = 2 if strategy == "zigzag" else 1
+        counts = [-(-prompt_len // cp_size) + slack * -(-prompt_len // chunk)] * cp_size
+    return decode_fill(counts, max_tokens - 1)
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, cp_size: int = 1,
+                 cp_rank: int = 0) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise CacheFullError(f"KV cache of {num_pages} pages of {page_size} tokens: need "
+                                 f"at least one page (--max-total-tokens, --page-size)")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        shape = (num_pages + 1, page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low slots first
-        self.seqs: dict[int, SeqKV] = {}
+        self.trash_slot = num_pages * page_size  # first slot of the trash page
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.rank_pages = [0] * cp_size  # pages in use on every CP rank (mirrored)
+        self.seqs: dict[int, SeqPages] = {}
+
+    # ---- sizes ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Token slots per rank (--max-total-tokens)."""
+        return self.num_pages * self.page_size
 
     @property
     def used(self) -> int:
-        return self.capacity - len(self._free)
+        """Token slots held by this rank's pages (whole pages)."""
+        return self.rank_pages[self.cp_rank] * self.page_size
+
+    @property
+    def tokens_stored(self) -> int:
+        return sum(s.counts[self.cp_rank] for s in self.seqs.values())
 
     def bytes_per_token(self) -> int:
-        per_layer = self.k[0][0].numel() * self.k[0].element_size() * 2 if self.k else 0
-        return per_layer * len(self.k)
+        if not self.k:
+            return 0
+        return 2 * len(self.k) * self.k[0][0, 0].numel() * self.k[0].element_size()
 
     def nbytes_used(self) -> int:
+        """Bytes of the pages this rank holds."""
         return self.used * self.bytes_per_token()
 
-    def alloc(self, n: int) -> torch.Tensor:
-        if n > len(self._free):
-            raise CacheFullError(f"KV cache full: need {n} more slots, {len(self._free)} of "
-                                 f"{self.capacity} free")
-        slots = [self._free.pop() for _ in range(n)]
-        return torch.tensor(slots, dtype=torch.int64)
+    def free_pages(self, cp_rank: int) -> int:
+        return self.num_pages - self.rank_pages[cp_rank]
 
-    def free(self, seq_id: int) -> None:
-        seq = self.seqs.pop(seq_id)
-        self._free.extend(seq.slots.tolist())
+    # ---- allocation ---------------------------------------------------------------------------
+    def _grow(self, counts: list[int], new: list[int]) -> list[int]:
+        """Pages each CP rank needs to store `new` more tokens of a sequence at `counts`."""
+        ps = self.page_size
+        return [pages_for(c + n, ps) - pages_for(c, ps) for c, n in zip(counts, new)]
+
+    def extend_pages_needed(self, key: int | None, new: list[int]) -> list[int]:
+        counts = self.seqs[key].counts if key in self.seqs else [0] * self.cp_size
+        return self._grow(counts, new)
+
+    def fits(self, need: list[int]) -> bool:
+        return all(n <= self.free_pages(r) for r, n in enumerate(need))
+
+    def pages_held(self, key: int) -> list[int]:
+        """Pages sequence `key` holds on each CP rank (zeros for an unknown key)."""
+        seq = self.seqs.get(key)
+        if seq is None:
+            return [0] * self.cp_size
+        return [pages_for(c, self.page_size) for c in seq.counts]
+
+    def rotation(self, key: int | None, tokens: int, strategy: str) -> int:
+        """The split rotation of `tokens` new tokens of sequence `key` (None: a new one)."""
+        if key is None or key not in self.seqs:
+            return 0
+        return balancing_rotation(self.seqs[key].counts, tokens, strategy)
+
+    def new_counts(self, key: int | None, tokens: int, strategy: str) -> list[int]:
+        """Tokens each CP rank stores of `tokens` new tokens of sequence `key` (None: a new
+        one) split in one piece, as an extend step splits them."""
+        return rank_counts(tokens, self.cp_size, strategy, self.rotation(key, tokens, strategy))
+
+    def extend(self, key: int, new: list[int]) -> list[int]:
+        """Store new[r] more tokens of sequence `key` on each CP rank r (a new key starts
+        empty) -> the slots of this rank's new tokens, in arrival order."""
+        seq = self.seqs.get(key) or SeqPages([0] * self.cp_size)
+        need = self._grow(seq.counts, new)
+        if not self.fits(need):
+            ranks = [r for r in range(self.cp_size) if need[r] > self.free_pages(r)]
+            r = ranks[0]
+            raise CacheFullError(f"KV cache full: sequence {key} needs {need[r]} more pages of "
+                                 f"{self.page_size} tokens on CP rank {r}, "
+                                 f"{self.free_pages(r)} of {self.num_pages} free "
+                                 f"(--max-total-tokens {self.capacity})")
+        self.seqs[key] = seq
+        for r in range(self.cp_size):
+            self.rank_pages[r] += need[r]
+        seq.pages += [self._free.pop() for _ in range(need[self.cp_rank])]
+        start, n = seq.counts[self.cp_rank], new[self.cp_rank]
+        seq.counts = [c + d for c, d in zip(seq.counts, new)]
+        ps = self.page_size
+        return [seq.pages[t // ps] * ps + t % ps for t in range(start, start + n)]
+
+    def decode_owners(self, keys: list[int]) -> list[int]:
+        """The CP rank that stores each sequence's next token (the owner rule)."""
+        if self.cp_size == 1:
+            return [0] * len(keys)
+        return [min(range(self.cp_size), key=lambda r: (self.seqs[k].counts[r], r))
+                for k in keys]
+
+    def decode_pages_needed(self, keys: list[int]) -> list[int]:
+        """New pages each CP rank needs for one decode step of these sequences."""
+        need = [0] * self.cp_size
+        for key, owner in zip(keys, self.decode_owners(keys)):
+            if self.seqs[key].counts[owner] % self.page_size == 0:
+                need[owner] += 1
+        return need
+
+    def append_decode(self, keys: list[int]) -> list[int]:
+        """Store one new token of each sequence on its owner -> this rank's write slot per
+        row (the trash slot for rows another rank stores). All or nothing."""
+        owners = self.decode_owners(keys)
+        need = self.decode_pages_needed(keys)
+        if not self.fits(need):
+            r = max(range(self.cp_size), key=lambda r: need[r] - self.free_pages(r))
+            raise CacheFullError(f"KV cache full: a decode step needs {need[r]} new pages on "
+                                 f"CP rank {r}, {self.free_pages(r)} of {self.num_pages} free "
+                                 f"(--max-total-tokens {self.capacity})")
+        ps, me, slots = self.page_size, self.cp_rank, []
+        for key, owner in zip(keys, owners):  # the per-step hot loop: no allocation checks
+            seq = self.seqs[key]
+            count = seq.counts[owner]
+            seq.counts[owner] = count + 1
+            if count % ps == 0:
+                self.rank_pages[owner] += 1
+                if owner == me:
+                    seq.pages.append(self._free.pop())
+            slots.append(seq.pages[count // ps] * ps + count % ps if owner == me
+                         else self.trash_slot)
+        return slots
+
+    def free(self, key: int) -> None:
+        for r, n in enumerate(self.pages_held(key)):
+            self.rank_pages[r] -= n
+        seq = self.seqs.pop(key)
+        self._free.extend(reversed(seq.pages))
+
+    # ---- what a step reads ----------------------------------------------------------------------
+    def local_len(self, key: int) -> int:
+        return self.seqs[key].counts[self.cp_rank]
+
+    def block_table(self, keys: list[int], width: int | None = None) -> list[list[int]]:
+        """This rank's pages of each sequence, padded with 0 to `width` (default: the most)."""
+        rows = [self.seqs[k].pages for k in keys]
+        width = max((len(p) for p in rows), default=0) if width is None else width
+        if any(len(p) > width for p in rows):
+            raise ValueError(f"a sequence holds more than {width} pages on CP rank "
+                             f"{self.cp_rank}")
+        return [p + [0] * (width - len(p)) for p in rows]
+
+    def local_slots(self, key: int) -> torch.Tensor:
+        """Slots of this rank's stored tokens of `key`, in order (int64, host)."""
+        seq, ps = self.seqs[key], self.page_size
+        n = seq.counts[self.cp_rank]
+        pages = torch.tensor(seq.pages, dtype=torch.int64)
+        return (pages[:, None] * ps + torch.arange(ps)).flatten()[:n]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [n, Hkv, D] into the slots [n] (int64, on the pools' device)."""
         if slots.numel():
-            self.k[layer][slots] = k.to(self.k[layer].dtype)
-            self.v[layer][slots] = v.to(self.v[layer].dtype)
+            self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k.to(self.k[layer].dtype)
+            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(self.v[layer].dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][slots], self.v[layer][slots]
-
-
-def busiest_rank_tokens(seq_counts: list[list[int]], new_tokens: int) -> int:
-    """KV slots the busiest CP rank needs for prompts split as seq_counts[rank][seq] plus
-    `new_tokens` generated per prompt (the last one is never fed back, so never stored),
-    placed by the decode rule: fewest tokens of that sequence first, ties to the lower rank."""
-    cp = len(seq_counts)
-    totals = [0] * cp
-    for s in range(len(seq_counts[0])):
-        counts = [seq_counts[r][s] for r in range(cp)]
-        for _ in range(max(0, new_tokens - 1)):
-            owner = min(range(cp), key=lambda r: (counts[r], r))
-            counts[owner] += 1
-        for r in range(cp):
-            totals[r] += counts[r]
-    return max(totals)
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
