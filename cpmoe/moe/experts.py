@@ -65,8 +65,11 @@ class LocalExperts(nn.Module):
         """Grouped-GEMM path (GPU): every (row, slot) pair sorted by expert, two grouped GEMMs
         for all experts, then each row's weighted sum of its slots' outputs in one pass
         (`ops.weighted_row_sum`: no [M, K, H] intermediate).
-        Slots of other EP ranks' experts (id -1) sort last and weigh zero; with EP > 1 their
-        count is read once per layer (the only host sync) so no GEMM work is spent on them."""
+        Slots of other EP ranks' experts (id -1) sort last, past the last group, and weigh
+        zero. With EP > 1 and many rows (prefill) the local count is read once per layer (the
+        only host sync) so no gather or GEMM work is spent on other ranks' slots; with few
+        rows (decode) every slot is gathered instead: no sync, so CUDA graphs can capture it
+        (grouped_mm leaves rows past the last group unwritten, and nothing reads them)."""
         M, K = local_ids_MK.shape
         E = self.num_local_experts
         expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
@@ -74,7 +77,7 @@ class LocalExperts(nn.Module):
         bounds = torch.arange(1, E + 1, device=x_MH.device, dtype=sorted_P.dtype)
         offs = torch.searchsorted(sorted_P, bounds).to(torch.int32)
         sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
-        n = int(offs[-1]) if sparse else M * K
+        n = int(offs[-1]) if sparse and M * K > _SYNC_MIN_SLOTS else M * K
         if n == 0:
             return torch.zeros_like(x_MH)
         # rank of every slot in the sorted order: where its output row lands
@@ -89,4 +92,6 @@ class LocalExperts(nn.Module):
         return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
 
 
+# Below this many (row, slot) pairs the grouped path never reads a count to the host.
+_SYNC_MIN_SLOTS = 4096
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

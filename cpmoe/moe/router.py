@@ -25,8 +25,11 @@ class SoftmaxTopKRouter(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        self.calibration = None  # moe.uniform_routing: redraw the weight from the next rows
 
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (topk_ids_NK int64 global expert ids, topk_weights_NK in x's dtype)."""
+        if self.calibration is not None:
+            self.calibration.redraw(self.weight, x_NH)
         return softmax_topk(F.linear(x_NH, self.weight), self.top_k, self.norm_topk_prob,
                             x_NH.dtype)
