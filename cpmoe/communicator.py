@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from cpmoe.cp.attention import merge_with_lse, prefix_partial
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.ops import merge_partials
 from cpmoe.parallel import comm
@@ -169,6 +170,28 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: Pro
     kv = torch.stack([batch.split.pad_local(k), batch.split.pad_local(v)], dim=1)
     kv = batch.split.unpermute(comm.all_gather(kv, groups.attn_cp))  # [sum L, 2, Hkv, D]
     return kv[:, 0], kv[:, 1]
+
+
+def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups,
+                         k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extend: this rank's queries [T, H, D] against their sequences' cached prefixes, whose
+    K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32, exact over the
+    whole prefix. The queries are all-gathered over ATTN_CP, every rank attends all of them
+    to its own shard, and one all-to-all returns each rank's partial results for its own
+    rows, merged by log-sum-exp (no rank ever holds another's prefix K/V)."""
+    cp = groups.attn_cp
+    assert batch.prefix is not None and batch.split is not None
+    q_all = q if cp.size == 1 else comm.all_gather(batch.split.pad_local(q), cp)
+    o, lse = prefix_partial(q_all, batch.prefix, k_pool, v_pool, scale)
+    if cp.size == 1:
+        return o, lse
+    R, H, D = o.shape
+    rows = batch.split.max_count
+    back = comm.all_to_all(torch.cat([o.reshape(R, H * D), lse], dim=1), [rows] * cp.size,
+                           [rows] * cp.size, cp).view(cp.size, rows, H * D + H)
+    o, lse = merge_with_lse(back[..., :H * D].reshape(cp.size, rows, H, D), back[..., H * D:])
+    return o[:batch.num_tokens], lse[:batch.num_tokens]
 
 
 def merge_decode_attention(o: torch.Tensor, lse: torch.Tensor,

@@ -5,6 +5,10 @@
 - `partial_attention`: queries against one KV shard, returning output and log-sum-exp
   (natural log, fp32) so shards can be merged (`ops.merge_partials`); a query that sees no
   key gets lse = -inf.
+- `chunk_attention_with_lse`: `prefill_attention` with the log-sum-exp too (a chunk of a
+  long prompt, to be merged with its attention over the cached prefix).
+- `prefix_partial`: queries of several sequences against this rank's shard of each one's
+  cached prefix (every cached key precedes every query: no mask).
 
 Legend: T = local query tokens, N = keys, H = local query heads, Hkv = local KV heads,
 D = head dim. GQA: query head h reads KV head h // (H / Hkv).
@@ -141,3 +145,69 @@ def _cudnn_with_lse(q, k, v, causal: bool, scale: float):
         q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     return o, lse.reshape(q.shape[:3]).float()
 
+
+
+def merge_with_lse(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.merge_partials` that also returns the merged lse: o [P, T, H, D], lse [P, T, H]
+    -> (o [T, H, D] fp32, lse [T, H] fp32)."""
+    return ops.merge_partials(o, lse), torch.logsumexp(lse, dim=0)
+
+
+def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
+                             k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
+                             scale: float, runs: list[tuple[int, int, int, int]] | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `prefill_attention` (positions relative to the chunk's first token), returning
+    (o [T, H, D] fp32, lse [T, H] fp32)."""
+    T, H, D = q.shape
+    o = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), device=q.device)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and runs is not None:
+        for row0, row1, s, p0 in runs:
+            n, base = row1 - row0, cu_seqlens[s]
+            qr = _heads_first(q[row0:row1])
+            parts = [attention_with_lse(qr, _heads_first(k_flat[base + p0:base + p0 + n]),
+                                        _heads_first(v_flat[base + p0:base + p0 + n]), True,
+                                        scale)]
+            if p0 > 0:
+                parts.append(attention_with_lse(qr, _heads_first(k_flat[base:base + p0]),
+                                                _heads_first(v_flat[base:base + p0]), False,
+                                                scale))
+            om, lm = merge_with_lse(torch.stack([p[0][0].transpose(0, 1) for p in parts]),
+                                    torch.stack([p[1][0].transpose(0, 1) for p in parts]))
+            o[row0:row1], lse[row0:row1] = om, lm
+        return o, lse
+    for s in range(len(cu_seqlens) - 1):
+        rows = (q_seq == s).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        k, v = k_flat[cu_seqlens[s]:cu_seqlens[s + 1]], v_flat[cu_seqlens[s]:cu_seqlens[s + 1]]
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        o[rows], lse[rows] = partial_attention(q[rows], q_pos[rows], k, v, k_pos, scale)
+    return o, lse
+
+
+def prefix_partial(q: torch.Tensor, parts, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, H, D]; each part names rows of q (`q_rows`) and this rank's cached slots of
+    their sequence (`slots`, into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
+    lse [R, H] fp32 (-inf for rows no part names or whose shard here is empty)."""
+    R, H, D = q.shape
+    o = torch.zeros(R, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((R, H), float("-inf"), device=q.device)
+    k_all = k_pool.view(-1, *k_pool.shape[-2:])
+    v_all = v_pool.view(-1, *v_pool.shape[-2:])
+    for part in parts:
+        if part.slots.numel() == 0 or part.q_rows.numel() == 0:
+            continue
+        qs, k, v = q[part.q_rows], k_all[part.slots], v_all[part.slots]
+        if qs.is_cuda and qs.dtype in (torch.bfloat16, torch.float16):
+            om, lm = attention_with_lse(_heads_first(qs), _heads_first(k), _heads_first(v),
+                                        False, scale)
+            om, lm = om[0].transpose(0, 1).float(), lm[0].transpose(0, 1)
+        else:
+            zero = torch.zeros(1, dtype=torch.int64, device=q.device)
+            om, lm = partial_attention(qs, zero.expand(qs.shape[0]), k, v,
+                                       zero.expand(k.shape[0]), scale)
+        o[part.q_rows], lse[part.q_rows] = om, lm
+    return o, lse

@@ -1,12 +1,14 @@
 """Per-forward metadata of one rank, passed as an argument through the model (never global).
 
-Prefill: this CP rank's chunk of every sequence of the batch (`split` says which tokens),
-in local order (sequence by sequence, increasing position). Every rank of an attention-TP
-group holds the same rows.
+Extend (prefill, or one chunk of a long prompt): this CP rank's share of the step's new
+tokens of every sequence (`split` says which), in local order (sequence by sequence,
+increasing position). Every rank of an attention-TP group holds the same rows. A sequence
+may already hold `start` tokens in the KV cache (an earlier chunk): its new tokens attend
+those through `prefix` (the part of the prefix this rank stores) and each other causally.
 
-Decode: one new token per sequence, the same rows on every rank. `write_rows` are the rows
-whose K/V this rank stores; `ctx` lists, per sequence, the slots and positions of the KV
-this rank holds after the write (its shard of the sequence).
+Decode: one new token per sequence, the same rows on every rank. Each row's K/V goes to
+`write_slots` (the trash slot on ranks that do not store it); attention reads every row's
+pages on this rank through `block_table` / `kv_lens` and merges with the other CP ranks.
 """
 
 from __future__ import annotations
@@ -16,22 +18,32 @@ from dataclasses import dataclass
 import torch
 
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.kv_cache import KVCache
+
+
+@dataclass
+class PrefixPart:
+    """One sequence of an extend step that already holds tokens in the cache."""
+
+    seq: int  # index of the sequence in the step
+    slots: torch.Tensor  # int64 [n] this rank's slots of the cached prefix, in order
+    q_rows: torch.Tensor  # int64 [m] rows of the CP-gathered queries that belong to `seq`
 
 
 @dataclass
 class ForwardBatch:
     is_decode: bool
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T] absolute positions (RoPE)
     seq_ids: torch.Tensor  # int64 [T], index of the sequence in the batch
-    split: CPSplit | None = None  # prefill
-    kv: KVCache | None = None
-    write_rows: torch.Tensor | None = None  # int64 [W] rows of this batch stored here
-    write_slots: torch.Tensor | None = None  # int64 [W] their cache slots
-    ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # decode: (slots, positions)
-    q_runs: list[tuple[int, int, int, int]] | None = None  # prefill: cp.attention.query_runs
-    seq_keys: list[int] | None = None  # cache key of each sequence (models with their own cache)
+    split: CPSplit | None = None  # extend: the split of the step's new tokens
+    rel_positions: torch.Tensor | None = None  # extend: position within the step's tokens
+    q_runs: list[tuple[int, int, int, int]] | None = None  # extend: cp.attention.query_runs
+    kv: object | None = None  # the KV cache (PagedKVCache, or a model's own cache)
+    write_slots: torch.Tensor | None = None  # int64: extend [T] / decode [B] cache slots
+    block_table: torch.Tensor | None = None  # decode: int32 [B, W] this rank's pages
+    kv_lens: torch.Tensor | None = None  # decode: int32 [B] tokens this rank stores
+    prefix: list[PrefixPart] | None = None  # extend: sequences with cached tokens
+    seq_keys: list[int] | None = None  # cache key of each sequence (models with own caches)
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""One rank's engine: builds and loads its model shard, runs CP prefill and decode steps.
+"""One rank's engine: builds and loads its model shard, runs extend (prefill, chunked prefill)
+and decode steps over the paged, CP-sharded KV cache.
 
 Every decision that changes which collectives run (splits, padding, which CP rank stores a
 new token) is computed from information all ranks share, so ranks never diverge.
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.config import QwenMoeConfig
+from cpmoe.config import QwenMoeConfig, read_config_json
 from cpmoe.cp.attention import query_runs
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.forward import ForwardBatch
-from cpmoe.engine.kv_cache import CacheFullError, KVCache, SeqKV
+from cpmoe.engine.forward import ForwardBatch, PrefixPart
+from cpmoe.engine.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
 from cpmoe.models.registry import config_from_dict, load_model_config
@@ -24,6 +25,9 @@ from cpmoe.moe import placement
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
+
+DEFAULT_PAGE_SIZE = 16
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
@@ -59,6 +63,15 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
     return out
 
 
+@dataclass(frozen=True)
+class Segment:
+    """New tokens of one sequence in an extend step; `start` tokens are cached already."""
+
+    key: int
+    ids: list[int]
+    start: int = 0
+
+
 @dataclass
 class StepTimes:
     prefill_s: float = 0.0
@@ -68,7 +81,10 @@ class StepTimes:
 
 class ModelRunner:
     def __init__(self, model_dir: Path, groups: ProcessGroups, dtype: torch.dtype,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, load_format: str = "auto", seed: int = 0) -> None:
+        if load_format == "dummy":  # random weights at the checkpoint's shape (SGLang's name)
+            self._init_random(read_config_json(model_dir), groups, dtype, seed)
+            return
         config, model_cls = load_model_config(model_dir)
         self._build(config, model_cls, groups, dtype)
         self.load_stats = load_checkpoint(self.model, model_dir,
@@ -80,14 +96,18 @@ class ModelRunner:
                     seed: int = 0) -> "ModelRunner":
         """A runner with seeded random weights at the shape of an HF config.json's contents;
         the weights are the same on every layout (see models/random_weights.py)."""
-        config, model_cls = config_from_dict(config_json)
         self = cls.__new__(cls)
+        self._init_random(config_json, groups, dtype, seed)
+        return self
+
+    def _init_random(self, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,
+                     seed: int) -> None:
+        config, model_cls = config_from_dict(config_json)
         self._build(config, model_cls, groups, dtype)
         source = RandomCheckpoint.of(model_cls, config, seed, groups.device, dtype)
         self.load_stats = fill_parameters(self.model, [(Path("<random weights>"), source)],
                                           "<random weights>", show_progress=False,
                                           tied_embeddings=config.tie_word_embeddings)
-        return self
 
     def _build(self, config, model_cls: type, groups: ProcessGroups, dtype: torch.dtype) -> None:
         self.groups = groups
@@ -99,30 +119,61 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_cls(config, groups, dtype)
         self.model.eval()
-        self.kv: KVCache | None = None
+        self.kv = None
+        self.graphs = None  # engine.cuda_graph.DecodeGraphs once captured
         self.times = StepTimes()
 
     # ---- memory ----------------------------------------------------------------------------
+    @property
+    def own_cache(self) -> bool:
+        """The model keeps its own per-sequence state instead of K/V pages (DeepSeek-V4)."""
+        return getattr(self.model, "make_kv_cache", None) is not None
+
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def allocate_kv(self, capacity: int) -> KVCache:
-        make_cache = getattr(self.model, "make_kv_cache", None)
-        if make_cache is not None:  # per-sequence model state, not K/V slots (DeepSeek-V4)
-            self.kv = make_cache(capacity)
+    def kv_bytes_per_token(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        return (2 * len(self.model.model.layers) * attn.num_kv_heads * attn.head_dim
+                * torch.empty((), dtype=self.dtype).element_size())
+
+    def allocate_kv(self, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE):
+        """A cache of `max_tokens` token slots per rank (rounded up to whole pages)."""
+        if self.own_cache:  # per-sequence model state, not K/V pages (DeepSeek-V4)
+            self.kv = self.model.make_kv_cache(max_tokens)
             return self.kv
         attn = self.model.model.layers[0].self_attn
-        self.kv = KVCache(len(self.model.model.layers), capacity, attn.num_kv_heads,
-                          attn.head_dim, self.dtype, self.device)
+        cp = self.groups.attn_cp
+        self.kv = PagedKVCache(len(self.model.model.layers), pages_for(max_tokens, page_size),
+                               page_size, attn.num_kv_heads, attn.head_dim, self.dtype,
+                               self.device, cp.size, cp.rank)
         return self.kv
 
-    def check_fits(self, slots: int) -> None:
-        """Refuse work whose KV does not fit this rank's cache, before any of it runs."""
-        assert self.kv is not None
-        free = self.kv.capacity - self.kv.used
-        if slots > free:
-            raise CacheFullError(f"request needs {slots} KV slots on the busiest CP rank, "
-                                 f"{free} of {self.kv.capacity} free (--max-total-tokens)")
+    def kv_tokens_for_memory(self, mem_fraction: float) -> int:
+        """KV token slots per rank that fit `mem_fraction` of the GPU's memory next to what is
+        allocated now (weights), agreed over the ranks (SGLang's --mem-fraction-static)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * mem_fraction - torch.cuda.memory_allocated(self.device)
+        mine = torch.tensor([max(0, int(budget // self.kv_bytes_per_token()))],
+                            dtype=torch.int64, device=self.device)
+        return int(min(self.gather_from_ranks(mine)))
+
+    def can_capture_graphs(self) -> bool:
+        """Decode graphs need CUDA, a model whose decode never syncs with the host, and no
+        host-side count exchange in the MoE dispatch."""
+        return (self.device.type == "cuda" and not self.own_cache
+                and self.layout.moe_a2a_backend != "alltoall")
+
+    def capture_decode_graphs(self, max_bs: int, max_context: int | None = None) -> int:
+        """Capture the decode forward for batches up to max_bs -> graph memory in bytes."""
+        from cpmoe.engine.cuda_graph import DecodeGraphs
+        assert self.kv is not None and self.can_capture_graphs()
+        context = max_context or getattr(self.config, "max_position_embeddings", None)
+        max_pages = self.kv.num_pages
+        if context:
+            max_pages = min(max_pages, pages_for(context, self.kv.page_size) + 1)
+        self.graphs = DecodeGraphs(self, max_bs, max_pages)
+        return self.graphs.memory_bytes
 
     def agree(self, tokens: list[int]) -> list[int]:
         """Rank 0's choice of tokens, on every rank."""
@@ -153,18 +204,32 @@ class ModelRunner:
         """CP prefill of new sequences. Returns logits (float32) of every token in flat
         order ([sum L, V]) or, with last_only, of each sequence's last token ([B, V]).
         With a KV cache allocated, each rank keeps the K/V of its own chunk under seq_keys."""
+        keys = seq_keys or list(range(len(seqs)))
+        return self.extend([Segment(k, s) for k, s in zip(keys, seqs)], last_only)
+
+    @torch.no_grad()
+    def extend(self, segments: list[Segment], last_only: bool = True) -> torch.Tensor:
+        """New tokens of several sequences, each after its `start` cached tokens, CP-split
+        over the ranks -> logits (float32) of each segment's last token [B, V] (last_only)
+        or of every new token in flat order."""
         t0 = time.perf_counter()
-        lens = [len(s) for s in seqs]
         cp = self.groups.attn_cp
-        split = CPSplit.build(lens, cp.size, self.layout.cp_strategy)
-        flat = self._ids([t for s in seqs for t in s])
-        positions, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
+        strategy, kv = self.layout.cp_strategy, self.kv
+        rotations = None
+        if kv is not None and kv.cp_size == cp.size > 1:
+            rotations = [kv.rotation(s.key, len(s.ids), strategy) for s in segments]
+        split = CPSplit.build([len(s.ids) for s in segments], cp.size, strategy, rotations)
+        flat = self._ids([t for s in segments for t in s.ids])
+        rel, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
+        starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
-                             positions=positions.to(self.device),
+                             positions=(rel + starts[seq_ids]).to(self.device),
                              seq_ids=seq_ids.to(self.device), split=split,
-                             q_runs=query_runs(positions, seq_ids))
+                             rel_positions=rel.to(self.device), q_runs=query_runs(rel, seq_ids))
         if self.kv is not None:
-            self._reserve_prefill(batch, split, seq_keys or list(range(len(seqs))))
+            self._store_extend(batch, segments)
+        elif any(s.start for s in segments):
+            raise ValueError("extending cached sequences needs a KV cache (allocate_kv)")
         hidden = self.model.hidden_states(batch)
         if last_only:
             hidden = hidden[torch.tensor(split.cu_seqlens[1:], device=self.device) - 1]
@@ -172,54 +237,70 @@ class ModelRunner:
         self.times.prefill_s += time.perf_counter() - t0
         return logits
 
-    def _reserve_prefill(self, batch: ForwardBatch, split: CPSplit, keys: list[int]) -> None:
-        kv, cp = self.kv, self.groups.attn_cp
-        assert kv is not None
-        need = batch.num_tokens
-        if need > kv.capacity - kv.used:
-            raise CacheFullError(f"KV cache full: this prefill needs {need} slots on CP rank "
-                                 f"{cp.rank}, {kv.capacity - kv.used} of {kv.capacity} free")
-        slots = kv.alloc(need).to(self.device)
-        batch.kv = kv
-        batch.seq_keys = keys
-        batch.write_rows = torch.arange(need, device=self.device)
-        batch.write_slots = slots
-        for s, key in enumerate(keys):
-            mine = batch.seq_ids == s
-            kv.seqs[key] = SeqKV(slots=slots[mine], positions=batch.positions[mine],
-                                 length=split.seq_lens[s],
-                                 cp_counts=[split.seq_counts[r][s] for r in range(cp.size)])
+    def _store_extend(self, batch: ForwardBatch, segments: list[Segment]) -> None:
+        """Pages for every rank's new tokens (all or nothing), their write slots here, and
+        where each sequence's cached prefix lies on this rank."""
+        kv, cp, split = self.kv, self.groups.attn_cp, batch.split
+        assert kv is not None and split is not None
+        news, need = [], [0] * kv.cp_size
+        for s, seg in enumerate(segments):
+            cached = kv.seqs[seg.key].length if seg.key in kv.seqs else 0
+            if cached != seg.start:
+                raise ValueError(f"sequence {seg.key}: {cached} tokens cached, the step says "
+                                 f"{seg.start}")
+            new = [split.seq_counts[r][s] for r in range(cp.size)]
+            if kv.cp_size != cp.size:  # a model cache replicated on every CP rank
+                new = [sum(new)]
+            news.append(new)
+            need = [a + b for a, b in zip(need, kv.extend_pages_needed(seg.key, new))]
+        if not kv.fits(need):
+            r = max(range(kv.cp_size), key=lambda r: need[r] - kv.free_pages(r))
+            raise CacheFullError(f"KV cache full: this step needs {need[r]} pages of "
+                                 f"{kv.page_size} tokens on CP rank {r}, {kv.free_pages(r)} of "
+                                 f"{kv.num_pages} free (--max-total-tokens {kv.capacity})")
+        prefix, slots = [], []
+        gathered_seq = self._gathered_seq_ids(split) if any(s.start for s in segments) else None
+        for s, (seg, new) in enumerate(zip(segments, news)):
+            if seg.start and not self.own_cache:
+                q_rows = (gathered_seq == s).nonzero().flatten()
+                prefix.append(PrefixPart(s, kv.local_slots(seg.key).to(self.device),
+                                         q_rows.to(self.device)))
+            slots += kv.extend(seg.key, new)
+        batch.kv, batch.seq_keys = kv, [s.key for s in segments]
+        batch.write_slots = self._ids(slots)
+        batch.prefix = prefix or None
+
+    def _gathered_seq_ids(self, split: CPSplit) -> torch.Tensor:
+        """Sequence of every row of the queries all-gathered over CP (-1 for padding)."""
+        cp = self.groups.attn_cp
+        if cp.size == 1:
+            return split.local_seq_ids(0)
+        out = torch.full((cp.size, split.max_count), -1, dtype=torch.int64)
+        for r in range(cp.size):
+            ids = split.local_seq_ids(r)
+            out[r, :ids.numel()] = ids
+        return out.flatten()
 
     @torch.no_grad()
     def decode(self, keys: list[int], tokens: list[int]) -> torch.Tensor:
         """One new token per sequence -> logits [B, V] (float32). The new K/V goes to the
-        CP rank holding the fewest tokens of the sequence (ties: the lowest rank)."""
+        CP rank holding the fewest tokens of the sequence (the cache's owner rule)."""
         t0 = time.perf_counter()
-        kv, cp = self.kv, self.groups.attn_cp
+        kv = self.kv
         assert kv is not None, "decode needs a KV cache (allocate_kv)"
-        positions, write_rows, owners = [], [], []
-        for i, key in enumerate(keys):
-            seq = kv.seqs[key]
-            owner = min(range(cp.size), key=lambda r: (seq.cp_counts[r], r))
-            positions.append(seq.length)
-            owners.append(owner)
-            if owner == cp.rank:
-                write_rows.append(i)
-        slots = kv.alloc(len(write_rows)).to(self.device)
-        for row, slot in zip(write_rows, slots):
-            seq = kv.seqs[keys[row]]
-            seq.slots = torch.cat([seq.slots, slot[None]])
-            seq.positions = torch.cat([seq.positions, self._ids([positions[row]])])
-        for i, key in enumerate(keys):
-            seq = kv.seqs[key]
-            seq.length += 1
-            seq.cp_counts[owners[i]] += 1
-        batch = ForwardBatch(is_decode=True, input_ids=self._ids(tokens),
-                             positions=self._ids(positions),
-                             seq_ids=torch.arange(len(keys), device=self.device), kv=kv,
-                             write_rows=self._ids(write_rows), write_slots=slots, seq_keys=keys,
-                             ctx=[(kv.seqs[k].slots, kv.seqs[k].positions) for k in keys])
-        logits = self.model.logits(self.model.hidden_states(batch)).float()
+        positions = [kv.seqs[k].length for k in keys]
+        slots = kv.append_decode(keys)
+        lens = [kv.local_len(k) for k in keys]
+        if self.graphs is not None and self.graphs.fits(len(keys)):
+            logits = self.graphs.replay(tokens, positions, slots, lens, keys)
+        else:
+            meta = self._ids([tokens, positions, slots, lens])
+            table = torch.tensor(kv.block_table(keys), dtype=torch.int32).to(self.device)
+            batch = ForwardBatch(is_decode=True, input_ids=meta[0], positions=meta[1],
+                                 seq_ids=torch.arange(len(keys), device=self.device), kv=kv,
+                                 write_slots=meta[2], block_table=table,
+                                 kv_lens=meta[3].to(torch.int32), seq_keys=keys)
+            logits = self.model.logits(self.model.hidden_states(batch)).float()
         self.times.decode_s += time.perf_counter() - t0
         self.times.decode_steps += 1
         return logits

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.engine.kv_cache import KVCache
+from cpmoe.engine.kv_cache import PagedKVCache
 from cpmoe.models.deepseek_v4_attention import (
     DeepseekV4Attention,
     Fp32RMSNorm,
@@ -300,13 +300,14 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(h))
 
 
-class V4Cache(KVCache):
-    """The runner's slot accounting (capacity, per-rank slots, SeqKV) plus, per sequence
-    key, one replicated `SeqState` per layer; the base class's K/V pools are empty."""
+class V4Cache(PagedKVCache):
+    """The runner's token accounting (capacity, per-sequence lengths; one-token pages and no
+    K/V pools, replicated on every CP rank) plus, per sequence key, one replicated
+    `SeqState` per layer."""
 
     def __init__(self, cfg: DeepseekV4Config, capacity: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        super().__init__(0, capacity, 1, 1, dtype, device)
+        super().__init__(0, capacity, 1, 1, 1, dtype, device)
         self.cfg, self.dtype = cfg, dtype
         self.states: dict[int, list[SeqState | None]] = {}
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from cpmoe import communicator as cm
 from cpmoe.config import QwenMoeConfig
-from cpmoe.cp.attention import partial_attention, prefill_attention
+from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
+from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, column_shard,
                                  kv_head_shard, row_shard)
@@ -28,7 +29,7 @@ from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
-from cpmoe.ops import norm_rope
+from cpmoe.ops import merge_partials, norm_rope
 from cpmoe.parallel.groups import ProcessGroups
 
 
@@ -66,29 +67,42 @@ class QwenMoeAttention(nn.Module):
             k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
         else:
             q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
-        kv = batch.kv
-        if kv is not None and batch.write_rows is not None:
-            kv.write(layer, batch.write_slots, k[batch.write_rows], v[batch.write_rows])
         if batch.is_decode:
-            o = self._decode(q, batch, layer)
+            o = self._decode(q, k, v, batch, layer)
         else:
-            assert batch.split is not None
-            k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
-            o = prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
-                                  list(batch.split.cu_seqlens), self.scale, batch.q_runs)
+            o = self._extend(q, k, v, batch, layer)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        assert batch.kv is not None and batch.ctx is not None
-        outs, lses = [], []
-        for s, (slots, k_pos) in enumerate(batch.ctx):
-            k, v = batch.kv.read(layer, slots)
-            o, lse = partial_attention(q[s:s + 1], batch.positions[s:s + 1], k, v, k_pos,
-                                       self.scale)
-            outs.append(o)
-            lses.append(lse)
-        o = cm.merge_decode_attention(torch.cat(outs), torch.cat(lses), self.groups)
-        return o.to(q.dtype)
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                layer: int) -> torch.Tensor:
+        """This rank's chunk rows attend their own sequence's new tokens (K/V gathered over
+        CP) causally and, for sequences with cached tokens, the cached prefix."""
+        kv = batch.kv
+        if kv is not None and batch.write_slots is not None:
+            kv.write(layer, batch.write_slots, k, v)
+        assert batch.split is not None
+        k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
+        cu = list(batch.split.cu_seqlens)
+        if not batch.prefix:
+            return prefill_attention(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat, cu,
+                                     self.scale, batch.q_runs)
+        o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat,
+                                          cu, self.scale, batch.q_runs)
+        o_pre, lse_pre = cm.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
+                                                 kv.v[layer], self.scale)
+        return merge_partials(torch.stack([o, o_pre]), torch.stack([lse, lse_pre])).to(q.dtype)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                layer: int) -> torch.Tensor:
+        """Every row attends its sequence's pages on this rank, merged over the CP ranks."""
+        kv = batch.kv
+        assert kv is not None and batch.block_table is not None and batch.kv_lens is not None
+        kv.write(layer, batch.write_slots, k, v)
+        cp = self.groups.attn_cp.size
+        o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
+                                        batch.kv_lens, self.scale,
+                                        out_dtype=torch.float32 if cp > 1 else q.dtype)
+        return cm.merge_decode_attention(o, lse, self.groups).to(q.dtype)
 
 
 class QwenMoeMLP(nn.Module):
