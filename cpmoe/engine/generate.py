@@ -1,60 +1,60 @@
-"""Batched generation on one rank: CP prefill of every prompt, then decode steps until each
-prompt hits EOS or its token budget. All ranks run this loop in lockstep; the chosen tokens
-are broadcast from rank 0 so every rank feeds back exactly the same ones."""
+"""`cpmoe generate` on one rank: a batch of prompts through the engine loop (engine.py),
+the same scheduler and steps that serve runs. Prompt i samples from stream i of the seed.
+Every rank returns the same tokens."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from cpmoe.cp.split import CPSplit
-from cpmoe.engine.kv_cache import busiest_rank_tokens
+from cpmoe.engine.engine import BatchFrontend, Driver, EngineOptions, engine_loop
+from cpmoe.engine.kv_cache import CacheFullError, pages_for, request_rank_tokens
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.engine.sampling import SamplingParams, sample
+from cpmoe.engine.sampling import SamplingParams
+from cpmoe.engine.scheduler import Request, Scheduler
 
 
 def kv_slots_needed(prompt_lens: list[int], max_new_tokens: int, cp_size: int,
-                    strategy: str) -> int:
-    """KV slots the busiest rank needs to generate for all prompts at once."""
-    split = CPSplit.build(prompt_lens, cp_size, strategy)
-    return busiest_rank_tokens([list(c) for c in split.seq_counts], max_new_tokens)
+                    strategy: str, page_size: int = EngineOptions.page_size,
+                    chunk: int = 0) -> int:
+    """KV token slots (whole pages) the busiest CP rank needs to hold all prompts at their
+    longest at once (O(cp) per prompt, whatever max_new_tokens is)."""
+    pages = [0] * cp_size
+    for n in prompt_lens:
+        for r, c in enumerate(request_rank_tokens(n, max_new_tokens, cp_size, strategy, chunk)):
+            pages[r] += pages_for(c, page_size)
+    return max(pages) * page_size
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
              eos_ids: tuple[int, ...] = (), sampling: SamplingParams = SamplingParams(),
-             observe: Callable[[torch.Tensor], None] | None = None) -> list[list[int]]:
-    """-> new tokens per prompt (an EOS token, when produced, ends its list). `observe`
-    sees the logits [B_active, V] of every step (prefill included)."""
-    out: list[list[int]] = [[] for _ in prompts]
+             observe: Callable[[torch.Tensor], None] | None = None,
+             options: EngineOptions = EngineOptions()) -> list[list[int]]:
+    """-> new tokens per prompt (an EOS token, when produced, ends its list), on every rank.
+    `observe` (rank 0) sees the logits [rows, V] of every step that sampled tokens. Without
+    a KV cache, one just large enough for all prompts at once is allocated."""
     if max_new_tokens <= 0:
-        return out
+        return [[] for _ in prompts]
     layout = runner.layout
-    need = kv_slots_needed([len(p) for p in prompts], max_new_tokens, layout.attn_cp_size,
-                           layout.cp_strategy)
+    chunk = options.chunked_prefill_size
     if runner.kv is None:
-        runner.allocate_kv(need)
-    runner.check_fits(need)
-    keys = list(range(len(prompts)))
-
-    def choose(logits: torch.Tensor, rows: list[int], step: int) -> list[int]:
-        if observe is not None:
-            observe(logits)
-        return runner.agree(sample(logits, sampling, rows, step))
-
-    active, feed = keys, choose(runner.prefill(prompts, keys, last_only=True), keys, 0)
-    step = 0
-    while active:
-        still = []
-        for key, tok in zip(active, feed):
-            out[key].append(tok)
-            if tok in eos_ids or len(out[key]) >= max_new_tokens:
-                runner.kv.free(key)
-            else:
-                still.append(key)
-        active = still
-        if not active:
-            break
-        step += 1
-        feed = choose(runner.decode(active, [out[k][-1] for k in active]), active, step)
-    return out
+        runner.allocate_kv(kv_slots_needed([len(p) for p in prompts], max_new_tokens,
+                                           layout.attn_cp_size, layout.cp_strategy,
+                                           options.page_size, chunk), options.page_size)
+    kv = runner.kv
+    for i, p in enumerate(prompts):
+        need = kv_slots_needed([len(p)], max_new_tokens, kv.cp_size, layout.cp_strategy,
+                               kv.page_size, chunk)
+        if need > kv.capacity:
+            raise CacheFullError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new "
+                                 f"tokens needs {need} KV slots on the busiest CP rank, the "
+                                 f"cache has {kv.capacity} (--max-total-tokens)")
+    driver = None
+    if runner.groups.rank == 0:
+        requests = [Request(i, list(p), sampling, max_new_tokens, stream=i)
+                    for i, p in enumerate(prompts)]
+        sched = Scheduler(kv, layout.cp_strategy, chunk, options.max_running_requests,
+                          eos_ids)
+        driver = Driver(runner, sched, BatchFrontend(requests), observe=observe)
+    return engine_loop(runner, driver)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.generate import generate
+from cpmoe.engine.engine import EngineOptions, prepare_runner
+from cpmoe.engine.generate import generate, kv_slots_needed
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.groups import ProcessGroups
@@ -25,11 +26,13 @@ class RunSpec:
     layout: ParallelLayout
     dtype: torch.dtype
     progress: bool = True
+    options: EngineOptions = EngineOptions()
 
 
 def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
-    return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress)
+    return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress,
+                       load_format=spec.options.load_format)
 
 
 def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]
@@ -48,27 +51,29 @@ class GenerateResult:
     weight_bytes: list[int]  # per rank
     kv_bytes_per_token: list[int]  # per rank, per token that rank stores
     kv_capacity: int
+    graph_bytes: int  # CUDA-graph memory of rank 0
     prefill_s: float
     decode_s: float
     decode_steps: int
 
 
 def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
-                  max_new_tokens: int, eos_ids: tuple[int, ...], sampling: SamplingParams,
-                  max_total_tokens: int | None) -> GenerateResult | None:
+                  max_new_tokens: int, eos_ids: tuple[int, ...], sampling: SamplingParams
+                  ) -> GenerateResult | None:
     runner = _runner(info, spec)
-    if max_total_tokens is not None:
-        runner.allocate_kv(max_total_tokens)
-    out = generate(runner, prompts, max_new_tokens, eos_ids, sampling)
-    assert runner.kv is not None
-    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token()],
-                       device=info.device)
+    opts, layout = spec.options, spec.layout
+    need = kv_slots_needed([len(p) for p in prompts], max_new_tokens, layout.attn_cp_size,
+                           layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
+    sizes = prepare_runner(runner, opts, need)
+    out = generate(runner, prompts, max_new_tokens, eos_ids, sampling, options=opts)
+    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token()], device=info.device)
     per_rank = runner.gather_from_ranks(mem)
     if info.rank != 0:
         return None
     t = runner.times
     return GenerateResult(out, [int(m[0]) for m in per_rank], [int(m[1]) for m in per_rank],
-                          runner.kv.capacity, t.prefill_s, t.decode_s, t.decode_steps)
+                          sizes["kv_capacity"], sizes["graph_bytes"], t.prefill_s, t.decode_s,
+                          t.decode_steps)
 
 
 @dataclass

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
+from cpmoe.engine.scheduler import Request, TokenEvent
+from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankPool
-from cpmoe.serve.engine_loop import EngineSpec, engine_loop_task
 from cpmoe.serve.metrics import Metrics
 from cpmoe.serve.protocol import Job
-from cpmoe.serve.scheduler import Request, TokenEvent
 
 
 class EngineDown(RuntimeError):
@@ -71,6 +71,7 @@ class EngineClient:
         self._next_rid = 0
         self._stopping = False
         self.failure: BaseException | None = None
+        self.sizes: dict = {}  # the engine's kv_capacity (token slots per rank), graph_bytes
         self._pool_thread = threading.Thread(target=self._run_pool, name="cpmoe-engine",
                                              daemon=True)
 
@@ -110,8 +111,8 @@ class EngineClient:
         stream = RequestStream(rid, len(job.prompt_ids))
         self._streams[rid] = stream
         self.metrics.waiting += 1
-        self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens, job.kv_need,
-                                   job.ignore_eos)))
+        self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens,
+                                   ignore_eos=job.ignore_eos, kv_need=job.kv_need)))
         return stream
 
     def release(self, stream: RequestStream, reason: str) -> None:
@@ -165,7 +166,7 @@ class EngineClient:
     # ---- threads -----------------------------------------------------------------------------
     def _run_pool(self) -> None:
         try:
-            self.pool.run(engine_loop_task, self.spec)
+            self.pool.run(serve_task, self.spec)
             if not self._stopping:
                 raise EngineDown("the engine loop ended without being asked to")
         except BaseException as err:  # noqa: BLE001  (reported to the server, then re-raised)
@@ -183,7 +184,8 @@ class EngineClient:
                 msg = self._conn.recv()
                 if msg[0] == "ready":
                     self.metrics.rank_pids = list(msg[1])
-                    self.metrics.kv_capacity = self.spec.kv_capacity
+                    self.sizes = dict(msg[2])
+                    self.metrics.kv_capacity = self.sizes["kv_capacity"]
                     self.metrics.engine_up = True
                     self._ready.set()
                 elif msg[0] == "step" and self._loop is not None:

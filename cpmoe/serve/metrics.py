@@ -54,7 +54,7 @@ class Metrics:
     waiting: int = 0  # accepted, no token yet (the queue --max-queue bounds)
     running: int = 0
     kv_used: list[int] = field(default_factory=list)  # per rank
-    kv_reserved: int = 0
+    preemptions: int = 0
     kv_capacity: int = 0
     rank_pids: list[int] = field(default_factory=list)
     engine_up: bool = False
@@ -64,7 +64,7 @@ class Metrics:
         self.step_seconds[stats["kind"]] += stats["step_s"]
         self.running = stats["running"]
         self.kv_used = list(stats["kv_used"])
-        self.kv_reserved = stats["kv_reserved"]
+        self.preemptions = stats["preemptions"]
 
     def render(self) -> str:
         out: list[str] = []
@@ -97,9 +97,9 @@ class Metrics:
                [f"cpmoe_requests_running {self.running}"])
         family("cpmoe_kv_slots_used", "gauge", "KV cache slots in use, per rank",
                [f'cpmoe_kv_slots_used{{rank="{r}"}} {n}' for r, n in enumerate(self.kv_used)])
-        family("cpmoe_kv_slots_reserved", "gauge",
-               "KV slots reserved by admitted requests (busiest CP rank)",
-               [f"cpmoe_kv_slots_reserved {self.kv_reserved}"])
+        family("cpmoe_preemptions_total", "counter",
+               "Running requests whose KV was freed to make room (re-prefilled later)",
+               [f"cpmoe_preemptions_total {self.preemptions}"])
         family("cpmoe_kv_slots_capacity", "gauge", "KV cache slots per rank",
                [f"cpmoe_kv_slots_capacity {self.kv_capacity}"])
         family("cpmoe_engine_steps_total", "counter", "Engine steps by kind",

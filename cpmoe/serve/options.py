@@ -15,13 +15,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` clients name (default: the model folder's name)")
-    p.add_argument("--max-total-tokens", type=int, default=16384,
-                   help="KV cache slots per rank; a request that cannot fit alone gets 400")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096,
-                   help="prompt tokens batched into one prefill step (a longer prompt runs "
-                        "alone)")
-    p.add_argument("--max-running", type=int, default=64,
-                   help="requests decoded together at most")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted but not yet started; past it new ones get 503")
     p.add_argument("--default-max-tokens", type=int, default=256,
@@ -33,21 +26,16 @@ class ServeOptions:
     host: str
     port: int
     served_model_name: str | None
-    max_total_tokens: int
-    max_prefill_tokens: int
-    max_running: int
     max_queue: int
     default_max_tokens: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
-        opts = cls(args.host, args.port, args.served_model_name, args.max_total_tokens,
-                   args.max_prefill_tokens, args.max_running, args.max_queue,
+        opts = cls(args.host, args.port, args.served_model_name, args.max_queue,
                    args.default_max_tokens)
         if not 0 <= opts.port < 65536:
             raise ValueError(f"--port {opts.port}: expected 0..65535")
-        for flag in ("max_total_tokens", "max_prefill_tokens", "max_running", "max_queue",
-                     "default_max_tokens"):
+        for flag in ("max_queue", "default_max_tokens"):
             if getattr(opts, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(opts, flag)}")

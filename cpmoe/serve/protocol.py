@@ -146,6 +146,8 @@ class Limits:
     cp_size: int
     cp_strategy: str
     default_chat_max_tokens: int
+    page_size: int = 16
+    chunked_prefill_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,8 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
         raise bad_request(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds "
                           f"the model's {limits.max_positions} positions", "max_tokens",
                           "context_length_exceeded")
-    need = kv_slots_needed([len(prompt_ids)], max_tokens, limits.cp_size, limits.cp_strategy)
+    need = kv_slots_needed([len(prompt_ids)], max_tokens, limits.cp_size, limits.cp_strategy,
+                           limits.page_size, limits.chunked_prefill_size)
     if need > limits.kv_capacity:
         raise bad_request(f"the request needs {need} KV slots on the busiest CP rank (prompt of "
                           f"{len(prompt_ids)} tokens, max_tokens {max_tokens}); the server has "

@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.serving import EngineSpec
 from cpmoe.parallel.layout import ParallelLayout
 from cpmoe.serve.app import ServeState, build_app
 from cpmoe.serve.engine_client import EngineClient
-from cpmoe.serve.engine_loop import EngineSpec
 from cpmoe.serve.metrics import Metrics
 from cpmoe.serve.options import BindError, ServeOptions
 from cpmoe.serve.protocol import Limits
@@ -70,21 +71,21 @@ class _Exit:
         self.loop.call_later(FAILURE_GRACE_S, lambda: setattr(server, "should_exit", True))
 
 
-def serve(opts: ServeOptions, layout: ParallelLayout, model_dir: Path, cfg, device: str,
-          dtype: torch.dtype, tokenizer) -> int:
+def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, model_dir: Path,
+          cfg, device: str, dtype: torch.dtype, tokenizer) -> int:
     sock = bind(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     name = opts.served_model_name or model_dir.name
     metrics = Metrics()
     exit_ = _Exit()
-    spec = EngineSpec(model_dir, layout, dtype, opts.max_total_tokens, opts.max_prefill_tokens,
-                      opts.max_running, tuple(cfg.eos_token_ids), ("127.0.0.1", 0), b"")
+    spec = EngineSpec(model_dir, layout, dtype, tuple(cfg.eos_token_ids), ("127.0.0.1", 0), b"",
+                      engine)
     client = EngineClient.start(spec, layout.world_size, device, opts.max_queue, metrics,
                                 exit_.on_failure)
     try:
         limits = Limits(name, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
-                        opts.max_total_tokens, layout.attn_cp_size, layout.cp_strategy,
-                        opts.default_max_tokens)
+                        client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
+                        opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                                timeout_graceful_shutdown=5))

@@ -52,17 +52,21 @@ def groups_task(info: RankInfo, layout: ParallelLayout) -> dict:
 
 def kv_and_sampling_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
                          seqs: list[list[int]], sampling, new_tokens: int) -> dict:
-    """Per-rank KV bytes held right after a prefill, then seeded sampling of new tokens."""
+    """Per-rank KV bytes of the pages held right after a prefill (one-token pages, so page
+    rounding does not hide replication), then seeded sampling of new tokens (default pages)."""
     from cpmoe.engine.generate import kv_slots_needed
 
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
-    kv = runner.allocate_kv(kv_slots_needed([len(s) for s in seqs], new_tokens,
-                                            layout.attn_cp_size, layout.cp_strategy))
+    lens = [len(s) for s in seqs]
+    kv = runner.allocate_kv(kv_slots_needed(lens, new_tokens, layout.attn_cp_size,
+                                            layout.cp_strategy, 1), page_size=1)
     runner.prefill(seqs, list(range(len(seqs))), last_only=True)
     kv_bytes = kv.nbytes_used()
     for key in list(kv.seqs):
         kv.free(key)
+    kv = runner.allocate_kv(kv_slots_needed(lens, new_tokens, layout.attn_cp_size,
+                                            layout.cp_strategy))
     tokens = generate(runner, seqs, new_tokens, (), sampling)
     return {"kv_bytes": kv_bytes, "tokens": tokens, "kv_used_after": kv.used}
 

@@ -1,0 +1,203 @@
+"""The one step loop of `cpmoe generate` and `cpmoe serve`, run by every rank.
+
+Each step rank 0's `Driver` takes new requests and cancellations from its frontend (a fixed
+batch for generate, the HTTP server's link for serve), asks the `Scheduler` for a
+`StepPlan` and broadcasts it over the world group; every rank runs exactly that plan (frees,
+one extend forward, one decode forward), so all ranks issue the same collectives in the
+same order. Rank 0 then samples one token for each row that completed a prompt or decoded,
+and hands the tokens to the frontend. Tokens to feed into the next decode travel inside the
+next plan, so no other rank samples, and the plan is the only per-step message.
+
+Sampling stream of a request: `(seed, stream, tokens generated so far)`: prompt i of a
+generate batch uses stream i, a served request stream 0, so the same prompt and seed give
+the same tokens through both (and after a preemption).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cpmoe.engine.runner import ModelRunner, Segment
+from cpmoe.engine.sampling import sample
+from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
+from cpmoe.parallel import comm
+
+DEFAULT_CHUNKED_PREFILL = 8192  # --chunked-prefill-size (SGLang's default on large GPUs)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine flags shared by generate, check, serve and the benchmarks."""
+
+    page_size: int = 16  # --page-size
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # -1: prompts in one piece
+    max_running_requests: int = 256
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    max_total_tokens: int | None = None  # KV slots per rank; None: the command's default
+    mem_fraction_static: float = 0.85  # CUDA, no max_total_tokens: weights + KV share
+    load_format: str = "auto"
+    routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
+
+
+def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,
+                   ) -> dict:
+    """The KV cache (`max_total_tokens`, else on CUDA what `mem_fraction_static` leaves,
+    else `default_tokens`) and the decode CUDA graphs -> sizes for reports."""
+    if opts.routing == "uniform":
+        from cpmoe.moe.uniform_routing import calibrate_on_random_prompts
+        calibrate_on_random_prompts(runner)
+    tokens = opts.max_total_tokens
+    if tokens is None:
+        tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
+                  if runner.device.type == "cuda" or default_tokens is None else default_tokens)
+    kv = runner.allocate_kv(tokens, opts.page_size)
+    graph_bytes = 0
+    if not opts.disable_cuda_graph and runner.can_capture_graphs():
+        graph_bytes = runner.capture_decode_graphs(opts.cuda_graph_max_bs)
+    return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes}
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None  # float32 [rows, V]: `Scheduler.sample_rows(plan)` order
+    kind: str  # "prefill", "decode", "mixed" or "idle"
+    seconds: float
+
+
+def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> StepOutput:
+    """Every rank: free, then the decode forward and the extend forward of the plan. On
+    rank 0 (sched given) -> the logits of the rows to sample."""
+    start = time.perf_counter()
+    assert runner.kv is not None
+    for rid in plan.free:
+        runner.kv.free(rid)
+    parts = []
+    if plan.decode:
+        parts.append(runner.decode([r for r, _ in plan.decode], [t for _, t in plan.decode]))
+    if plan.extend:
+        logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend])
+        if sched is not None:
+            done = [i for i, (rid, ids, s) in enumerate(plan.extend)
+                    if s + len(ids) == len(sched.running[rid].tokens)]
+            parts.append(logits[done])
+    kind = ("mixed" if plan.decode and plan.extend else "decode" if plan.decode else
+            "prefill" if plan.extend else "idle")
+    out = torch.cat(parts) if parts and sched is not None else None
+    return StepOutput(out, kind, time.perf_counter() - start)
+
+
+def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
+    """One token per row, each from its request's own sampling stream."""
+    return [sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
+            for i, req in enumerate(rows)]
+
+
+class Frontend:
+    """Where rank 0's driver gets requests from and sends tokens to."""
+
+    def poll(self, timeout: float) -> list[tuple]:
+        """Messages ("add", Request) / ("cancel", rid) / ("stop",), waiting up to timeout."""
+        raise NotImplementedError
+
+    def emit(self, events: list[TokenEvent], stats: dict) -> None:
+        raise NotImplementedError
+
+    def result(self) -> object:
+        """What the loop returns on every rank when it stops."""
+        return None
+
+
+class Driver:
+    """Rank 0's side of the loop: the scheduler, the frontend and the sampling."""
+
+    def __init__(self, runner: ModelRunner, sched: Scheduler, frontend: Frontend,
+                 idle_tick_s: float = 0.5,
+                 observe: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.runner, self.sched, self.frontend = runner, sched, frontend
+        self.idle_tick_s, self.observe = idle_tick_s, observe
+        self.stopping = False
+
+    def next_plan(self) -> StepPlan:
+        timeout = 0.0 if self.sched.has_work() else self.idle_tick_s
+        for msg in self.frontend.poll(timeout):
+            if msg[0] == "add":
+                self.sched.add(msg[1])
+            elif msg[0] == "cancel":
+                self.sched.cancel(msg[1])
+            elif msg[0] == "stop":
+                self.stopping = True
+            else:
+                raise ValueError(f"unknown engine message {msg[0]!r}")
+        if self.stopping:  # free what finished requests hold first: leave the cache empty
+            frees = self.sched.take_frees()
+            return (StepPlan(free=frees) if frees else
+                    StepPlan(stop=True, result=self.frontend.result()))
+        plan = self.sched.plan()
+        if plan.empty and self.sched.waiting and not self.sched.running:
+            raise RuntimeError(f"scheduler stuck: {len(self.sched.waiting)} waiting requests "
+                               f"fit no KV pages although nothing runs")
+        return plan
+
+    def finish_step(self, plan: StepPlan, out: StepOutput) -> None:
+        rows = self.sched.sample_rows(plan)
+        tokens: list[int] = []
+        if rows:
+            assert out.logits is not None
+            if self.observe is not None:
+                self.observe(out.logits)
+            tokens = choose_tokens(out.logits, rows)
+        events = self.sched.record(plan, tokens)
+        kv = self.runner.kv
+        coords = [self.runner.layout.coords(r)["attn_cp"]
+                  for r in range(self.runner.layout.world_size)]
+        stats = {"kind": out.kind, "step_s": out.seconds, "running": len(self.sched.running),
+                 "waiting": len(self.sched.waiting),
+                 "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
+                             for c in coords],
+                 "preemptions": self.sched.preemptions,
+                 "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend)}
+        self.frontend.emit(events, stats)
+
+
+def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
+    """Every rank: run rank 0's plans until it says stop -> the frontend's result."""
+    world = runner.groups.world
+    sched = driver.sched if driver is not None else None
+    while True:
+        plan = comm.broadcast_object(driver.next_plan() if driver else None, world)
+        assert isinstance(plan, StepPlan)
+        if plan.stop:
+            return plan.result
+        out = run_step(runner, plan, sched)
+        if driver is not None:
+            driver.finish_step(plan, out)
+
+
+@dataclass
+class BatchFrontend(Frontend):
+    """A fixed batch of requests (`cpmoe generate`): all submitted at once; the loop stops
+    when every one has finished. result(): the generated tokens of each request."""
+
+    requests: list[Request]
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    _sent: bool = False
+    _done: int = 0
+
+    def poll(self, timeout: float) -> list[tuple]:
+        if not self._sent:
+            self._sent = True
+            return [("add", r) for r in self.requests]
+        return [("stop",)] if self._done == len(self.requests) else []
+
+    def emit(self, events: list[TokenEvent], stats: dict) -> None:
+        for ev in events:
+            self.outputs.setdefault(ev.rid, []).append(ev.token)
+            self._done += ev.finish is not None
+
+    def result(self) -> list[list[int]]:
+        return [self.outputs.get(r.rid, []) for r in self.requests]

@@ -1,0 +1,79 @@
+"""The engine side of `cpmoe serve`: the rank task, and rank 0's link to the HTTP process.
+
+Link messages (a `multiprocessing.connection`), HTTP process -> rank 0: ("add", Request),
+("cancel", rid), ("stop",). Rank 0 -> HTTP process: ("ready", rank_pids, sizes) once every
+rank has loaded the model and sized its KV cache (sizes: kv_capacity, graph_bytes), then
+one ("step", [TokenEvent], stats) per step, and one per idle tick.
+While idle, rank 0 still broadcasts an empty plan every `idle_tick_s`, so the other ranks,
+waiting in that broadcast, never reach the collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import torch
+
+from cpmoe.engine.engine import Driver, EngineOptions, Frontend, engine_loop, prepare_runner
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.engine.scheduler import Scheduler, TokenEvent
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankInfo
+from cpmoe.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model_dir: Path
+    layout: ParallelLayout
+    dtype: torch.dtype
+    eos_ids: tuple[int, ...]
+    link_address: tuple[str, int]
+    link_authkey: bytes
+    options: EngineOptions = field(default_factory=EngineOptions)
+    default_kv_tokens: int = 16384  # KV slots per rank on CPU without --max-total-tokens
+    idle_tick_s: float = 0.5
+
+
+class LinkFrontend(Frontend):
+    def __init__(self, spec: EngineSpec, rank_pids: list[int], sizes: dict) -> None:
+        self.conn: Connection = Client(spec.link_address, authkey=spec.link_authkey)
+        self.conn.send(("ready", rank_pids, sizes))
+
+    def poll(self, timeout: float) -> list[tuple]:
+        msgs = []
+        while self.conn.poll(timeout):
+            msgs.append(self.conn.recv())
+            timeout = 0.0
+        return msgs
+
+    def emit(self, events: list[TokenEvent], stats: dict) -> None:
+        self.conn.send(("step", events, stats))
+
+
+def serve_task(info: RankInfo, spec: EngineSpec) -> None:
+    # A SIGTERM to the whole process group (systemd, `timeout`) is the server's to handle: it
+    # stops this loop cleanly. The pool's own aborts escalate to SIGKILL anyway.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    groups = ProcessGroups.build(spec.layout, info.rank, info.device)
+    runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
+                         load_format=spec.options.load_format)
+    sizes = prepare_runner(runner, spec.options, spec.default_kv_tokens)
+    pid = torch.tensor([os.getpid()], dtype=torch.int64, device=runner.device)
+    pids = [int(p) for p in runner.gather_from_ranks(pid)]
+    driver = None
+    if info.rank == 0:
+        opts = spec.options
+        sched = Scheduler(runner.kv, spec.layout.cp_strategy, opts.chunked_prefill_size,
+                          opts.max_running_requests, spec.eos_ids)
+        frontend = LinkFrontend(spec, pids, sizes)
+        driver = Driver(runner, sched, frontend, spec.idle_tick_s)
+    try:
+        engine_loop(runner, driver)
+    finally:
+        if driver is not None:
+            frontend.conn.close()

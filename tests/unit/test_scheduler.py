@@ -1,0 +1,122 @@
+"""The scheduler's rules, with the KV cache's accounting and no forward: chunked prefill
+next to decoding streams, admission by pages without head-of-line blocking, preemption."""
+
+from __future__ import annotations
+
+import torch
+
+from cpmoe.engine.kv_cache import PagedKVCache
+from cpmoe.engine.sampling import SamplingParams
+from cpmoe.engine.scheduler import Request, Scheduler, StepPlan
+
+EOS = 0
+
+
+def make(pages: int, page_size: int = 4, chunk: int = 8, max_running: int = 8, cp: int = 1
+         ) -> Scheduler:
+    kv = PagedKVCache(1, pages, page_size, 1, 1, torch.float32, torch.device("cpu"), cp, 0)
+    return Scheduler(kv, "zigzag", chunk, max_running, (EOS,))
+
+
+def req(rid: int, prompt_len: int, max_tokens: int = 3) -> Request:
+    return Request(rid, [1 + rid] * prompt_len, SamplingParams(), max_tokens)
+
+
+def run(s: Scheduler, plan: StepPlan, token: int = 5) -> list:
+    """What the ranks do with a plan (cache side only), then record one token per row."""
+    for rid in plan.free:
+        s.kv.free(rid)
+    if plan.decode:
+        s.kv.append_decode([rid for rid, _ in plan.decode])
+    for rid, ids, _ in plan.extend:
+        s.kv.extend(rid, s.kv.new_counts(rid, len(ids), "zigzag"))
+    return s.record(plan, [token] * len(s.sample_rows(plan)))
+
+
+def test_a_long_prompt_is_chunked_while_running_requests_keep_decoding():
+    s = make(pages=64, chunk=8)
+    s.add(req(0, 3, max_tokens=10))
+    run(s, s.plan())  # request 0 prefilled, first token sampled
+    s.add(req(1, 20))
+    chunks = []
+    for _ in range(3):
+        plan = s.plan()
+        assert plan.decode == [(0, 5)]  # the stream decodes in every step of the prefill
+        chunks.append([(rid, len(ids), start) for rid, ids, start in plan.extend])
+        run(s, plan)
+    assert chunks == [[(1, 8, 0)], [(1, 8, 8)], [(1, 4, 16)]]
+    assert s.running[1].generated == 1 and s.running[0].generated == 4
+    assert s.plan().decode == [(0, 5), (1, 5)]
+
+
+def test_a_chunk_that_leaves_one_prompt_token_extends_it_rather_than_decoding():
+    s = make(pages=64, chunk=8)
+    s.add(req(0, 9))
+    steps = []
+    for _ in range(3):
+        plan = s.plan()
+        steps.append(([(rid, len(ids), start) for rid, ids, start in plan.extend], plan.decode))
+        run(s, plan)
+    assert steps == [([(0, 8, 0)], []), ([(0, 1, 8)], []), ([], [(0, 5)])]
+
+
+def test_small_requests_are_not_blocked_behind_one_that_does_not_fit_yet():
+    s = make(pages=6, page_size=4, chunk=64)
+    s.add(req(0, 12, max_tokens=20))  # 3 pages
+    run(s, s.plan())
+    s.add(req(1, 16))  # 4 pages: not now
+    s.add(req(2, 3))  # 1 page: fits
+    plan = s.plan()
+    assert [rid for rid, _, _ in plan.extend] == [2]
+    assert [r.rid for r in s.waiting] == [1]  # keeps its place at the head
+
+
+def test_admission_respects_max_running_requests():
+    s = make(pages=64, max_running=2, chunk=64)
+    for rid in range(3):
+        s.add(req(rid, 2))
+    plan = s.plan()
+    assert [rid for rid, _, _ in plan.extend] == [0, 1] and len(s.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_it_resumes_with_its_tokens():
+    s = make(pages=4, page_size=2, chunk=64)
+    for rid in range(3):
+        s.add(req(rid, 2, max_tokens=6))
+    run(s, s.plan())  # three prompts of one page each
+    outputs: dict[int, list[int]] = {}
+    preempted_once = False
+    for step in range(40):
+        plan = s.plan()
+        if plan.empty and not s.has_work():
+            break
+        if s.preemptions and not preempted_once:
+            preempted_once = True
+            victim = plan.free[-1]
+            assert victim == 2 and s.waiting[0].rid == 2  # the newest, back at the front
+            assert s.waiting[0].output == [5]  # its tokens so far are kept
+            assert s.waiting[0].cached == 0
+        for ev in run(s, plan, token=6):
+            outputs.setdefault(ev.rid, []).append(ev.token)
+    assert preempted_once
+    assert {rid: len(s) for rid, s in outputs.items()} == {0: 5, 1: 5, 2: 5}
+    assert not s.kv.seqs and s.kv.rank_pages == [0]
+
+
+def test_cancel_frees_a_running_request_at_the_next_step():
+    s = make(pages=16)
+    s.add(req(0, 5))
+    run(s, s.plan())
+    s.cancel(0)
+    plan = s.plan()
+    assert plan.free == [0] and not plan.decode
+    run(s, plan)
+    assert not s.kv.seqs and not s.has_work()
+
+
+def test_eos_finishes_a_request_and_its_pages_are_freed_next_step():
+    s = make(pages=16)
+    s.add(req(0, 5, max_tokens=10))
+    events = run(s, s.plan(), token=EOS)
+    assert events[0].finish == "stop" and not s.running
+    assert s.plan().free == [0]
