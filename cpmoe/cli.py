@@ -20,7 +20,7 @@ from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
-from cpmoe.engine.runner import check_model_fit
+from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
@@ -55,6 +55,60 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 "
                    "(default: float32 on cpu, bfloat16 on cuda)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:
+    """The engine's flags (SGLang names), shared by generate, check, serve and benchmarks."""
+    from cpmoe.engine.engine import EngineOptions
+    d = EngineOptions()
+    g = p.add_argument_group("engine (SGLang flags)")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help=f"KV cache token slots per rank (default: {max_total_default})")
+    g.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="on CUDA without --max-total-tokens: weights + KV cache take this "
+                        "fraction of GPU memory")
+    g.add_argument("--page-size", type=int, default=d.page_size,
+                   help="tokens per KV cache page")
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="prompt tokens prefilled per step (longer prompts go in chunks while "
+                        "running requests keep decoding); -1: whole prompts")
+    g.add_argument("--max-running-requests", "--max-running", type=int,
+                   default=d.max_running_requests, dest="max_running_requests",
+                   help="requests decoded together at most")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="decode eagerly instead of replaying CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured in a CUDA graph (larger run eagerly)")
+    g.add_argument("--routing", choices=("model", "uniform"), default="model",
+                   help="uniform (random weights, benchmarks): redraw the routers at start so "
+                        "expert load is near-uniform, as a trained router's is on average")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights at the shape of --model's config.json (no "
+                        "checkpoint read; the tokenizer still comes from --model)")
+
+
+def engine_options(args: argparse.Namespace):
+    from cpmoe.engine.engine import EngineOptions
+    for flag in ("page_size", "max_running_requests", "cuda_graph_max_bs"):
+        if getattr(args, flag) < 1:
+            raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, flag)}")
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        raise InputError(f"--chunked-prefill-size must be -1 or >= 1, got "
+                         f"{args.chunked_prefill_size}")
+    if args.max_total_tokens is not None and args.max_total_tokens < 1:
+        raise InputError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
+    if not 0.0 < args.mem_fraction_static < 1.0:
+        raise InputError(f"--mem-fraction-static must be in (0, 1), got "
+                         f"{args.mem_fraction_static}")
+    return EngineOptions(page_size=args.page_size,
+                         chunked_prefill_size=args.chunked_prefill_size,
+                         max_running_requests=args.max_running_requests,
+                         disable_cuda_graph=args.disable_cuda_graph,
+                         cuda_graph_max_bs=args.cuda_graph_max_bs,
+                         max_total_tokens=args.max_total_tokens,
+                         mem_fraction_static=args.mem_fraction_static,
+                         load_format=args.load_format, routing=args.routing)
 
 
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
@@ -207,6 +261,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cpmoe.engine.sampling import SamplingParams
     from cpmoe.engine.tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)
+    opts = engine_options(args)
     tokenizer = _tokenizer(model_dir)
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
@@ -215,15 +270,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
         raise InputError(str(e)) from None
-    need = kv_slots_needed([len(p) for p in prompts], args.max_new_tokens,
-                           layout.attn_cp_size, layout.cp_strategy)
-    if args.max_total_tokens is not None and need > args.max_total_tokens:
-        raise InputError(f"--max-total-tokens {args.max_total_tokens}: the prompts need {need} "
-                         f"KV slots on the busiest CP rank (prompt lengths "
-                         f"{[len(p) for p in prompts]}, --max-new-tokens {args.max_new_tokens})")
-    res = launch(generate_task, layout.world_size, device, RunSpec(model_dir, layout, dtype),
-                 prompts, args.max_new_tokens, cfg.eos_token_ids, sampling,
-                 args.max_total_tokens)
+    if opts.max_total_tokens is not None:
+        for i, p in enumerate(prompts):  # the scheduler queues the rest; one must fit alone
+            need = kv_slots_needed([len(p)], args.max_new_tokens, layout.attn_cp_size,
+                                   layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
+            if need > opts.max_total_tokens:
+                raise InputError(f"--max-total-tokens {opts.max_total_tokens}: prompt {i} "
+                                 f"({len(p)} tokens, --max-new-tokens {args.max_new_tokens}) "
+                                 f"needs {need} KV slots on the busiest CP rank (pages of "
+                                 f"{opts.page_size})")
+    res = launch(generate_task, layout.world_size, device,
+                 RunSpec(model_dir, layout, dtype, options=opts), prompts, args.max_new_tokens,
+                 cfg.eos_token_ids, sampling)
     if res is None:
         return 0
     texts = [tokenizer.decode(t) if tokenizer is not None else None for t in res.tokens]
@@ -239,7 +297,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "
                   f"({kv / layout.attn_cp_size:.0f} per prompt token with attn_cp "
                   f"{layout.attn_cp_size})", file=sys.stderr)
-        print(f"KV capacity {res.kv_capacity} tokens per rank; prefill {res.prefill_s:.3f} s, "
+        print(f"KV capacity {res.kv_capacity} tokens per rank (pages of {opts.page_size}); "
+              f"CUDA graphs {res.graph_bytes / 2**20:.1f} MiB; prefill {res.prefill_s:.3f} s, "
               f"{res.decode_steps} decode steps {res.decode_s:.3f} s", file=sys.stderr)
     return 0
 
@@ -267,8 +326,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     batches.append(cur)
     # Rank 0 also runs the one-rank reference while its peers wait in their next
     # collective: give them as long as a long reference prompt can take.
-    report = launch(check_task, layout.world_size, device, RunSpec(model_dir, layout, dtype),
-                    batches, collective_timeout_s=3600.0)
+    report = launch(check_task, layout.world_size, device,
+                    RunSpec(model_dir, layout, dtype, options=engine_options(args)), batches,
+                    collective_timeout_s=3600.0)
     if report is None:
         return 0
     print(f"layout: {json.dumps({k: v for k, v in layout.summary().items() if k != 'groups'})}")
@@ -289,9 +349,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError(str(e)) from None
 
 
+def cmd_bench_one_batch(args: argparse.Namespace) -> int:
+    from cpmoe.bench.one_batch_run import run_one_batch
+    from cpmoe.bench.spec import BenchError
+    layout = layout_from_args(args)
+    try:
+        return run_one_batch(args, layout, engine_options(args), ["cpmoe", *sys.argv[1:]])
+    except BenchError as e:
+        raise InputError(str(e)) from None
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from cpmoe.bench.serving import run_bench_serving
+    from cpmoe.bench.spec import BenchError
+    try:
+        return run_bench_serving(args, ["cpmoe", *sys.argv[1:]])
+    except BenchError as e:
+        raise InputError(str(e)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cpmoe.serve.options import BindError, ServeOptions
     layout, model_dir, cfg, device, dtype = resolve(args)
+    engine = engine_options(args)
     try:
         opts = ServeOptions.from_args(args)
     except ValueError as e:
@@ -301,7 +381,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
     from cpmoe.serve.server import serve  # web framework imports only for this command
     try:
-        return serve(opts, layout, model_dir, cfg, device, dtype, tokenizer)
+        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)
     except BindError as e:
         raise InputError(str(e)) from None
 
@@ -340,8 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV cache size per rank, in tokens (default: what the request needs)")
+    add_engine_flags(p, "what the prompts need at once on CPU; --mem-fraction-static on CUDA")
     p.add_argument("--json", action="store_true", help="print tokens and text as JSON")
     p.add_argument("--verbose", action="store_true", help="per-rank memory and timings")
     p.set_defaults(fn=cmd_generate)
@@ -352,15 +431,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="17,64,129")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     add_layout_flags(p)
     add_model_flags(p)
     add_serve_arguments(p)
+    add_engine_flags(p, "16384 on CPU; --mem-fraction-static on CUDA")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
     add_bench_arguments(p)
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("bench-one-batch", help="decode of one static batch: ms/step vs the "
+                       "HBM roofline and HF transformers (after SGLang's bench_one_batch)")
+    add_layout_flags(p)
+    from cpmoe.bench.one_batch_run import add_arguments as add_one_batch_arguments
+    add_one_batch_arguments(p)
+    add_engine_flags(p, "what the largest batch needs")
+    p.set_defaults(fn=cmd_bench_one_batch)
+    p = sub.add_parser("bench-serving", help="online serving throughput and latency over "
+                       "HTTP streaming (after sglang.bench_serving)")
+    from cpmoe.bench.serving import add_arguments as add_serving_arguments
+    add_serving_arguments(p)
+    p.set_defaults(fn=cmd_bench_serving)
     return parser
 
 

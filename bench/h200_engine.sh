@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Decode and serving figures of BENCHMARKS.md on one H200 (`nvidia-h200`), each part one
+# device call of under 10 minutes:
+#   bash bench/h200_engine.sh smoke   OUT_DIR   # CUDA tests + cpmoe decode rows at 1K
+#   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
+#   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
+# serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
+set -euo pipefail
+part=$1
+out=${2:-bench/results}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+shape=(--shape qwen3-30b-a3b --routing uniform)
+case "$part" in
+  smoke)
+    python3 -m pytest -q -x tests/gpu 2>&1 | tee "$out/gpu-tests.log"
+    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,16,64,256 \
+      --input-len 1024 --output-len 32 --out "$out/one-batch-1k.json" --plot
+    ;;
+  decode)
+    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
+      --input-len 1024 --output-len 32 --compare-hf --hf-compile-batches 1,64 \
+      --out "$out/one-batch-1k-hf.json" --plot
+    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 --input-len 32768 \
+      --output-len 16 --out "$out/one-batch-32k.json"
+    ;;
+  serving)
+    model=$(mktemp -d)
+    python3 - "$model" <<'PY'
+import json, pathlib, shutil, sys
+from cpmoe.bench.spec import SHAPES
+from cpmoe.default_model import ensure_default_model
+dst = pathlib.Path(sys.argv[1])
+(dst / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
+for f in ensure_default_model().iterdir():  # a tokenizer; prompts go as token ids
+    if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+        shutil.copy(f, dst / f.name)
+PY
+    serve=(--model "$model" --load-format dummy --routing uniform)
+    python3 -m cpmoe.cli bench-serving --dataset random --random-input-len 1024 \
+      --random-output-len 256 --num-prompts 512 --max-concurrency 128 \
+      --out "$out/serving-random.json" --plot --launch "${serve[@]}"
+    python3 -m cpmoe.cli bench-serving --dataset random --random-input-len 256 \
+      --random-output-len 1200 --num-prompts 32 --long-prompt-len 65536 \
+      --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
+    ;;
+  *)
+    echo "unknown part $part (smoke | decode | serving)" >&2
+    exit 2
+    ;;
+esac

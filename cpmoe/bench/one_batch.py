@@ -1,0 +1,265 @@
+"""`cpmoe bench-one-batch`: one static batch, prefill then decode steps (after SGLang's
+`bench_one_batch`), cpmoe beside HF transformers on the same weights.
+
+Per (engine, batch, input length) row: prefill seconds, the median decode step (the whole
+step as a user sees it: forward, greedy choice, tokens back to the host), decode tokens/s,
+the HBM roofline of that step and the ratio, peak memory, and the routing the step saw
+(distinct experts per layer, busiest expert / mean). The roofline counts the bytes one
+step must read on the busiest rank: every non-expert weight (the LM head included; of the
+embedding only the batch's rows), each layer's routed experts that the step really used
+(counted in an eager step of the same batch), and the K/V of every sequence (its shard on
+this rank), over 4.8 TB/s (H200 HBM3e, datasheet).
+
+cpmoe runs in one spawned world per layout, HF afterwards in another (both at once do not
+fit one GPU at 30B). HF runs eager with its dynamic cache and, for the batches asked, with a
+static cache under `torch.compile(mode="reduce-overhead")` (its fastest set-up). With
+`--routing uniform` both engines get the same redrawn routers and scaled residual writers
+(moe/uniform_routing.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpmoe.bench.model_task import prompts
+from cpmoe.bench.timing import device_name, free_cached, median, peak_bytes, reset_peak, sync
+from cpmoe.engine.engine import EngineOptions, prepare_runner
+from cpmoe.engine.generate import kv_slots_needed
+from cpmoe.engine.runner import ModelRunner, Segment
+from cpmoe.moe.experts import LocalExperts
+from cpmoe.moe.placement import ExpertPlacement
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankInfo
+from cpmoe.parallel.layout import ParallelLayout
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, datasheet
+
+
+@dataclass(frozen=True)
+class OneBatchSpec:
+    config: dict  # HF config.json contents
+    model_dir: Path | None  # --model (with --load-format), else random weights of `config`
+    layout: ParallelLayout
+    dtype: torch.dtype
+    seed: int
+    routing: str  # "uniform" or "model"
+    max_batch: int
+    max_input: int
+    output_len: int
+    engine: EngineOptions
+
+
+_STATE: dict[str, object] = {}  # this rank process's runner / HF model between tasks
+
+
+# ---- cpmoe -------------------------------------------------------------------------------------
+
+def setup_task(info: RankInfo, spec: OneBatchSpec) -> dict | None:
+    groups = ProcessGroups.build(spec.layout, info.rank, info.device)
+    t0 = time.perf_counter()
+    if spec.model_dir is not None:
+        runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
+                             load_format=spec.engine.load_format, seed=spec.seed)
+    else:
+        runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed)
+    layout = spec.layout
+    need = kv_slots_needed([spec.max_input] * spec.max_batch, spec.output_len + 1,
+                           layout.attn_cp_size, layout.cp_strategy, spec.engine.page_size)
+    opts = EngineOptions(**{**spec.engine.__dict__, "max_total_tokens": need,
+                            "cuda_graph_max_bs": spec.max_batch, "routing": spec.routing})
+    sizes = prepare_runner(runner, opts, need)  # with --routing uniform: routers redrawn
+    routers = None
+    if spec.routing == "uniform":
+        routers = {name: p.detach().cpu() for name, p in runner.model.named_parameters()
+                   if name.endswith("mlp.gate.weight")}
+    sync(info.device)
+    _STATE["runner"] = runner
+    mine = torch.tensor([float(runner.weight_bytes())], dtype=torch.float64, device=info.device)
+    per_rank = runner.gather_from_ranks(mine)
+    if info.rank != 0:
+        return None
+    return {"weight_bytes": [int(w[0]) for w in per_rank], "build_s": time.perf_counter() - t0,
+            "device_name": device_name(info.device), "routers": routers, **sizes}
+
+
+def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> dict | None:
+    runner: ModelRunner = _STATE["runner"]  # type: ignore[assignment]
+    device, kv = info.device, runner.kv
+    seqs = prompts(runner.config.vocab_size, input_len, batch, spec.seed)
+    keys = list(range(batch))
+    free_cached(device)
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    firsts = [runner.extend([Segment(k, seqs[k]) for k in group]).argmax(-1)
+              for group in _groups(keys, input_len, spec.engine.chunked_prefill_size)]
+    tokens = _agree(runner, torch.cat(firsts))
+    prefill_s = time.perf_counter() - t0
+    generated = [tokens]
+    steps = []
+    for _ in range(spec.output_len - 1):
+        t0 = time.perf_counter()
+        tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
+        steps.append(time.perf_counter() - t0)
+        generated.append(tokens)
+    peak = peak_bytes(device)
+    context = [kv.local_len(k) for k in keys]
+    routing = _routing_step(runner, keys, tokens)
+    for k in keys:
+        kv.free(k)
+    mine = torch.tensor([_step_bytes(runner, routing["distinct_local"], context), float(peak)],
+                        dtype=torch.float64, device=device)
+    per_rank = runner.gather_from_ranks(mine)
+    if info.rank != 0:
+        return None
+    step_s = median(steps) if steps else float("nan")
+    roof_s = max(float(r[0]) for r in per_rank) / HBM_BYTES_PER_S
+    return {"prefill_s": prefill_s, "decode_ms": step_s * 1e3, "decode_ms_steps": steps,
+            "decode_tok_s": batch / step_s, "roofline_ms": roof_s * 1e3,
+            "vs_roofline": step_s / roof_s, "step_bytes_busiest_rank": roof_s * HBM_BYTES_PER_S,
+            "peak_bytes_per_rank": [int(r[1]) for r in per_rank],
+            "distinct_experts_per_layer": routing["distinct"],
+            "busiest_expert_vs_mean": routing["busiest"],
+            "tokens": [list(t) for t in zip(*generated)],
+            "cuda_graphs": runner.graphs is not None and runner.graphs.fits(batch)}
+
+
+def _groups(keys: list[int], length: int, chunk: int) -> list[list[int]]:
+    """Prompts prefilled together: as many whole prompts as one chunk's tokens take."""
+    per = max(1, chunk // length) if chunk > 0 else len(keys)
+    return [keys[i:i + per] for i in range(0, len(keys), per)]
+
+
+def _agree(runner: ModelRunner, tokens: torch.Tensor) -> list[int]:
+    if runner.groups.world.size == 1:
+        return tokens.tolist()
+    return runner.agree(tokens.tolist())
+
+
+def _routing_step(runner: ModelRunner, keys: list[int], tokens: list[int]) -> dict:
+    """One eager decode step of the batch with expert load recorded (graphs do not record):
+    distinct experts per layer (all, and held by this rank) and the busiest one's load."""
+    graphs, runner.graphs = runner.graphs, None
+    runner.record_expert_load()
+    try:
+        runner.decode(keys, tokens)
+    finally:
+        runner.graphs = graphs
+    distinct, local, busiest = [], [], []
+    blocks = [m for m in runner.model.modules() if hasattr(m, "placement")
+              and isinstance(getattr(m, "experts", None), LocalExperts)]
+    for block in blocks:
+        placement: ExpertPlacement = block.placement
+        load = placement.load.double()
+        placement.load = None
+        e_loc, first = block.experts.num_local_experts, block.dispatcher.first_expert
+        physical = load[placement.physical_to_logical]  # slots per physical slot
+        distinct.append(int((load > 0).sum()))
+        local.append(int((physical[first:first + e_loc] > 0).sum()))
+        busiest.append(float(load.max() / load.mean()) if load.sum() > 0 else 0.0)
+    return {"distinct": distinct, "distinct_local": local, "busiest": busiest}
+
+
+def _step_bytes(runner: ModelRunner, distinct_local: list[int], context: list[int]) -> float:
+    """Bytes one decode step must read on this rank (see the module docstring)."""
+    model = runner.model
+    expert_bytes, per_expert = 0, []
+    for m in model.modules():
+        if isinstance(m, LocalExperts):
+            size = sum(p.numel() * p.element_size() for p in m.parameters())
+            expert_bytes += size
+            per_expert.append(size / m.num_local_experts)
+    embed = model.model.embed_tokens.weight
+    embed_bytes = embed.numel() * embed.element_size() if model.lm_head is not None else 0
+    rows = len(context) * embed.shape[1] * embed.element_size()
+    dense = runner.weight_bytes() - expert_bytes - embed_bytes + rows
+    experts = sum(n * b for n, b in zip(distinct_local, per_expert))
+    kv = 0 if runner.own_cache else runner.kv_bytes_per_token() * (sum(context) + len(context))
+    return float(dense + experts + kv)
+
+
+# ---- HF transformers ---------------------------------------------------------------------------
+
+def hf_setup_task(info: RankInfo, spec: OneBatchSpec, routers: dict | None) -> dict:
+    from cpmoe.bench.hf_task import build_hf_model, fill_like_cpmoe
+    model, notes = build_hf_model(spec.config, spec.dtype, info.device)
+    fill_like_cpmoe(model, spec.config, spec.seed, info.device, spec.dtype)
+    if routers is not None:
+        from cpmoe.moe.uniform_routing import RESIDUAL_SCALE, residual_scaled
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, p in params.items():
+                if residual_scaled(name):
+                    p.mul_(RESIDUAL_SCALE)
+            for name, w in routers.items():
+                params[name].copy_(w)
+    _STATE["hf"] = model
+    import transformers
+    return {"transformers": transformers.__version__, "notes": notes,
+            "device_name": device_name(info.device)}
+
+
+def hf_row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int,
+                compiled: bool) -> dict:
+    model = _STATE["hf"]
+    device = info.device
+    ids = torch.tensor(prompts(spec.config["vocab_size"], input_len, batch, spec.seed),
+                       device=device)
+    free_cached(device)
+    reset_peak(device)
+    with torch.inference_mode():
+        if compiled:
+            return _hf_static_compiled(model, ids, spec.output_len, device)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1)
+        generated, steps, past = [tok.tolist()], [], out.past_key_values
+        prefill_s = time.perf_counter() - t0
+        for _ in range(spec.output_len - 1):
+            t0 = time.perf_counter()
+            out = model(input_ids=tok[:, None], past_key_values=past, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1)
+            generated.append(tok.tolist())
+            steps.append(time.perf_counter() - t0)
+            past = out.past_key_values
+    return _hf_row(batch, prefill_s, steps, generated, device)
+
+
+def _hf_static_compiled(model, ids: torch.Tensor, output_len: int, device) -> dict:
+    from transformers import StaticCache
+    torch._dynamo.reset()
+    batch, length = ids.shape
+    warm = 3  # compile and record the CUDA graphs first; those steps are not timed
+    cache = StaticCache(config=model.config, max_cache_len=length + output_len + warm)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                cache_position=torch.arange(length, device=device))
+    tok = out.logits[:, -1].argmax(-1)
+    generated, steps = [tok.tolist()], []
+    prefill_s = time.perf_counter() - t0
+    for i in range(warm + output_len - 1):
+        t0 = time.perf_counter()
+        out = forward(input_ids=tok[:, None].clone(), past_key_values=cache, use_cache=True,
+                      cache_position=torch.tensor([length + i], device=device))
+        tok = out.logits[:, -1].argmax(-1)
+        generated.append(tok.tolist())
+        if i >= warm:
+            steps.append(time.perf_counter() - t0)
+    return {**_hf_row(batch, prefill_s, steps, generated[:1] + generated[warm + 1:], device),
+            "note": f"the first {warm} decode steps compile and are not timed; tokens after "
+                    f"them follow a longer context than eager's"}
+
+
+def _hf_row(batch: int, prefill_s: float, steps: list[float], generated: list[list[int]],
+            device) -> dict:
+    step_s = median(steps) if steps else float("nan")
+    return {"prefill_s": prefill_s, "decode_ms": step_s * 1e3, "decode_ms_steps": steps,
+            "decode_tok_s": batch / step_s, "peak_bytes_per_rank": [peak_bytes(device)],
+            "tokens": [list(t) for t in zip(*generated)]}
