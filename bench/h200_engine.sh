@@ -7,6 +7,7 @@
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
 set -euo pipefail
 part=$1
+status=0
 out=${2:-bench/results}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,7 +15,9 @@ export PYTHONUNBUFFERED=1
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
   smoke)
-    python3 -m pytest -q -x tests/gpu 2>&1 | tee "$out/gpu-tests.log"
+    # a failing test fails the part (exit status), after the figures are taken
+    python3 -m pytest -q tests/gpu > "$out/gpu-tests.log" 2>&1 || status=$?
+    tail -40 "$out/gpu-tests.log"
     python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,16,64,256 \
       --input-len 1024 --output-len 32 --out "$out/one-batch-1k.json" --plot
     ;;
@@ -50,3 +53,4 @@ PY
     exit 2
     ;;
 esac
+exit $status

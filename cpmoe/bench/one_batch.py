@@ -51,6 +51,7 @@ class OneBatchSpec:
     max_input: int
     output_len: int
     engine: EngineOptions
+    profile_dir: Path | None = None  # --profile: one step's kernel table per row
 
 
 _STATE: dict[str, object] = {}  # this rank process's runner / HF model between tasks
@@ -107,6 +108,9 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
         steps.append(time.perf_counter() - t0)
         generated.append(tokens)
     peak = peak_bytes(device)
+    if spec.profile_dir is not None:
+        _profile_steps(runner, keys, tokens, spec.profile_dir / f"b{batch}-in{input_len}",
+                       info.rank)
     context = [kv.local_len(k) for k in keys]
     routing = _routing_step(runner, keys, tokens)
     for k in keys:
@@ -126,6 +130,26 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
             "busiest_expert_vs_mean": routing["busiest"],
             "tokens": [list(t) for t in zip(*generated)],
             "cuda_graphs": runner.graphs is not None and runner.graphs.fits(batch)}
+
+
+def _profile_steps(runner: ModelRunner, keys: list[int], tokens: list[int], stem: Path,
+                   rank: int) -> None:
+    """One decode step as run (graph replay where captured) and one eager, under
+    torch.profiler: the kernels sorted by device time -> `{stem}-{mode}.txt` (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+    graphs = runner.graphs
+    for mode in ("replay", "eager") if graphs is not None else ("eager",):
+        runner.graphs = graphs if mode == "replay" else None
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
+                sync(runner.device)
+        finally:
+            runner.graphs = graphs
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40,
+                                              max_name_column_width=90)
+            Path(f"{stem}-{mode}.txt").write_text(table + "\n")
 
 
 def _groups(keys: list[int], length: int, chunk: int) -> list[list[int]]:

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--out", type=Path, required=True, help="JSON file of the results")
     p.add_argument("--plot", action="store_true", help="PNG of ms/step vs batch next to --out")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="write a torch.profiler table of one decode step per row (replayed "
+                        "and eager, rank 0) into DIR")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -76,9 +79,11 @@ def run_one_batch(args: argparse.Namespace, layout, engine, argv: list[str]) -> 
         raise BenchError(f"--compare-hf: no HF baseline for {raw['architectures'][0]}")
     if args.out.parent and not args.out.parent.is_dir():
         raise BenchError(f"--out {args.out}: folder {args.out.parent} does not exist")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     spec = ob.OneBatchSpec(raw, args.model if args.model else None, layout,
                            parse_dtype(dtype_name), args.seed, args.routing, max(batches),
-                           max(lengths), args.output_len, engine)
+                           max(lengths), args.output_len, engine, args.profile)
     head = rp.header(argv, shape, raw, None, dtype_name, device,
                      {"batch_sizes": batches, "input_lens": lengths,
                       "output_len": args.output_len, "routing": args.routing,

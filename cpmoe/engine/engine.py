@@ -55,6 +55,11 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
     if tokens is None:
         tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
+        if tokens < opts.page_size:
+            raise ValueError(
+                f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
+                f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
+                f"GiB already allocated: raise it or set --max-total-tokens")
     kv = runner.allocate_kv(tokens, opts.page_size)
     graph_bytes = 0
     if not opts.disable_cuda_graph and runner.can_capture_graphs():

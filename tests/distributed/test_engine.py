@@ -61,8 +61,10 @@ def test_preemption_under_memory_pressure_changes_no_token(layout, pools, qwen3_
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=5)
     free = pools(layout.world_size).run(preemption_task, layout, qwen3_moe_dir, seqs, 12,
                                         sampling, None)[0]
+    # 96 slots in all, split over the CP ranks: room for about two of the five requests
+    per_rank = 96 // layout.attn_cp_size
     tight = pools(layout.world_size).run(preemption_task, layout, qwen3_moe_dir, seqs, 12,
-                                         sampling, 96)[0]
+                                         sampling, per_rank)[0]
     assert tight["preemptions"] > 0, "the cache was not tight enough to preempt"
     assert tight["tokens"] == free["tokens"]
     assert tight["kv_used_after"] == 0
