@@ -51,7 +51,7 @@ TP8 = {"tp8-cp1-dp1-ep1-none", "tp8-cp2-dp1-ep8-none", "tp8-cp2-dp2-ep4-none",
 
 # EP x MoE-TP with moe_dp 1 (issue 17: SGLang allows any ep dividing tp there), each with
 # the CP strategies it runs under: both at tp4/cp2, one each at tp8 so both meet tp8.
-HYBRID = {4: [(1, 2, ("zigzag",)), (2, 2, ("zigzag", "interleave"))],
+HYBRID = {4: [(1, 2, ("zigzag",)), (2, 2, ("zigzag", "interleave")), (4, 2, ("interleave",))],
           8: [(2, 4, ("interleave",)), (4, 2, ("zigzag",))]}  # (attn_cp, ep, strategies)
 
 
@@ -144,6 +144,7 @@ PLACEMENT_LAYOUTS = [
     ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=4, moe_a2a_backend="alltoall"),
     ParallelLayout(tp_size=4, attn_cp_size=4, ep_size=4, moe_a2a_backend="alltoall_padded"),
     ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=2, ep_size=2),  # two EP replicas
+    ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=2),  # EP x MoE-TP: moves both TP halves
 ]
 
 
