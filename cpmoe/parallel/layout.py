@@ -112,7 +112,8 @@ class ParallelLayout:
         if self.rank_local_dispatch and ep != tp:
             raise LayoutError(f"--moe-a2a-backend {self.moe_a2a_backend} dispatches rank-locally "
                               f"and needs --ep-size equal to --tp-size {tp}, got --ep-size {ep} "
-                              f"(EP x MoE-TP layouts need --moe-a2a-backend none)")
+                              f"(its experts split over MoE TP size {self.moe_tp_size}, which "
+                              f"only --moe-a2a-backend none runs)")
 
     def check_model(self, *, num_experts: int, num_attention_heads: int,
                     num_key_value_heads: int, moe_intermediate_size: int) -> None:
