@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpmoe.engine.logits import adjust_logits, token_logprobs
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
@@ -96,20 +97,37 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     return StepOutput(out, kind, time.perf_counter() - start)
 
 
-def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
-    """One token per row, each from its request's own sampling stream. The greedy rows take
-    one argmax and one copy to the host together (a step of 128 greedy streams would
-    otherwise wait on 128 copies); sampled rows go one by one through `sample`."""
-    greedy = [i for i, req in enumerate(rows) if req.params.greedy]
+def choose_tokens(logits: torch.Tensor, rows: list[Request],
+                  eos_ids: frozenset[int] | tuple[int, ...] = ()) -> list[int]:
+    """One token per row, each from its request's own sampling stream. The plain greedy rows
+    take one argmax and one copy to the host together (a step of 128 greedy streams would
+    otherwise wait on 128 copies); sampled rows and rows with penalties or min_tokens
+    (`adjust_logits`) go one by one through `sample`."""
+    plain = [i for i, req in enumerate(rows)
+             if req.params.greedy and not req.params.adjusts_logits]
     tokens = [0] * len(rows)
-    if greedy:
-        picked = logits if len(greedy) == len(rows) else logits[greedy]
-        for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
+    if plain:
+        picked = logits if len(plain) == len(rows) else logits[plain]
+        for i, t in zip(plain, picked.argmax(dim=-1).tolist()):
             tokens[i] = t
+    done = set(plain)
     for i, req in enumerate(rows):
-        if not req.params.greedy:
-            tokens[i] = sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
+        if i in done:
+            continue
+        row = logits[i:i + 1]
+        if req.params.adjusts_logits:
+            row = adjust_logits(logits[i], req, eos_ids)[None]
+        tokens[i] = sample(row, req.params, [req.stream], req.generated)[0]
     return tokens
+
+
+def row_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
+                 ) -> list[tuple[float, tuple] | None] | None:
+    """(logprob, top) of the chosen token for the rows whose request asks; None if none."""
+    if all(req.logprobs is None for req in rows):
+        return None
+    return [None if req.logprobs is None else token_logprobs(logits[i], tokens[i], req.logprobs)
+            for i, req in enumerate(rows)]
 
 
 class Frontend:
@@ -163,12 +181,14 @@ class Driver:
     def finish_step(self, plan: StepPlan, out: StepOutput) -> None:
         rows = self.sched.sample_rows(plan)
         tokens: list[int] = []
+        logprobs = None
         if rows:
             assert out.logits is not None
             if self.observe is not None:
                 self.observe(out.logits)
-            tokens = choose_tokens(out.logits, rows)
-        events = self.sched.record(plan, tokens)
+            tokens = choose_tokens(out.logits, rows, self.sched.eos_ids)
+            logprobs = row_logprobs(out.logits, rows, tokens)
+        events = self.sched.record(plan, tokens, logprobs)
         kv = self.runner.kv
         stats = {"kind": out.kind, "step_s": out.seconds, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),

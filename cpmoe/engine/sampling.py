@@ -19,6 +19,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int = 0
+    # applied to the logits before the choice (cpmoe/engine/logits.py); defaults: no-ops
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS is impossible before this many tokens
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -27,10 +32,20 @@ class SamplingParams:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The row's logits depend on its history (penalties, min_tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
 
 def _uniform(seed: int, prompt: int, step: int) -> float:

@@ -39,6 +39,7 @@ class Request:
     stream: int = 0  # sampling stream: the prompt index of a generate batch, 0 when served
     ignore_eos: bool = False  # run to max_tokens (load tests, benchmarks)
     kv_need: int = 0  # KV slots on the busiest CP rank at its longest (reported, not used)
+    logprobs: int | None = None  # None: none; k: the token's log-probability and the top k
     output: list[int] = field(default_factory=list)
     cached: int = 0  # tokens of prompt + output held in the KV cache
     admitted: int = 0  # admission order (preemption takes the newest)
@@ -84,11 +85,14 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One sampled token of a request; `finish` is "stop" (EOS), "length" or None."""
+    """One sampled token of a request; `finish` is "stop" (EOS), "length" or None.
+    With `Request.logprobs`: the token's log-probability and the top (token, logprob)."""
 
     rid: int
     token: int
     finish: str | None
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 class Scheduler:
@@ -225,21 +229,25 @@ class Scheduler:
                 rows.append(req)
         return rows
 
-    def record(self, plan: StepPlan, tokens: list[int]) -> list[TokenEvent]:
+    def record(self, plan: StepPlan, tokens: list[int],
+               logprobs: list[tuple[float, tuple] | None] | None = None) -> list[TokenEvent]:
         """After the step ran: account the cached tokens, take each sampled token (one per
-        `sample_rows` row); finished requests leave `running`."""
+        `sample_rows` row, with its (logprob, top) or None); finished requests leave
+        `running`."""
         rows = self.sample_rows(plan)
         for rid, _ in plan.decode:
             self.running[rid].cached += 1
         for rid, ids, _ in plan.extend:
             self.running[rid].cached += len(ids)
         events = []
-        for req, token in zip(rows, tokens, strict=True):
+        logprobs = logprobs or [None] * len(rows)
+        for req, token, lp in zip(rows, tokens, logprobs, strict=True):
             req.output.append(token)
             eos = token in self.eos_ids and not req.ignore_eos
             finish = ("stop" if eos else "length" if req.generated >= req.max_tokens else None)
             if finish is not None:
                 del self.running[req.rid]
                 self._drop(req)
-            events.append(TokenEvent(req.rid, token, finish))
+            events.append(TokenEvent(req.rid, token, finish) if lp is None else
+                          TokenEvent(req.rid, token, finish, lp[0], lp[1]))
         return events
