@@ -376,9 +376,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         opts = ServeOptions.from_args(args)
     except ValueError as e:
         raise InputError(str(e)) from None
-    tokenizer = _tokenizer(model_dir)
-    if tokenizer is None:
-        raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
+    tokenizer = None if opts.skip_tokenizer_init else _tokenizer(model_dir)
+    if tokenizer is None and not opts.skip_tokenizer_init:
+        raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer "
+                         f"(or --skip-tokenizer-init: token ids in and out)")
     from cpmoe.serve.server import serve  # web framework imports only for this command
     try:
         return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)

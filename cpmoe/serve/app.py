@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from cpmoe.engine.scheduler import TokenEvent
 from cpmoe.serve import protocol as api
 from cpmoe.serve.detokenize import TextStream
 from cpmoe.serve.engine_client import EngineClient, EngineDown, QueueFull, RequestStream
@@ -35,18 +36,20 @@ class ServeState:
 
 
 class _Run:
-    """One accepted request being read from the engine: tokens -> text pieces."""
+    """One accepted choice being read from the engine: tokens -> text pieces."""
 
     def __init__(self, state: ServeState, stream: RequestStream, job: api.Job) -> None:
         self.state, self.stream, self.job = state, stream, job
         self.text = TextStream(state.tokenizer, job.stop)
         self.ids: list[int] = []
+        self.events: list[TokenEvent] = []
         self.reason = "cancelled"  # what release() records unless the request ends normally
 
-    async def step(self) -> tuple[str, int, str | None]:
-        """-> (text piece, token id, finish reason or None) for the next token."""
+    async def step(self) -> tuple[str, TokenEvent, str | None]:
+        """-> (text piece, token event, finish reason or None) for the next token."""
         ev = await self.stream.next()
         self.ids.append(ev.token)
+        self.events.append(ev)
         piece = self.text.add(ev.token)
         if self.text.stopped:
             self.reason = "stop"
@@ -54,21 +57,23 @@ class _Run:
             self.reason = ev.finish
             piece += self.text.finish()
         else:
-            return piece, ev.token, None
-        return piece, ev.token, self.reason
+            return piece, ev, None
+        return piece, ev, self.reason
 
     async def collect(self) -> tuple[str, str]:
-        pieces, finish = [], None
+        pieces, finish = [self.job.echo or ""], None
         while finish is None:
             piece, _, finish = await self.step()
             pieces.append(piece)
         return "".join(pieces), finish
 
-    def usage(self) -> dict[str, int]:
-        return api.usage(self.stream.prompt_tokens, len(self.ids))
-
     def release(self) -> None:
         self.state.client.release(self.stream, self.reason)
+
+
+def _usage(runs: list[_Run]) -> dict[str, int]:
+    return api.usage(sum(r.stream.prompt_tokens for r in runs if r.job.first_of_prompt),
+                     sum(len(r.ids) for r in runs))
 
 
 def _error(e: api.ApiError) -> JSONResponse:
@@ -118,6 +123,14 @@ def build_app(state: ServeState) -> FastAPI:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "cpmoe"}]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != name:
+            e = api.ApiError(404, f"model {model_id!r} does not exist; this server serves "
+                                  f"{name!r}", "model", "model_not_found")
+            return _error(e)
+        return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "cpmoe"})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(state, request, "completions")
@@ -131,37 +144,44 @@ def build_app(state: ServeState) -> FastAPI:
 
 async def _generate(state: ServeState, request: Request, endpoint: str) -> Response:
     chat = endpoint == "chat"
+    runs: list[_Run] = []
     try:
         req = api.parse_body(await request.body(),
                              api.ChatRequest if chat else api.CompletionRequest)
         if req.model not in (None, state.limits.model_name):
             raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves "
                                     f"{state.limits.model_name!r}", "model", "model_not_found")
-        job = (api.chat_job if chat else api.completion_job)(req, state.tokenizer, state.limits)
+        api.warn_ignored(req, endpoint)
+        jobs = (api.chat_jobs if chat else api.completion_jobs)(req, state.tokenizer,
+                                                                 state.limits)
         try:
-            stream = state.client.submit(job)
+            for job in jobs:
+                runs.append(_Run(state, state.client.submit(job), job))
         except QueueFull as e:
             raise _unavailable(str(e), "queue_full") from None
         except EngineDown as e:
             raise _unavailable(f"{e}; the server is shutting down", "engine_down") from None
     except api.ApiError as e:
+        for run in runs:  # the choices submitted before the queue filled
+            run.release()
         state.metrics.requests[(endpoint, e.status)] += 1
         return _error(e)
-    state.metrics.prompt_tokens += len(job.prompt_ids)
-    run = _Run(state, stream, job)
+    state.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in jobs if j.first_of_prompt)
     rid = api.new_id("chatcmpl" if chat else "cmpl")
-    if job.stream:
+    name = state.limits.model_name
+    if jobs[0].stream:
         state.metrics.requests[(endpoint, 200)] += 1
-        name = state.limits.model_name
-        events = _chat_events(run, rid, name) if chat else _completion_events(run, rid, name)
-        return StreamingResponse(events, media_type="text/event-stream")
-    return await _respond(state, request, run, rid, state.limits.model_name, endpoint)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": api.now(), "model": name}
+        return StreamingResponse(_stream(state, runs, head, chat),
+                                 media_type="text/event-stream")
+    return await _respond(state, request, runs, rid, name, endpoint)
 
 
-async def _respond(state: ServeState, request: Request, run: _Run, rid: str, name: str,
+async def _respond(state: ServeState, request: Request, runs: list[_Run], rid: str, name: str,
                    endpoint: str) -> Response:
     gone = asyncio.ensure_future(_until_disconnect(request))
-    work = asyncio.ensure_future(run.collect())
+    work = asyncio.ensure_future(asyncio.gather(*(run.collect() for run in runs)))
     try:
         await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client left: nobody to answer
@@ -169,7 +189,7 @@ async def _respond(state: ServeState, request: Request, run: _Run, rid: str, nam
             state.metrics.requests[(endpoint, 499)] += 1
             return Response(status_code=499)
         try:
-            text, finish = work.result()
+            results = work.result()
         except EngineDown:
             e = _unavailable("the engine failed while generating; the server is shutting down",
                              "engine_down")
@@ -177,67 +197,100 @@ async def _respond(state: ServeState, request: Request, run: _Run, rid: str, nam
             return _error(e)
     finally:
         gone.cancel()
-        run.release()
+        for run in runs:
+            run.release()
     state.metrics.requests[(endpoint, 200)] += 1
-    ids = run.ids if run.job.return_token_ids else None
-    choice = (api.chat_choice if endpoint == "chat" else api.completion_choice)(text, finish, ids)
-    return JSONResponse({"id": rid, "object": "chat.completion" if endpoint == "chat"
-                         else "text_completion", "created": api.now(), "model": name,
-                         "choices": [choice], "usage": run.usage()})
+    chat = endpoint == "chat"
+    choices = [_final_choice(state, run, text, finish, chat)
+               for run, (text, finish) in zip(runs, results)]
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                         "created": api.now(), "model": name, "choices": choices,
+                         "usage": _usage(runs)})
 
 
-async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[int], str | None]]:
-    """-> (text piece, token ids since the last piece, finish) per piece worth sending."""
-    pending: list[int] = []
+def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bool) -> dict:
+    job = run.job
+    ids = run.ids if job.return_token_ids or state.tokenizer is None else None
+    logprobs = None
+    if job.logprobs is not None:
+        logprobs = (api.chat_logprobs(state.tokenizer, run.events) if chat else
+                    api.completion_logprobs(state.tokenizer, run.events, len(job.echo or "")))
+    make = api.chat_choice if chat else api.completion_choice
+    return make(text, finish, ids, job.index, logprobs)
+
+
+async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[TokenEvent], str | None]]:
+    """-> (text piece, token events since the last piece, finish) per piece worth sending."""
+    pending: list[TokenEvent] = []
     finish = None
+    want_ids = run.job.return_token_ids or run.state.tokenizer is None
     while finish is None:
-        piece, token, finish = await run.step()
-        pending.append(token)
-        if piece or finish is not None or run.job.return_token_ids:
+        piece, ev, finish = await run.step()
+        pending.append(ev)
+        if piece or finish is not None or want_ids:
             yield piece, pending, finish
             pending = []
 
 
-def _completion_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
-    want_ids = run.job.return_token_ids
-
-    def chunks(piece: str, ids: list[int], finish: str | None) -> list[list[dict]]:
-        return [[api.completion_choice(piece, finish, ids if want_ids else None)]]
-
-    head = {"id": rid, "object": "text_completion", "created": api.now(), "model": name}
-    return _stream(run, head, [], chunks)
-
-
-def _chat_events(run: _Run, rid: str, name: str) -> AsyncIterator[str]:
-    want_ids = run.job.return_token_ids
-
-    def chunks(piece: str, ids: list[int], finish: str | None) -> list[list[dict]]:
-        out = []
-        if piece or want_ids:
-            out.append([api.chat_delta({"content": piece}, None, ids if want_ids else None)])
+async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncIterator[dict]:
+    """The choices of one run's chunks, in order: its opening, one per piece, its finish."""
+    job = run.job
+    want_ids = job.return_token_ids or state.tokenizer is None
+    offset = len(job.echo or "")
+    if chat:
+        yield api.chat_delta({"role": "assistant", "content": ""}, None, index=job.index)
+    elif job.echo:
+        yield api.completion_choice(job.echo, None, [] if want_ids else None, job.index)
+    async for piece, events, finish in _tokens(run):
+        ids = [ev.token for ev in events] if want_ids else None
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = (api.chat_logprobs(state.tokenizer, events) if chat else
+                        api.completion_logprobs(state.tokenizer, events, offset))
+        offset += len(piece)
+        if not chat:
+            yield api.completion_choice(piece, finish, ids, job.index, logprobs)
+            continue
+        if piece or want_ids or logprobs is not None:
+            yield api.chat_delta({"content": piece}, None, ids, job.index, logprobs)
         if finish is not None:
-            out.append([api.chat_delta({}, finish)])
-        return out
-
-    head = {"id": rid, "object": "chat.completion.chunk", "created": api.now(), "model": name}
-    opening = [[api.chat_delta({"role": "assistant", "content": ""}, None)]]
-    return _stream(run, head, opening, chunks)
+            yield api.chat_delta({}, finish, index=job.index)
 
 
-async def _stream(run: _Run, head: dict, opening: list[list[dict]], chunks
+async def _stream(state: ServeState, runs: list[_Run], head: dict, chat: bool
                   ) -> AsyncIterator[str]:
-    """One request's SSE events: the opening choices, the choices `chunks` makes of every
-    decoded step, usage if asked, [DONE]; an engine failure ends the stream with a 503 body."""
+    """One request's SSE events: every choice's chunks as they come (one choice per chunk),
+    usage if asked, [DONE]; an engine failure ends the stream with a 503 body."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: _Run) -> None:
+        try:
+            async for choice in _choice_chunks(state, run, chat):
+                queue.put_nowait(choice)
+            queue.put_nowait(None)
+        except Exception as e:  # noqa: BLE001  (handed to the generator below)
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
     try:
-        for choices in opening:
-            yield _sse({**head, "choices": choices})
-        async for piece, ids, finish in _tokens(run):
-            for choices in chunks(piece, ids, finish):
-                yield _sse({**head, "choices": choices})
-        if run.job.include_usage:
-            yield _sse({**head, "choices": [], "usage": run.usage()})
+        left = len(runs)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, EngineDown):
+                yield _sse(_unavailable("the engine failed while generating",
+                                        "engine_down").body())
+                return
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield _sse({**head, "choices": [item]})
+        if runs[0].job.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(runs)})
         yield "data: [DONE]\n\n"
-    except EngineDown:
-        yield _sse(_unavailable("the engine failed while generating", "engine_down").body())
     finally:
-        run.release()
+        for task in tasks:
+            task.cancel()
+        for run in runs:
+            run.release()

@@ -29,6 +29,8 @@ class TextStream:
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # --skip-tokenizer-init: token ids only, no text
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _step(self, final: bool) -> None:

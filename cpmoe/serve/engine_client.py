@@ -112,7 +112,8 @@ class EngineClient:
         self._streams[rid] = stream
         self.metrics.waiting += 1
         self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens,
-                                   ignore_eos=job.ignore_eos, kv_need=job.kv_need)))
+                                   stream=job.index, ignore_eos=job.ignore_eos,
+                                   kv_need=job.kv_need, logprobs=job.logprobs)))
         return stream
 
     def release(self, stream: RequestStream, reason: str) -> None:

@@ -19,6 +19,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests accepted but not yet started; past it new ones get 503")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat max_tokens when the request gives none (completions: 16)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer (as SGLang): token-id prompts in, token ids out")
 
 
 @dataclass(frozen=True)
@@ -28,11 +30,12 @@ class ServeOptions:
     served_model_name: str | None
     max_queue: int
     default_max_tokens: int
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         opts = cls(args.host, args.port, args.served_model_name, args.max_queue,
-                   args.default_max_tokens)
+                   args.default_max_tokens, args.skip_tokenizer_init)
         if not 0 <= opts.port < 65536:
             raise ValueError(f"--port {opts.port}: expected 0..65535")
         for flag in ("max_queue", "default_max_tokens"):

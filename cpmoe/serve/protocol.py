@@ -1,9 +1,14 @@
-"""The OpenAI-compatible request schema, its validation into a `Job`, and response bodies.
+"""The OpenAI-compatible request schema, its validation into `Job`s, and response bodies.
 
-Validation is strict: a malformed body, a field of the wrong type, an unknown field, an empty
-prompt or an out-of-range value is an `ApiError` (HTTP 400 with an OpenAI-style error body),
-raised before anything reaches the engine. Fields the API defines but this server does not
-implement are accepted only at their no-op value (n=1, echo=false, penalties 0, ...).
+Validation: a malformed body, a known field of the wrong type, an empty prompt or an
+out-of-range value is an `ApiError` (HTTP 400 with an OpenAI-style error body naming the
+field), raised before anything reaches the engine. Unknown fields are ignored with a logged
+warning (as vLLM does). Fields the API defines but cpmoe does not implement (tools, JSON
+response formats, beam search, ...) are accepted at their no-op value only (`_NO_OPS`),
+otherwise refused with a 400 naming the field and the value.
+
+A request becomes one `Job` per choice: every prompt of a completions request, `n` choices
+each; choice i samples from stream i of the seed.
 
 Defaults follow the OpenAI API: temperature 1, top_p 1, completions max_tokens 16. Without a
 `seed` a random one is drawn, so a request is reproducible exactly when it names its seed.
@@ -14,7 +19,9 @@ max_tokens tokens whatever comes).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import random
 import time
 import uuid
@@ -28,6 +35,10 @@ from cpmoe.engine.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63  # seeds are non-negative 64-bit integers
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per prompt (n, best_of)
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat)
+MAX_PROMPTS = 64  # prompts in one completions request
+log = logging.getLogger("cpmoe.serve")
 
 
 class ApiError(Exception):
@@ -50,11 +61,14 @@ def bad_request(message: str, param: str | None = None,
 # ---- request schema ---------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Unknown fields are kept aside (`model_extra`) and ignored with a logged warning, as vLLM
+    # does; known fields are typed strictly.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _Common(_Strict):
@@ -65,22 +79,37 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool | None = None
     ignore_eos: bool | None = None
+    # known, accepted only at the value that changes nothing (see _NO_OPS)
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    # accepted, nothing to do: the server stores nothing and has no tiers
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -91,18 +120,84 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: only for an assistant message
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    refusal: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    echo: bool | None = None
+    chat_template: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
 
 
-_EXPECTED = {"prompt": "a string, a list of token ids, or a one-element list of either",
+# A known field cpmoe does not implement: accepted at the values listed (its no-op), else a
+# 400 naming the field and the value.
+_NO_OPS: dict[str, tuple[object, ...]] = {
+    "min_p": (0.0, 0), "stop_token_ids": ([],), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "logit_bias": ({},),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
+    "chat_template": (), "reasoning_effort": (), "modalities": (["text"],),
+    "prompt_logprobs": (), "continuous_usage_stats": (False,),
+}
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    values = {name: getattr(req, name, None) for name in _NO_OPS}
+    if req.stream_options is not None:
+        values["continuous_usage_stats"] = req.stream_options.continuous_usage_stats
+    for name, value in values.items():
+        if value is not None and value not in _NO_OPS[name]:
+            where = "stream_options." + name if name == "continuous_usage_stats" else name
+            raise bad_request(f"{where}={value!r} is not supported by cpmoe"
+                              + (f" (only {', '.join(map(repr, _NO_OPS[name]))})"
+                                 if _NO_OPS[name] else ""), where, "unsupported_value")
+    if isinstance(req, ChatRequest):
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            raise bad_request(f"response_format type={fmt.type!r} is not supported by cpmoe "
+                              f"(only 'text')", "response_format", "unsupported_value")
+        if req.echo:
+            raise bad_request("echo=True is not supported for chat", "echo",
+                              "unsupported_value")
+        for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":
+                raise bad_request(f"messages[{i}].content: null is allowed only for an "
+                                  f"assistant message", "messages")
+            if m.tool_calls:
+                raise bad_request(f"messages[{i}].tool_calls is not supported by cpmoe",
+                                  "messages", "unsupported_value")
+
+
+def ignored_fields(req: _Common) -> list[str]:
+    """Names of the unknown fields in a request (top level and stream_options / messages)."""
+    names = list(req.model_extra or {})
+    if req.stream_options is not None:
+        names += [f"stream_options.{k}" for k in req.stream_options.model_extra or {}]
+    for i, m in enumerate(getattr(req, "messages", [])):
+        names += [f"messages[{i}].{k}" for k in m.model_extra or {}]
+    return names
+
+
+_EXPECTED = {"prompt": "a string, a list of token ids, or a list of either",
              "stop": "a string or a list of strings",
              "messages": "a list of {role, content} objects with text content"}
 
@@ -130,7 +225,8 @@ def _from_validation(e: ValidationError) -> ApiError:
         return bad_request(f"{param}: expected {_EXPECTED[param]}", param, "invalid_type")
     where = ".".join(str(p) for p in first["loc"])
     code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
-    return bad_request(f"{where}: {first['msg']}", param, code)
+    got = "" if first["type"] == "missing" else f" (got {first.get('input')!r})"
+    return bad_request(f"{where}: {first['msg']}{got}", param, code)
 
 
 # ---- request -> job -------------------------------------------------------------------------
@@ -152,6 +248,9 @@ class Limits:
 
 @dataclass(frozen=True)
 class Job:
+    """One choice of a request: one engine request. Choice `index` samples from stream
+    `index` of the seed, so choice i of prompt 0 equals prompt i of `cpmoe generate`."""
+
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
@@ -161,16 +260,10 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     ignore_eos: bool
-
-
-def _unsupported(req: _Common, extra: dict[str, tuple[object, object]]) -> None:
-    checks = {"n": (req.n, 1), "presence_penalty": (req.presence_penalty, 0.0),
-              "frequency_penalty": (req.frequency_penalty, 0.0), **extra}
-    for name, (value, allowed) in checks.items():
-        if value is not None and value != allowed:
-            raise bad_request(f"{name}={value!r} is not supported (only {allowed!r})", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    index: int = 0  # choice index in the response (prompt p, choice i: p * n + i)
+    first_of_prompt: bool = True  # counts the prompt in usage (once per prompt)
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    echo: str | None = None  # completions echo: the prompt text put before the output
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -182,31 +275,54 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def completion_prompt(req: CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
+def _no_tokenizer(what: str, param: str) -> ApiError:
+    return bad_request(f"{what} needs a tokenizer; this server runs with "
+                       f"--skip-tokenizer-init (send token ids)", param, "unsupported_value")
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int
+                       ) -> list[tuple[list[int], str | None]]:
+    """-> (token ids, text or None) of every prompt of the request."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt: got {len(prompt)} prompts; one per request is "
-                              f"supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt: empty prompt", "prompt")
-        return tokenizer.encode(prompt)  # as `cpmoe generate --prompt` does
-    if not prompt:
-        raise bad_request("prompt: empty prompt", "prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"prompt: token id {bad[0]} outside [0, {vocab_size})", "prompt")
-    return list(prompt)
+    many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    prompts = list(prompt) if many else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"prompt: {len(prompts)} prompts; at most {MAX_PROMPTS} per request",
+                          "prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        where = f"prompt[{i}]" if many else "prompt"
+        if not p:
+            raise bad_request(f"{where}: empty prompt", "prompt")
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise _no_tokenizer("a text prompt", "prompt")
+            out.append((tokenizer.encode(p), p))  # as `cpmoe generate --prompt` does
+            continue
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"{where}: token id {bad[0]} outside [0, {vocab_size})", "prompt")
+        out.append((list(p), None))
+    return out
 
 
 def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise _no_tokenizer("chat", "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(p.text for p in m.content)} for m in req.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                 else "".join(p.text for p in m.content or [])} for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs.setdefault("add_generation_prompt", req.add_generation_prompt is not False)
+    if req.continue_final_message:
+        kwargs.update(continue_final_message=True, add_generation_prompt=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001  (a template's error is the request's fault)
+        raise bad_request(f"chat template failed on these messages / chat_template_kwargs: "
+                          f"{e}", "chat_template_kwargs" if req.chat_template_kwargs
+                          else "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template placed any BOS
 
 
@@ -226,27 +342,73 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
                           f"{len(prompt_ids)} tokens, max_tokens {max_tokens}); the server has "
                           f"{limits.kv_capacity} per rank (--max-total-tokens)", "max_tokens",
                           "context_length_exceeded")
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens={req.min_tokens} is more than max_tokens {max_tokens}",
+                          "min_tokens")
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     seed = req.seed if req.seed is not None else random.randrange(SEED_LIMIT)
     params = SamplingParams(1.0 if req.temperature is None else req.temperature,
-                            1.0 if req.top_p is None else req.top_p, top_k, seed)
+                            1.0 if req.top_p is None else req.top_p, top_k, seed,
+                            req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
+                            1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                            req.min_tokens or 0)
     return Job(prompt_ids, params, max_tokens, need, _stops(req.stop), bool(req.stream),
                bool(req.stream_options and req.stream_options.include_usage),
                bool(req.return_token_ids), bool(req.ignore_eos))
 
 
-def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
-    _unsupported(req, {"echo": (req.echo, False), "logprobs": (req.logprobs, None),
-                       "best_of": (req.best_of, 1), "suffix": (req.suffix, None)})
-    return make_job(req, completion_prompt(req, tokenizer, limits.vocab_size), 16, limits)
+def _choices(job: Job, n: int, first: int, logprobs: int | None, echo: str | None
+             ) -> list[Job]:
+    return [dataclasses.replace(job, index=first + i, first_of_prompt=i == 0,
+                                logprobs=logprobs, echo=echo) for i in range(n)]
 
 
-def chat_job(req: ChatRequest, tokenizer, limits: Limits) -> Job:
-    _unsupported(req, {"logprobs": (req.logprobs, False),
-                       "top_logprobs": (req.top_logprobs, None)})
+def _check_common(req: _Common, tokenizer) -> None:
+    _refuse_unsupported(req)
+    if tokenizer is None and req.stop:
+        raise _no_tokenizer("stop", "stop")
+
+
+def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[Job]:
+    """-> one Job per choice: every prompt in order, n choices each."""
+    _check_common(req, tokenizer)
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request(f"best_of={req.best_of} is not supported by cpmoe (only best_of = n "
+                          f"= {n})", "best_of", "unsupported_value")
+    if req.echo and tokenizer is None:
+        raise _no_tokenizer("echo", "echo")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo=True with logprobs is not supported by cpmoe (no prompt "
+                          "logprobs)", "echo", "unsupported_value")
+    if req.logprobs is not None and tokenizer is None:
+        raise _no_tokenizer("logprobs", "logprobs")
+    jobs = []
+    for ids, text in completion_prompts(req, tokenizer, limits.vocab_size):
+        echo = None
+        if req.echo:
+            echo = text if text is not None else tokenizer.decode(ids)
+        jobs += _choices(make_job(req, ids, 16, limits), n, len(jobs), req.logprobs, echo)
+    return jobs
+
+
+def chat_jobs(req: ChatRequest, tokenizer, limits: Limits) -> list[Job]:
+    """-> one Job per choice (n of them)."""
+    _check_common(req, tokenizer)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
-    return make_job(req, chat_prompt(req, tokenizer), limits.default_chat_max_tokens, limits)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request(f"top_logprobs={req.top_logprobs} needs logprobs=true",
+                          "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    job = make_job(req, chat_prompt(req, tokenizer), limits.default_chat_max_tokens, limits)
+    return _choices(job, req.n or 1, 0, logprobs, None)
+
+
+def warn_ignored(req: _Common, endpoint: str) -> None:
+    names = ignored_fields(req)
+    if names:
+        log.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(names))
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -264,25 +426,54 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_choice(text: str, finish: str | None, token_ids: list[int] | None = None
-                      ) -> dict[str, Any]:
-    return _choice({"text": text}, finish, token_ids)
+def completion_choice(text: str, finish: str | None, token_ids: list[int] | None = None,
+                      index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+    return _choice({"text": text}, finish, token_ids, index, logprobs)
 
 
-def chat_choice(text: str, finish: str | None, token_ids: list[int] | None = None
-                ) -> dict[str, Any]:
-    return _choice({"message": {"role": "assistant", "content": text}}, finish, token_ids)
+def chat_choice(text: str, finish: str | None, token_ids: list[int] | None = None,
+                index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+    return _choice({"message": {"role": "assistant", "content": text}}, finish, token_ids,
+                   index, logprobs)
 
 
-def chat_delta(delta: dict[str, str], finish: str | None, token_ids: list[int] | None = None
-               ) -> dict[str, Any]:
-    return _choice({"delta": delta}, finish, token_ids)
+def chat_delta(delta: dict[str, str], finish: str | None, token_ids: list[int] | None = None,
+               index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+    return _choice({"delta": delta}, finish, token_ids, index, logprobs)
 
 
-def _choice(body: dict[str, Any], finish: str | None, token_ids: list[int] | None
-            ) -> dict[str, Any]:
+def _choice(body: dict[str, Any], finish: str | None, token_ids: list[int] | None,
+            index: int, logprobs: dict | None) -> dict[str, Any]:
     """One choice of a response or chunk; `token_ids` only when the request asked for them."""
-    choice: dict[str, Any] = {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": index, **body, "logprobs": logprobs,
+                              "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
+
+
+def _piece(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer, events: list, offset: int) -> dict[str, Any]:
+    """The legacy completions shape for these tokens (TokenEvents with logprobs); `offset`:
+    characters of the choice's text before the first of them."""
+    tokens = [_piece(tokenizer, ev.token) for ev in events]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [ev.logprob for ev in events],
+            "top_logprobs": [{_piece(tokenizer, t): lp for t, lp in ev.top} for ev in events],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, events: list) -> dict[str, Any]:
+    """The chat shape ({"content": [...]}) for these tokens (TokenEvents with logprobs)."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _piece(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(ev.token, ev.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in ev.top]} for ev in events]}

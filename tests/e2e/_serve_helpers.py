@@ -126,6 +126,24 @@ class Reference:
         return self._cache[key]
 
 
+    def batch(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, seed: int = 0
+              ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """`cpmoe generate` of several prompts (prompt i on stream i) -> (tokens per prompt,
+        the engine's logits [rows, V] of every step that sampled, in the engine's order)."""
+        self.runner.kv = None
+        seen: list[torch.Tensor] = []
+        out = generate(self.runner, prompts, max_tokens, self.eos_ids,
+                       SamplingParams(temperature, top_p, top_k, seed),
+                       observe=lambda logits: seen.append(logits.clone()))
+        return out, seen
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [V] after `ids`, from one whole prefill without a KV cache."""
+        self.runner.kv = None
+        return self.runner.prefill([ids], last_only=True)[0]
+
+
 def marked_processes(marker: str) -> list[tuple[int, str, str]]:
     """(pid, state, cmdline) of every process whose environment carries the marker."""
     needle = f"CPMOE_E2E_MARKER={marker}".encode()
