@@ -380,8 +380,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if tokenizer is None and not opts.skip_tokenizer_init:
         raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer "
                          f"(or --skip-tokenizer-init: token ids in and out)")
-    from cpmoe.serve.server import serve  # web framework imports only for this command
+    from cpmoe.serve.server import serve, serve_in_world  # web imports only for this command
     try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one server
+            return launch(serve_in_world, layout.world_size, device, opts, engine, layout,
+                          model_dir, cfg, device, dtype, tokenizer)
         return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)
     except BindError as e:
         raise InputError(str(e)) from None

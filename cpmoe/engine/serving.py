@@ -37,6 +37,7 @@ class EngineSpec:
     options: EngineOptions = field(default_factory=EngineOptions)
     default_kv_tokens: int = 16384  # KV slots per rank on CPU without --max-total-tokens
     idle_tick_s: float = 0.5
+    ignore_sigterm: bool = True  # pool ranks; torchrun workers keep the agent's SIGTERM
 
 
 class LinkFrontend(Frontend):
@@ -58,7 +59,8 @@ class LinkFrontend(Frontend):
 def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     # A SIGTERM to the whole process group (systemd, `timeout`) is the server's to handle: it
     # stops this loop cleanly. The pool's own aborts escalate to SIGKILL anyway.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
                          load_format=spec.options.load_format)

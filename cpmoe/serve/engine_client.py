@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, Listener
 
 from cpmoe.engine.scheduler import Request, TokenEvent
 from cpmoe.engine.serving import EngineSpec, serve_task
-from cpmoe.parallel.launch import RankPool
+from cpmoe.parallel.launch import RankInfo, RankPool
 from cpmoe.serve.metrics import Metrics
 from cpmoe.serve.protocol import Job
 
@@ -58,8 +58,9 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, spec: EngineSpec, pool: RankPool, listener: Listener, max_queue: int,
-                 metrics: Metrics, on_failure: Callable[[], None]) -> None:
+    def __init__(self, spec: EngineSpec, pool: RankPool | None, listener: Listener,
+                 max_queue: int, metrics: Metrics, on_failure: Callable[[], None],
+                 world: RankInfo | None = None) -> None:
         self.spec, self.pool, self.max_queue, self.metrics = spec, pool, max_queue, metrics
         self._listener = listener
         self._on_failure = on_failure
@@ -72,19 +73,22 @@ class EngineClient:
         self._stopping = False
         self.failure: BaseException | None = None
         self.sizes: dict = {}  # the engine's kv_capacity (token slots per rank), graph_bytes
+        self._world = world  # torchrun: this process is rank 0 of that world, no pool
         self._pool_thread = threading.Thread(target=self._run_pool, name="cpmoe-engine",
                                              daemon=True)
 
     @classmethod
     def start(cls, spec: EngineSpec, world_size: int, device: str, max_queue: int,
-              metrics: Metrics, on_failure: Callable[[], None]) -> EngineClient:
-        """Spawn the ranks, start the engine and wait until the model is loaded on all ranks;
+              metrics: Metrics, on_failure: Callable[[], None],
+              world: RankInfo | None = None) -> EngineClient:
+        """Spawn the ranks (or, with `world`, run rank 0 of a torchrun world in a thread of
+        this process), start the engine and wait until the model is loaded on all ranks;
         raises the engine's failure (RankFailure) if it dies first."""
         authkey = secrets.token_bytes(32)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         spec = dataclasses.replace(spec, link_address=listener.address, link_authkey=authkey)
-        pool = RankPool(world_size, device, collective_timeout_s=120.0)
-        self = cls(spec, pool, listener, max_queue, metrics, on_failure)
+        pool = None if world else RankPool(world_size, device, collective_timeout_s=120.0)
+        self = cls(spec, pool, listener, max_queue, metrics, on_failure, world)
         self._pool_thread.start()
         threading.Thread(target=self._read_link, name="cpmoe-link", daemon=True).start()
         self._ready.wait()
@@ -167,7 +171,11 @@ class EngineClient:
     # ---- threads -----------------------------------------------------------------------------
     def _run_pool(self) -> None:
         try:
-            self.pool.run(serve_task, self.spec)
+            if self.pool is not None:
+                self.pool.run(serve_task, self.spec)
+            else:
+                assert self._world is not None
+                serve_task(self._world, self.spec)
             if not self._stopping:
                 raise EngineDown("the engine loop ended without being asked to")
         except BaseException as err:  # noqa: BLE001  (reported to the server, then re-raised)
@@ -201,6 +209,6 @@ class EngineClient:
             self._stopping = True
             self._send(("stop",))
         self._pool_thread.join(timeout_s)
-        if not self._pool_thread.is_alive():
+        if not self._pool_thread.is_alive() and self.pool is not None:
             self.pool.close()
         self._listener.close()

@@ -8,6 +8,10 @@ Exit: 0 after SIGINT/SIGTERM (the engine loop is stopped and the ranks leave cle
 rank fails, requests get 503 for `FAILURE_GRACE_S` (so in-flight clients and health checks
 learn why), then the server stops and the root error (`RankFailure`) propagates to the CLI,
 which prints it and exits 1.
+
+Under torchrun (`serve_in_world`) every worker is a rank: rank 0 serves HTTP with engine rank
+0 in a thread of its process; a dead peer fails rank 0's next collective, with the same 503s
+and exit 1.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 import uvicorn
 
 from cpmoe.engine.engine import EngineOptions
-from cpmoe.engine.serving import EngineSpec
+from cpmoe.engine.serving import EngineSpec, serve_task
+from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 from cpmoe.serve.app import ServeState, build_app
 from cpmoe.serve.engine_client import EngineClient
@@ -71,17 +76,34 @@ class _Exit:
         self.loop.call_later(FAILURE_GRACE_S, lambda: setattr(server, "should_exit", True))
 
 
+def serve_in_world(info: RankInfo, opts: ServeOptions, engine: EngineOptions,
+                   layout: ParallelLayout, model_dir: Path, cfg, device: str,
+                   dtype: torch.dtype, tokenizer) -> int:
+    """One rank of a torchrun world (`launch` joined it): rank 0 serves HTTP and runs engine
+    rank 0 in a thread; every other rank runs the engine loop until rank 0 stops it."""
+    if info.rank == 0:
+        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer, info)
+    serve_task(info, _spec(model_dir, layout, dtype, cfg, engine, ignore_sigterm=False))
+    return 0
+
+
+def _spec(model_dir: Path, layout: ParallelLayout, dtype: torch.dtype, cfg,
+          engine: EngineOptions, ignore_sigterm: bool = True) -> EngineSpec:
+    return EngineSpec(model_dir, layout, dtype, tuple(cfg.eos_token_ids), ("127.0.0.1", 0), b"",
+                      engine, ignore_sigterm=ignore_sigterm)
+
+
 def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, model_dir: Path,
-          cfg, device: str, dtype: torch.dtype, tokenizer) -> int:
+          cfg, device: str, dtype: torch.dtype, tokenizer, world: RankInfo | None = None
+          ) -> int:
     sock = bind(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     name = opts.served_model_name or model_dir.name
     metrics = Metrics()
     exit_ = _Exit()
-    spec = EngineSpec(model_dir, layout, dtype, tuple(cfg.eos_token_ids), ("127.0.0.1", 0), b"",
-                      engine)
+    spec = _spec(model_dir, layout, dtype, cfg, engine, ignore_sigterm=world is None)
     client = EngineClient.start(spec, layout.world_size, device, opts.max_queue, metrics,
-                                exit_.on_failure)
+                                exit_.on_failure, world)
     try:
         limits = Limits(name, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,

@@ -36,7 +36,8 @@ READY_LINE = re.compile(r"cpmoe: serving (\S+) at (http://\S+) ")
 
 class Server:
     def __init__(self, workdir: Path, cache_dir: Path, *flags: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "cpmoe.cli")) -> None:
         self.marker = uuid.uuid4().hex
         self.err_path = workdir / f"serve-{self.marker}.err"
         self.flags = flags
@@ -47,8 +48,7 @@ class Server:
         with open(self.err_path, "wb") as err, open(workdir / f"serve-{self.marker}.out",
                                                      "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cpmoe.cli", "serve", "--device", "cpu", "--port", "0",
-                 *flags], env=full_env, cwd=str(REPO_ROOT), stdout=out, stderr=err,
+                [*launcher, "serve", "--device", "cpu", "--port", "0", *flags], env=full_env, cwd=str(REPO_ROOT), stdout=out, stderr=err,
                 stdin=subprocess.DEVNULL)
         self.url = ""
         self.model = ""

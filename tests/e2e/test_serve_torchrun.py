@@ -1,0 +1,96 @@
+"""`cpmoe serve` under torchrun: two "nodes" on this host (`--nnodes 2 --nproc-per-node 2`,
+gloo) make ONE server: rank 0 serves HTTP, all four ranks run the engine. Its completion
+equals `cpmoe generate` on the same layout, and a worker killed on the second node brings the
+server down (503 to clients, exit 1) within 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e._serve_helpers import REPO_ROOT, Server
+
+LAYOUT = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
+PROMPT = "Context parallel prefill"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(node_rank: int, port: int) -> tuple[str, ...]:
+    return (sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "2", "--node-rank", str(node_rank), "--master-addr",
+            "127.0.0.1", "--master-port", str(port), "-m", "cpmoe.cli")
+
+
+def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
+        tmp_path_factory):
+    from cpmoe.default_model import ensure_default_model
+    cache = tmp_path_factory.mktemp("cpmoe-cache")
+    work = tmp_path_factory.mktemp("torchrun")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(cache))
+        ensure_default_model()  # written once, before four ranks look for it
+    port = _free_port()
+    flags = (*LAYOUT, "--max-total-tokens", "2048")
+    nodes = [Server(work, cache, *flags, launcher=_torchrun(r, port)) for r in (0, 1)]
+    try:
+        server = nodes[0].wait_ready(timeout_s=300)
+        pids = server.health()["rank_pids"]
+        assert len(pids) == 4
+        prompts_file = tmp_path_factory.mktemp("p") / "one.json"
+        prompts_file.write_text(json.dumps([PROMPT]))
+        cli = subprocess.run(
+            [sys.executable, "-m", "cpmoe.cli", "generate", *LAYOUT, "--device", "cpu",
+             "--prompts-file", str(prompts_file), "--max-new-tokens", "8", "--temperature",
+             "0.8", "--top-p", "0.9", "--seed", "7", "--json"],
+            capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), check=False,
+            env={**os.environ, "CPMOE_CACHE_DIR": str(cache)})
+        assert cli.returncode == 0, cli.stderr
+        want = json.loads(cli.stdout)[0]["tokens"]
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                        timeout=300)
+        resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=8,
+                                         temperature=0.8, top_p=0.9, seed=7,
+                                         extra_body={"return_token_ids": True})
+        assert resp.choices[0].token_ids == want
+
+        body = {"model": server.model, "prompt": "in flight", "max_tokens": 400,
+                "stream": True, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as inflight:
+                lines = inflight.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                killed_at = time.monotonic()
+                os.kill(pids[3], signal.SIGKILL)  # a worker of the second node
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest and "engine_down" in rest[-1] and "[DONE]" not in rest[-1]
+            try:  # rank 0 answers 503 until it exits (torchrun may stop it sooner)
+                r = http.post("/v1/completions", json={**body, "stream": False})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+            except httpx.TransportError:
+                pass
+        deadline = killed_at + 30
+        code = server.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert code == 1, server.stderr()
+        assert time.monotonic() - killed_at < 30
+        assert nodes[1].proc.wait(timeout=30) != 0
+    finally:
+        for node in nodes:
+            node.stop()
+        for node in nodes:
+            for pid in node.processes():
+                os.kill(pid, signal.SIGKILL)
