@@ -204,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                                                f"{'-smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    head = {"what": "CP attention alone, causal, one sequence", "gpus": args.gpus,
+    head = {**rp.provenance(None if argv is None else ["bench/attention_cp.py", *argv]),
+            "what": "CP attention alone, causal, one sequence", "gpus": args.gpus,
             "q_heads": heads[0], "kv_heads": heads[1], "head_dim": dim, "dtype": str(dtype),
-            "device": args.device, "torch": torch.__version__, "warmup": args.warmup,
-            "iters": iters, "gpu": None}
+            "device": args.device, "warmup": args.warmup, "iters": iters, "gpu": None}
     with Pooled(args.gpus, args.device) as pooled:
         for S in lengths:
             spec = AttnSpec(S, heads[0], heads[1], dim, dtype, args.warmup, iters)

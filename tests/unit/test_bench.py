@@ -65,6 +65,9 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
     head = json.loads(out.read_text())["header"]
     assert head["active_params"] == active_params(parse_config(SHAPES["tiny"], "tiny"))
     assert head["torch"] == torch.__version__ and head["date"] and "bench" in head["command"]
+    _assert_provenance(head)
+    assert head["gpu"]  # the device rank 0 ran on
+    assert head["peak_flops_per_gpu"] == 989e12 and head["measured_flops_per_gpu"] == 790e12
     got = [(r["engine"], r["layout"], r["length"]) for r in bench_rows]
     assert got == [("cpmoe", "tp=1", 64), ("cpmoe", "tp=1", 128),
                    ("cpmoe", "tp=2,cp=2,ep=2", 64), ("cpmoe", "tp=2,cp=2,ep=2", 128),
@@ -89,14 +92,23 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
     assert "| tp=2,cp=2,ep=2 | 64 | 1 |" in proc.stdout  # the markdown table
 
 
-def test_bench_layout_logits_match_the_one_rank_layout(bench_rows):
-    cp_row, hf_row = bench_rows[2], bench_rows[6]
-    assert bench_rows[0]["check_note"].startswith("reference")
-    assert cp_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and cp_row["top1_agrees_vs_tp1"]
-    assert cp_row["ref_top1_top2_gap"] >= 0
-    # HF gets the same random weights, so its logits match too (float32 on CPU)
-    assert hf_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and hf_row["top1_agrees_vs_tp1"]
-    assert "logits_max_abs_diff_vs_tp1" not in bench_rows[3]  # checked at the shortest only
+def _assert_provenance(head: dict) -> None:
+    """The provenance every result file carries (values checked in test_bench_report)."""
+    from cpmoe.bench.provenance import PROVENANCE_KEYS
+    assert set(PROVENANCE_KEYS) <= set(head), set(PROVENANCE_KEYS) - set(head)
+    assert head["git_commit"] and isinstance(head["git_dirty"], bool)
+    assert len(head["source_sha256"]) == 64 and head["devices"]
+
+
+def test_bench_layout_logits_match_the_one_rank_layout_at_every_length(bench_run, bench_rows):
+    proc, _ = bench_run
+    assert [r["check_note"] for r in bench_rows[:2]] == ["reference of the logit check"] * 2
+    # every other layout and HF (same random weights, float32 on CPU), at both lengths
+    for r in bench_rows[2:]:
+        assert r["logits_max_abs_diff_vs_tp1"] <= 1e-4 and r["top1_agrees_vs_tp1"], r
+        assert r["ref_top1_top2_gap"] >= 0 and r["top1_top2_gap"] >= 0
+    assert bench_rows[0]["top1_top2_gap"] >= 0  # the reference's own gap too
+    assert "| hf | 128 | 1 |" in proc.stdout and "top-1/top-2 gap" in proc.stdout
 
 
 def test_bench_balanced_placement_evens_the_ep_ranks_and_keeps_the_logits(bench_run,
@@ -201,6 +213,8 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
     data = json.loads(out.read_text())
     measured = [r for r in data["rows"] if r.get("error") is None]
     assert measured and data["header"]["device"] == "cpu"
+    _assert_provenance(data["header"])
+    assert f"bench/{script}.py --device cpu --smoke --out" in data["header"]["command"]
     if script == "attention_cp":
         cp = [r for r in measured if r["engine"] == "cpmoe_cp"]
         assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
