@@ -44,7 +44,9 @@ def add_layout_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-dp-size", type=int, default=1, help="MoE data parallel (1 or CP)")
     g.add_argument("--ep-size", type=int, default=1, help="MoE expert parallel")
     g.add_argument("--moe-a2a-backend", default="none", choices=BACKENDS)
-    g.add_argument("--cp-strategy", default="zigzag", choices=CP_STRATEGIES)
+    g.add_argument("--cp-strategy", default="zigzag", choices=CP_STRATEGIES,
+                   help="zigzag (fast path on CUDA) or interleave (exact, but on CUDA a slow "
+                        "fallback: masked attention with a host sync per 1,024-query chunk)")
     g.add_argument("--dp-size", type=int, default=1, help="attention data parallel (only 1)")
 
 
@@ -54,7 +56,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 "
-                   "(default: float32 on cpu, bfloat16 on cuda)")
+                   "(default: float32 on cpu, bfloat16 on cuda). On CUDA only bfloat16 takes "
+                   "the fast paths: float16 runs the experts as a loop of one matmul pair per "
+                   "expert (after a host sync); float32 does too and also takes the masked "
+                   "attention fallback")
 
 
 def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:

@@ -216,9 +216,10 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
     _assert_provenance(data["header"])
     assert f"bench/{script}.py --device cpu --smoke --out" in data["header"]["command"]
     if script == "attention_cp":
-        cp = [r for r in measured if r["engine"] == "cpmoe_cp"]
-        assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
-        assert all(r["speedup_vs_one_device"] > 0 for r in cp)
+        for engine, base in (("cpmoe_cp", "sdpa_gqa"), ("cpmoe_cp_mha", "sdpa_mha")):
+            cp = [r for r in measured if r["engine"] == engine]
+            assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
+            assert all(r["speedup_vs_one_device"] > 0 and r["baseline"] == base for r in cp)
     else:
         assert {r["backend"] for r in measured} >= {"alltoall"}
         for r in measured:
