@@ -261,3 +261,20 @@ def test_random_hash_tables_hold_distinct_expert_ids():
     t = source.get_slice("t")[:]
     assert t.dtype == torch.int64 and t.min() >= 0 and t.max() < 5
     assert all(len(set(row.tolist())) == 3 for row in t)
+
+
+@pytest.mark.parametrize("command", ["bench-one-batch", "bench-serving"])
+def test_decode_and_serving_benchmarks_write_provenance(tmp_path, command):
+    """The other two commands that write bench/results/ files, at tiny sizes on CPU."""
+    out = tmp_path / f"{command}.json"
+    if command == "bench-one-batch":
+        args = ["--shape", "tiny", "--batch-size", "1", "--input-len", "16", "--output-len",
+                "2", "--device", "cpu"]
+    else:
+        args = ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "3",
+                "--num-prompts", "2", "--launch", "--device", "cpu"]
+    proc = _run(["-m", "cpmoe.cli", command, "--out", str(out), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    head = json.loads(out.read_text())["header"]
+    _assert_provenance(head)
+    assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]
