@@ -467,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps compared per prompt, both runs fed the same tokens")
     p.add_argument("--near-tie", type=float, default=None,
                    help="flag a prompt whose top-k router margin (k-th minus (k+1)-th logit) "
-                        "falls to this x max(1, |k-th logit|) or below anywhere; default 1e-4 "
-                        "in float32, 2^-6 in 16-bit dtypes. A mismatch there is a routing tie "
+                        "falls to this x max(1, |k-th logit|) or below anywhere; default 1e-5 "
+                        "in float32, 2^-8 in 16-bit dtypes. A mismatch there is a routing tie "
                         "broken two ways and does not fail the check")
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
