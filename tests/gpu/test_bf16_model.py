@@ -132,6 +132,8 @@ def test_one_request_served_on_cuda_over_http_follows_the_float32_reference(tmp_
     logits are held to in test_cuda_paths). bf16 tokens are not compared: on this tiny model
     (hidden 128) bf16 rounding moves logits by about 0.2 (CPU, measured), more than most
     top-2 gaps, so no step would be decisive."""
+    for package in ("fastapi", "uvicorn", "httpx"):  # the serving extra (device README)
+        pytest.importorskip(package)
     import httpx
 
     from cpmoe.default_model import ensure_default_model
