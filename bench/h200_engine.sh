@@ -40,14 +40,19 @@ case "$part" in
   serving)
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
-import json, pathlib, shutil, sys
+import json, pathlib, sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from cpmoe.bench.spec import SHAPES
-from cpmoe.default_model import ensure_default_model
 dst = pathlib.Path(sys.argv[1])
-(dst / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
-for f in ensure_default_model().iterdir():  # a tokenizer; prompts go as token ids
-    if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-        shutil.copy(f, dst / f.name)
+cfg = SHAPES["qwen3-30b-a3b"]
+(dst / "config.json").write_text(json.dumps(cfg))
+# a word-level tokenizer over the whole vocabulary: every generated id decodes to text, so
+# the server streams a chunk per token (a small tokenizer would decode most ids to "")
+tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg["vocab_size"])},
+                                 unk_token="t0"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
 PY
     serve=(--model "$model" --load-format dummy --routing uniform)
     step serving-random python3 -m cpmoe.cli bench-serving --dataset random \

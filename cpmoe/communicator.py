@@ -11,6 +11,9 @@ Attention always runs in TP_ATTN_FULL. The MLP of a layer runs in:
     sparse, rank-local dispatch backend   SCATTERED
     sparse, backend none, attn_cp > moe_dp MOE_FULL
     sparse, backend none, otherwise       FULL
+Backend none: each rank's expert output is a partial sum over the MoE group (its EP x MoE-TP
+shards tile the group, also when both are > 1), so one reduction over that group completes
+it; there is never a reduction over MOE_EP followed by one over MOE_TP.
 The plan is computed once per layer. The residual stream always stays CP-local in
 TP_ATTN_FULL. Shared-expert outputs are computed on CP-local rows and added after every
 SUM collective, so they are counted once. Decode rows are identical on every CP rank, so no

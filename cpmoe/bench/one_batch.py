@@ -68,7 +68,8 @@ def setup_task(info: RankInfo, spec: OneBatchSpec) -> dict | None:
     else:
         runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed)
     layout = spec.layout
-    need = kv_slots_needed([spec.max_input] * spec.max_batch, spec.output_len + 1,
+    # + 3: the routing step and --profile's two steps decode past the timed ones
+    need = kv_slots_needed([spec.max_input] * spec.max_batch, spec.output_len + 3,
                            layout.attn_cp_size, layout.cp_strategy, spec.engine.page_size)
     opts = EngineOptions(**{**spec.engine.__dict__, "max_total_tokens": need,
                             "cuda_graph_max_bs": spec.max_batch, "routing": spec.routing})

@@ -97,9 +97,19 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
-    """One token per row, each from its request's own sampling stream."""
-    return [sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
-            for i, req in enumerate(rows)]
+    """One token per row, each from its request's own sampling stream. The greedy rows take
+    one argmax and one copy to the host together (a step of 128 greedy streams would
+    otherwise wait on 128 copies); sampled rows go one by one through `sample`."""
+    greedy = [i for i, req in enumerate(rows) if req.params.greedy]
+    tokens = [0] * len(rows)
+    if greedy:
+        picked = logits if len(greedy) == len(rows) else logits[greedy]
+        for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
+            tokens[i] = t
+    for i, req in enumerate(rows):
+        if not req.params.greedy:
+            tokens[i] = sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
+    return tokens
 
 
 class Frontend:
@@ -126,6 +136,8 @@ class Driver:
         self.runner, self.sched, self.frontend = runner, sched, frontend
         self.idle_tick_s, self.observe = idle_tick_s, observe
         self.stopping = False
+        layout = runner.layout
+        self._cp_coords = [layout.coords(r)["attn_cp"] for r in range(layout.world_size)]
 
     def next_plan(self) -> StepPlan:
         timeout = 0.0 if self.sched.has_work() else self.idle_tick_s
@@ -158,12 +170,10 @@ class Driver:
             tokens = choose_tokens(out.logits, rows)
         events = self.sched.record(plan, tokens)
         kv = self.runner.kv
-        coords = [self.runner.layout.coords(r)["attn_cp"]
-                  for r in range(self.runner.layout.world_size)]
         stats = {"kind": out.kind, "step_s": out.seconds, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
                  "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
-                             for c in coords],
+                             for c in self._cp_coords],
                  "preemptions": self.sched.preemptions,
                  "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend)}
         self.frontend.emit(events, stats)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.moe import fused_moe
 from cpmoe.ops import silu_and_mul, weighted_row_sum
 
 
@@ -35,6 +36,10 @@ class LocalExperts(nn.Module):
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
+        if (x_MH.is_cuda and type(self).activation is LocalExperts.activation
+                and fused_moe.usable(x_MH, local_ids_MK.numel())):  # decode: few rows
+            return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,
+                                           self.down_proj)
         if x_MH.is_cuda and x_MH.dtype == torch.bfloat16 and _grouped_mm is not None:
             return self._forward_grouped(x_MH, local_ids_MK, weights_MK)
         return self._forward_loop(x_MH, local_ids_MK, weights_MK)

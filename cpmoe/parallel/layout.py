@@ -16,6 +16,14 @@ Group members follow from the coordinates: ranks that differ only in one coordin
 group of that kind. MOE_DP is the ATTN_CP group itself when attn_cp > moe_dp (the decoupled
 mode): "gather over MoE-DP" then means "gather the CP chunks". The MoE group (`moe`) is the
 set of ranks holding one full copy of the experts between them (ep * moe_tp ranks).
+
+EP and MoE-TP combine as in SGLang: with moe_dp > 1 and ep > 1, ep * moe_dp must equal tp;
+with moe_dp == 1 any ep dividing tp is allowed and moe_tp = tp / ep (tp 4, ep 2 -> moe_tp 2).
+The MOE_EP and MOE_TP groups of one MoE group tile it (each rank is one (ep, tp) cell), so a
+rank's expert output is a partial sum over the MoE group and backend `none` needs exactly
+one reduction over it, never one over EP followed by one over MoE-TP (SGLang's
+`can_merge_post_experts_all_reduce`). Rank-local dispatch backends move tokens to whole
+experts, so they keep requiring ep == tp.
 """
 
 from __future__ import annotations
@@ -93,12 +101,19 @@ class ParallelLayout:
         if ep * dp > tp:
             raise LayoutError(f"--ep-size {ep} x --moe-dp-size {dp} = {ep * dp} exceeds "
                               f"--tp-size {tp}")
-        if ep > 1 and ep * dp != tp:
+        # SGLang checks ep * moe_dp == tp only when moe_dp > 1; with moe_dp 1, EP and MoE-TP
+        # combine (moe_tp = tp / ep) and tile the TP group.
+        if dp > 1 and ep > 1 and ep * dp != tp:
             raise LayoutError(f"--ep-size {ep} x --moe-dp-size {dp} must equal --tp-size {tp} "
-                              f"when --ep-size > 1")
+                              f"when both --ep-size and --moe-dp-size are > 1")
+        if tp % ep:
+            raise LayoutError(f"--ep-size {ep} must divide --tp-size {tp} (MoE TP size = "
+                              f"--tp-size / --ep-size)")
         if self.rank_local_dispatch and ep != tp:
             raise LayoutError(f"--moe-a2a-backend {self.moe_a2a_backend} dispatches rank-locally "
-                              f"and needs --ep-size equal to --tp-size {tp}, got --ep-size {ep}")
+                              f"and needs --ep-size equal to --tp-size {tp}, got --ep-size {ep} "
+                              f"(its experts split over MoE TP size {self.moe_tp_size}, which "
+                              f"only --moe-a2a-backend none runs)")
 
     def check_model(self, *, num_experts: int, num_attention_heads: int,
                     num_key_value_heads: int, moe_intermediate_size: int) -> None:

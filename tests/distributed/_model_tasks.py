@@ -86,3 +86,19 @@ def placement_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
     steps: list[torch.Tensor] = []
     tokens = generate(runner, seqs, new_tokens, observe=steps.append)
     return {"report": report, "prefill": prefill, "tokens": tokens, "steps": steps}
+
+
+def step_stats_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
+                    seqs: list[list[int]]) -> dict:
+    """Collectives issued, per group kind, by one prefill (KV kept) and by the one decode
+    step that follows it (every sequence gets token 1)."""
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    runner.allocate_kv(2 * sum(len(s) + 1 for s in seqs))  # room to spare on every CP rank
+    keys = list(range(len(seqs)))
+    groups.reset_stats()
+    runner.prefill(seqs, keys, last_only=True)
+    prefill = groups.stats()
+    groups.reset_stats()
+    runner.decode(keys, [1] * len(seqs))
+    return {"prefill": prefill, "decode": groups.stats()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cpmoe.parallel.layout import ParallelLayout
-from tests.distributed._model_tasks import groups_task, layout_task
+from tests.distributed._model_tasks import groups_task, layout_task, step_stats_task
 from tests.distributed.test_layouts import LENGTHS, pools, seqs  # noqa: F401  (fixtures)
 
 # The qwen3_moe fixture: 3 layers, layer 1 dense (mlp_only_layers=[1]).
@@ -66,6 +66,54 @@ def test_coupled_moe_reduces_inside_attention_tp_group(pools, qwen3_moe_dir, seq
     for stats in _prefill_stats(pools, layout, qwen3_moe_dir, seqs):
         assert stats["attn_cp"] == {"all_gather": LAYERS + 1}
         assert stats["moe"] == {"all_reduce": SPARSE}
+
+
+# EP x MoE-TP with moe_dp 1: the expert shards tile the whole TP group ("moe"), so each
+# sparse layer reduces once over it -- never over MOE_EP and then MOE_TP.
+HYBRID = [ParallelLayout(tp_size=4, ep_size=2),
+          ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=2, cp_strategy="interleave"),
+          ParallelLayout(tp_size=4, attn_cp_size=4, ep_size=2),
+          ParallelLayout(tp_size=8, attn_cp_size=2, ep_size=4)]
+
+
+def _hybrid_id(lay: ParallelLayout) -> str:
+    return f"tp{lay.tp_size}-cp{lay.attn_cp_size}-ep{lay.ep_size}"
+
+
+@pytest.mark.parametrize("layout", HYBRID, ids=_hybrid_id)
+def test_ep_x_moe_tp_reduces_once_per_sparse_layer(pools, qwen2_moe_dir, seqs,  # noqa: F811
+                                                   layout):
+    """Prefill and decode: one all-reduce over the MoE group per sparse layer, nothing on
+    the EP or MoE-TP groups; every other collective as in the other decoupled layouts.
+    (Qwen2-MoE: layer 2 dense, the shared expert added after the reduction.)"""
+    tp, cp = layout.tp_size, layout.attn_cp_size
+    assert layout.group_members("moe") == [list(range(tp))]
+    for stats in pools(layout.world_size).run(step_stats_task, layout, qwen2_moe_dir, seqs):
+        pre, dec = stats["prefill"], stats["decode"]
+        for step in (pre, dec):
+            assert "moe_ep" not in step and "moe_tp" not in step, step
+            if tp > cp:  # o_proj partials of every layer and the dense MLP
+                assert step["attn_tp"] == {"all_reduce": LAYERS + 1}, step
+        assert dec["moe"] == {"all_reduce": SPARSE}
+        if cp == 1:
+            assert pre["moe"] == {"all_reduce": SPARSE}
+            assert set(pre) == set(dec) == {"moe", "attn_tp"}
+            continue
+        # prefill: K/V per layer, the MOE_FULL gather per sparse layer, the output rows; the
+        # MoE reduction is an all-reduce over the MoE group, or a reduce-scatter over CP when
+        # the MoE group is the CP group (every rank keeps only its own chunk's sum)
+        if tp == cp:
+            assert pre["attn_cp"] == {"all_gather": LAYERS + SPARSE + 1,
+                                      "reduce_scatter": SPARSE}
+            assert "moe" not in pre
+        else:
+            assert pre["attn_cp"] == {"all_gather": LAYERS + SPARSE + 1}
+            assert pre["moe"] == {"all_reduce": SPARSE}
+        # decode: the LSE merge of every layer and the dense layer's rows split over CP
+        assert dec["attn_cp"] == {"all_gather": LAYERS + 1}
+        attn_tp = {"attn_tp"} if tp > cp else set()
+        assert set(pre) == {"attn_cp", *attn_tp} | ({"moe"} if tp > cp else set())
+        assert set(dec) == {"moe", "attn_cp", *attn_tp}
 
 
 @pytest.mark.parametrize("layout, aliases, worlds", [

@@ -48,6 +48,7 @@ EXPLICIT = [lay(4, "none", 4, "interleave"), lay(4, "alltoall", 4, "interleave")
 MATRIX = [
     *EXPLICIT,
     lay(4, "none", 1, "zigzag", moe_dp=4),  # coupled: each rank runs every expert on its rows
+    lay(4, "none", 2, "zigzag"),  # EP 2 x MoE-TP 2 (moe_dp 1), MoE group == CP group
     lay(2, "none", 2, "interleave"),
     lay(2, "alltoall", 2, "zigzag"),
     lay(2, "alltoall_padded", 2, "interleave"),

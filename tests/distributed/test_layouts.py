@@ -49,9 +49,21 @@ TP8 = {"tp8-cp1-dp1-ep1-none", "tp8-cp2-dp1-ep8-none", "tp8-cp2-dp2-ep4-none",
        "tp8-cp8-dp8-ep1-none", "tp8-cp8-dp1-ep8-alltoall", "tp8-cp4-dp1-ep8-alltoall_padded"}
 
 
+# EP x MoE-TP with moe_dp 1 (issue 17: SGLang allows any ep dividing tp there), each with
+# the CP strategies it runs under: both at tp4/cp2, one each at tp8 so both meet tp8.
+HYBRID = {4: [(1, 2, ("zigzag",)), (2, 2, ("zigzag", "interleave")), (4, 2, ("interleave",))],
+          8: [(2, 4, ("interleave",)), (4, 2, ("zigzag",))]}  # (attn_cp, ep, strategies)
+
+
+def hybrid_layouts(tp: int) -> list[ParallelLayout]:
+    return [ParallelLayout(tp_size=tp, attn_cp_size=cp, ep_size=ep, cp_strategy=s)
+            for cp, ep, strategies in HYBRID.get(tp, []) for s in strategies]
+
+
 def matrix() -> list[ParallelLayout]:
     out = []
     for tp in (2, 4, 8):
+        out += hybrid_layouts(tp)  # grouped by tp: one rank pool per world size
         kept = [lay for lay in valid_layouts(tp)
                 if tp != 8 or layout_id(lay).rsplit("-", 1)[0] in TP8]
         for i, lay in enumerate(kept):
@@ -67,12 +79,21 @@ def matrix() -> list[ParallelLayout]:
 
 
 MATRIX = matrix()
-REQUIRED = {"tp4-cp2-dp1-ep4", "tp4-cp2-dp2-ep2", "tp8-cp4-dp1-ep8", "tp8-cp8-dp1-ep8"}
+REQUIRED = {"tp4-cp2-dp1-ep4", "tp4-cp2-dp2-ep2", "tp8-cp4-dp1-ep8", "tp8-cp8-dp1-ep8",
+            "tp4-cp1-dp1-ep2", "tp4-cp2-dp1-ep2", "tp8-cp2-dp1-ep4", "tp8-cp4-dp1-ep2"}
 
 
 def test_matrix_contains_sglang_layouts():
     ids = {layout_id(lay).rsplit("-", 2)[0] for lay in MATRIX}
     assert REQUIRED <= ids
+    assert len({layout_id(lay) for lay in MATRIX}) == len(MATRIX)  # no case runs twice
+
+
+def test_hybrid_layouts_meet_both_cp_strategies():
+    hybrid = [lay for lay in MATRIX if lay.ep_size > 1 and lay.moe_tp_size > 1]
+    assert {lay.cp_strategy for lay in hybrid if lay.attn_cp_size > 1} == {"zigzag",
+                                                                           "interleave"}
+    assert {lay.cp_strategy for lay in hybrid if lay.tp_size == 8} == {"zigzag", "interleave"}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +144,7 @@ PLACEMENT_LAYOUTS = [
     ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=4, moe_a2a_backend="alltoall"),
     ParallelLayout(tp_size=4, attn_cp_size=4, ep_size=4, moe_a2a_backend="alltoall_padded"),
     ParallelLayout(tp_size=4, attn_cp_size=2, moe_dp_size=2, ep_size=2),  # two EP replicas
+    ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=2),  # EP x MoE-TP: moves both TP halves
 ]
 
 

@@ -36,7 +36,8 @@ def valid_layouts(tp_sizes=(1, 2, 4, 8)) -> list[ParallelLayout]:
 def _rule_ok(tp, cp, dp, ep, backend="none") -> bool:
     """The reference's validation rules, restated."""
     return (tp % cp == 0 and tp % dp == 0 and dp in (1, cp) and ep * dp <= tp
-            and (ep == 1 or ep * dp == tp)
+            and (dp == 1 or ep == 1 or ep * dp == tp)  # SGLang: only checked when moe_dp > 1
+            and tp % ep == 0  # moe_dp 1: any ep dividing tp, moe_tp = tp / ep
             and (backend not in RANK_LOCAL_BACKENDS or ep == tp))
 
 
@@ -87,6 +88,38 @@ def test_coupled_tp4_cp2_dp2_ep2_groups():
     assert lay.group_members("moe") == [[0, 1], [2, 3]]
 
 
+def test_hybrid_tp4_ep2_groups():
+    # moe_dp 1, ep 2 -> moe_tp 2: each expert's intermediate dim over [0,1] and [2,3], the
+    # experts over [0,2] and [1,3]; the two tile the MoE group, which is the whole TP group
+    lay = ParallelLayout(tp_size=4, ep_size=2)
+    assert (lay.attn_tp_size, lay.moe_tp_size, lay.moe_group_size) == (4, 2, 4)
+    assert lay.group_members("moe_tp") == [[0, 1], [2, 3]]
+    assert lay.group_members("moe_ep") == [[0, 2], [1, 3]]
+    assert lay.group_members("moe") == [[0, 1, 2, 3]]
+    assert lay.group_members("moe_dp") == [[0], [1], [2], [3]]
+
+
+def test_hybrid_tp8_cp2_ep4_groups():
+    # the issue's example: tp 8, attn_cp 2, ep 4 -> moe_tp 2
+    lay = ParallelLayout(tp_size=8, attn_cp_size=2, ep_size=4)
+    assert (lay.attn_tp_size, lay.moe_tp_size, lay.moe_group_size) == (4, 2, 8)
+    assert lay.decoupled
+    assert lay.group_members("attn_tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.group_members("attn_cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.group_members("moe_tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.group_members("moe_ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.group_members("moe_dp") == lay.group_members("attn_cp")
+    assert lay.group_members("moe") == [list(range(8))]
+
+
+def test_hybrid_tp8_cp4_ep2_groups():
+    lay = ParallelLayout(tp_size=8, attn_cp_size=4, ep_size=2)
+    assert (lay.attn_tp_size, lay.moe_tp_size) == (2, 4)
+    assert lay.group_members("moe_tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.group_members("moe_ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.group_members("attn_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
 def test_pure_moe_tp_groups():
     lay = ParallelLayout(tp_size=4, ep_size=1, moe_dp_size=1)
     assert lay.group_members("moe_tp") == [[0, 1, 2, 3]]
@@ -125,6 +158,10 @@ def test_moe_tp_with_coupled_dp_groups():
         (8, 2, 2, 4, 4, 1, 4),
         (8, 2, 2, 1, 4, 4, 4),
         (8, 1, 1, 1, 8, 8, 8),
+        (4, 1, 1, 2, 4, 2, 4),  # EP x MoE-TP
+        (4, 2, 1, 2, 2, 2, 4),
+        (8, 2, 1, 4, 4, 2, 8),
+        (8, 4, 1, 2, 2, 4, 8),
     ],
 )
 def test_derived_sizes(tp, cp, dp, ep, attn_tp, moe_tp, moe_group):
@@ -160,6 +197,12 @@ def test_defaults_are_one_rank():
         dict(tp_size=8, attn_cp_size=8, moe_dp_size=8, ep_size=1),
         dict(tp_size=2, cp_strategy="interleave"),
         dict(tp_size=1, moe_a2a_backend="alltoall"),  # ep == tp == 1
+        # moe_dp 1: EP x MoE-TP (SGLang checks ep * moe_dp == tp only when moe_dp > 1)
+        dict(tp_size=4, ep_size=2),
+        dict(tp_size=4, attn_cp_size=2, ep_size=2),
+        dict(tp_size=8, attn_cp_size=2, ep_size=4),
+        dict(tp_size=8, attn_cp_size=4, ep_size=2),
+        dict(tp_size=8, attn_cp_size=8, ep_size=2),
     ],
 )
 def test_valid_layouts_accepted(kwargs):
@@ -182,8 +225,10 @@ REJECTED = [
                  ["--ep-size", "--moe-dp-size", "--tp-size"], ["4", "2"], id="ep*dp>tp"),
     pytest.param(dict(tp_size=2, ep_size=4), ["--ep-size", "--tp-size"], ["4", "2"],
                  id="ep>tp"),
-    pytest.param(dict(tp_size=4, ep_size=2), ["--ep-size", "--moe-dp-size", "--tp-size"],
-                 ["2", "4"], id="ep>1-not-filling-tp"),
+    pytest.param(dict(tp_size=4, ep_size=3), ["--ep-size", "--tp-size"], ["3", "4"],
+                 id="ep-not-dividing-tp"),
+    pytest.param(dict(tp_size=8, attn_cp_size=2, ep_size=3), ["--ep-size", "--tp-size"],
+                 ["3", "8"], id="ep-not-dividing-tp-cp"),
     pytest.param(dict(tp_size=8, attn_cp_size=2, moe_dp_size=2, ep_size=2),
                  ["--ep-size", "--moe-dp-size", "--tp-size"], ["2", "8"],
                  id="ep*dp<tp-coupled"),
@@ -194,6 +239,12 @@ REJECTED = [
                       moe_a2a_backend="deepep"),
                  ["--moe-a2a-backend", "--ep-size"], ["deepep", "1", "4"],
                  id="deepep-needs-ep-eq-tp"),
+    pytest.param(dict(tp_size=4, ep_size=2, moe_a2a_backend="alltoall"),
+                 ["--moe-a2a-backend", "--ep-size", "--tp-size", "none"],
+                 ["alltoall", "2", "4"], id="alltoall-refuses-ep-x-moe-tp"),
+    pytest.param(dict(tp_size=8, attn_cp_size=2, ep_size=4, moe_a2a_backend="alltoall_padded"),
+                 ["--moe-a2a-backend", "--ep-size", "--tp-size", "none"],
+                 ["alltoall_padded", "4", "8"], id="padded-refuses-ep-x-moe-tp"),
     pytest.param(dict(tp_size=2, ep_size=1, moe_a2a_backend="mori"),
                  ["--moe-a2a-backend", "--ep-size"], ["mori", "1", "2"],
                  id="mori-needs-ep-eq-tp"),
@@ -355,7 +406,9 @@ def test_check_model_fit_dense_intermediate():
 def test_enumeration_covers_interesting_layouts():
     ids = {_id(lay) for lay in ALL_VALID}
     for want in ("tp1-cp1-dp1-ep1-none", "tp4-cp2-dp1-ep4-none", "tp4-cp2-dp2-ep2-none",
-                 "tp8-cp4-dp1-ep8-alltoall", "tp8-cp8-dp8-ep1-none", "tp8-cp2-dp2-ep1-none"):
+                 "tp8-cp4-dp1-ep8-alltoall", "tp8-cp8-dp8-ep1-none", "tp8-cp2-dp2-ep1-none",
+                 "tp4-cp1-dp1-ep2-none", "tp4-cp2-dp1-ep2-none", "tp8-cp2-dp1-ep4-none",
+                 "tp8-cp4-dp1-ep2-none"):
         assert want in ids
     assert len(ALL_VALID) == sum(
         _rule_ok(lay_tp, cp, dp, ep, b)
@@ -447,6 +500,22 @@ def test_group_shapes_follow_reference(lay: ParallelLayout):
         assert lay.group_members("moe_dp") == lay.group_members("attn_cp")
     else:
         assert lay.group_members("moe_dp") == [list(range(m, tp, blk)) for m in range(blk)]
+
+
+@pytest.mark.parametrize("lay", ALL_VALID, ids=_id)
+def test_ep_and_moe_tp_groups_tile_the_moe_group(lay: ParallelLayout):
+    """Inside each MoE group every EP group meets every MoE-TP group in exactly one rank, so
+    one reduction over the MoE group sums each expert shard once (no EP-then-TP pair)."""
+    for moe in lay.group_members("moe"):
+        eps = [g for g in lay.group_members("moe_ep") if g[0] in moe]
+        tps = [g for g in lay.group_members("moe_tp") if g[0] in moe]
+        assert all(set(g) <= set(moe) for g in eps + tps)
+        assert len(eps) * len(tps) == len(moe)
+        for e in eps:
+            for t in tps:
+                assert len(set(e) & set(t)) == 1, (moe, e, t)
+    if lay.moe_dp_size == 1:
+        assert lay.group_members("moe") == [list(range(lay.tp_size))]
 
 
 def test_unknown_group_kind():

@@ -216,6 +216,9 @@ LAYOUTS = [
     dict(tp_size=8, attn_cp_size=4, ep_size=8),  # one expert per rank
     dict(tp_size=8, ep_size=8),  # attn_tp 8: each KV head on 4 ranks
     dict(tp_size=8, attn_cp_size=2, moe_dp_size=2, ep_size=1),  # MoE-TP 4, 2 expert copies
+    dict(tp_size=4, ep_size=2),  # EP 2 x MoE-TP 2
+    dict(tp_size=8, attn_cp_size=2, ep_size=4),  # EP 4 x MoE-TP 2
+    dict(tp_size=8, attn_cp_size=4, ep_size=2),  # EP 2 x MoE-TP 4
 ]
 
 
@@ -309,6 +312,56 @@ def test_sharded_moe_tp_intermediate_slices(ckpt):
         se = model.model.layers[0].mlp.shared_expert
         assert torch.equal(se.gate_proj.weight,
                            hf["model.layers.0.mlp.shared_expert.gate_proj.weight"])
+
+
+class _CountingHandle:
+    """A safetensors handle that counts the elements each slice read returns."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.read = handle, 0
+
+    def keys(self):
+        return self.handle.keys()
+
+    def get_slice(self, name):
+        sl, outer = self.handle.get_slice(name), self
+
+        class _Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, index):
+                data = sl[index]
+                outer.read += data.numel()
+                return data
+
+        return _Slice()
+
+
+@pytest.mark.parametrize("layout_kwargs", [dict(tp_size=4, ep_size=2),
+                                           dict(tp_size=8, attn_cp_size=4, ep_size=2)],
+                         ids=_layout_id)
+def test_hybrid_ranks_read_only_their_expert_slices(layout_kwargs, ckpt):
+    """EP x MoE-TP: each rank reads exactly its experts' intermediate slices from the file
+    (elements read == elements of its shard), and the shards of one MoE group together
+    read every expert element exactly once."""
+    from cpmoe.loader import fill_parameters
+
+    model_dir, hf = ckpt["qwen2_moe"]
+    layout = ParallelLayout(**layout_kwargs)
+    cfg, _ = load_model_config(model_dir)
+    expert_reads = 0
+    for rank in range(layout.world_size):
+        model = QwenMoeForCausalLM(cfg, rank_groups(layout, rank), torch.float32)
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as h:
+            counting = _CountingHandle(h)
+            fill_parameters(model, [(model_dir / "model.safetensors", counting)], str(model_dir),
+                            show_progress=False, tied_embeddings=False)
+        params = dict(model.named_parameters())
+        assert counting.read == sum(p.numel() for p in params.values()), rank
+        expert_reads += sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
+    full_experts = sum(t.numel() for n, t in hf.items() if ".mlp.experts." in n)
+    assert expert_reads == full_experts  # moe_dp 1: one copy of the experts over the world
 
 
 # ---- sharded checkpoint files (model.safetensors.index.json) -----------------------------

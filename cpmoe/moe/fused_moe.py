@@ -1,0 +1,185 @@
+"""Routed experts for few rows (decode), in three Triton kernels that never sync with the host.
+
+A decode step routes M rows x top-K slots to E local experts. The grouped GEMM of prefill
+(`torch.nn.functional.grouped_mm`) needs the slots sorted by expert (a radix sort per layer)
+and reads every expert's weights through a generic grouped kernel; at decode sizes the step
+is a memory-bound read of the used experts' weights, so this path is built around that read:
+
+1. `_align_kernel`, one program per expert: scans the M*K slot ids and writes the slots routed
+   to that expert, in slot order, into `slots[e, :count[e]]` (no sort, no host count).
+2. `_expert_gemm_kernel` with GATED: program (e, n-block) reads expert e's gate and up rows
+   n-block once, multiplies every slot routed to e (BLOCK_M at a time) and writes
+   SiLU(gate) * up for those slots. An expert no slot chose exits before reading a byte.
+3. the same kernel, not GATED, with the down projection -> one output row per slot.
+4. `_slot_sum_kernel`: each row's routing-weighted sum over its K slots (a slot of another
+   EP rank's expert, id -1, is not read).
+Few kernels matter as much as few bytes: inside a CUDA graph each kernel still costs about a
+microsecond of issue, and a 48-layer step runs each of these 48 times.
+
+Rounding: the activation is computed from the float32 accumulators and rounded to the weight
+dtype once, where the grouped path rounds the gate/up output first; both are within the bf16
+rounding of the float32 reference.
+
+Legend: M rows, K top-k slots, P = M*K slots, E local experts, H hidden, I local intermediate.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the experts' loop path runs instead
+    triton = None
+
+MAX_SLOTS = 4096  # the decode path serves up to this many (row, slot) pairs per layer
+
+
+def usable(x_MH: torch.Tensor, slots: int) -> bool:
+    """Few slots, and on CUDA a 16-bit dtype (tl.dot would round float32 inputs to TF32; the
+    float32 path on CUDA is a reference and keeps the loop). The interpreter computes in
+    float32 exactly."""
+    if triton is None or slots > MAX_SLOTS:
+        return False
+    if x_MH.is_cuda:
+        return x_MH.dtype in (torch.bfloat16, torch.float16)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: torch.Tensor,
+                  gate_up_EnH: torch.Tensor, down_EHI: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[m, k] * down[e] @ silu_and_mul(gate_up[e] @ x[m]) with e = ids[m, k]
+    (id -1: another rank's expert, skipped) -> [M, H] in x's dtype."""
+    M, K = local_ids_MK.shape
+    E, two_i, H = gate_up_EnH.shape
+    I = two_i // 2
+    P = M * K
+    dev = x_MH.device
+    ids_P = local_ids_MK.reshape(P)
+    slots = torch.empty(E, P, dtype=torch.int32, device=dev)  # room for any routing
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)))
+    block_m = _block_m(P, E)
+    active = min(E, P)  # experts with work, at most
+    act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
+    _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
+          block_m=block_m, active=active)
+    y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
+    _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False, block_m=block_m,
+          active=active)
+    out = torch.empty_like(x_MH)
+    block = min(1024, _pow2(H))
+    _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
+                                                  K=K, BLOCK=block)
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_m(slots: int, experts: int) -> int:
+    """Rows per tile: twice the mean slots per expert, 16 (tl.dot's least) to 64, so a busy
+    expert's weights are read once or twice rather than once per 16 rows."""
+    return max(16, min(64, _pow2(-(-2 * slots // experts))))
+
+
+def _block_n(N: int, active: int, programs: int) -> int:
+    """Output columns per program: 64, or fewer when the experts with work would leave the
+    GPU's SMs idle (batch 1 has 8 experts at work: 16 columns give each SM a few tiles)."""
+    block_n = 64
+    while block_n > 16 and active * -(-N // block_n) < programs:
+        block_n //= 2
+    return block_n
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if (
+        device.type == "cuda") else 4
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+          out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool, block_m: int,
+          active: int) -> None:
+    E, n_rows, k_dim = w.shape
+    N = n_rows // 2 if gated else n_rows
+    block_n = _block_n(N, active, 2 * _sm_count(a.device))
+    block_k = 128 if k_dim >= 128 else _pow2(max(16, k_dim))
+    _expert_gemm_kernel[(E, triton.cdiv(N, block_n))](
+        a, w, slots, counts, out, N, k_dim, slots.shape[1], top_k if row_of_slot else 1,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=4)
+
+
+if triton is not None:
+    @triton.jit
+    def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, BLOCK_P: tl.constexpr):
+        e = tl.program_id(0)
+        base = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+            hit = (ids == e).to(tl.int32)
+            at = base + tl.cumsum(hit, axis=0) - 1
+            tl.store(slots_ptr + e * cap + at, p, mask=hit != 0)
+            base += tl.sum(hit, axis=0)
+        tl.store(counts_ptr + e, base)
+
+    @triton.jit
+    def _slot_sum_kernel(y_ptr, ids_ptr, weight_ptr, out_ptr, H, K: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            p = row * K + k
+            w = tl.load(weight_ptr + p).to(tl.float32)
+            local = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(ids_ptr + p)) >= 0
+            vals = tl.load(y_ptr + p * H + cols, mask=mask & local, other=0.0)
+            acc += w * vals.to(tl.float32)
+        tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _expert_gemm_kernel(a_ptr, w_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM, cap,
+                            rows_per_a, stride_a, stride_we, stride_wn, stride_out,
+                            GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
+        rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
+        then up rows, and out gets SiLU(gate) * up."""
+        e = tl.program_id(0)
+        count = tl.load(counts_ptr + e)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        for m0 in range(0, count, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < count
+            p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
+            a_rows = a_ptr + (p // rows_per_a) * stride_a
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K_DIM, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K_DIM
+                a = tl.load(a_rows[:, None] + offs_k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w_mask = k_ok[:, None] & n_ok[None, :]
+                w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask,
+                            other=0.0)
+                acc = tl.dot(a, w, acc)
+                if GATED:
+                    u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                                mask=w_mask, other=0.0)
+                    acc_up = tl.dot(a, u, acc_up)
+            if GATED:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

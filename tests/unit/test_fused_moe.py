@@ -1,0 +1,45 @@
+"""The decode experts' Triton kernels (moe/fused_moe.py) against the experts' loop path, one
+matmul pair per expert in float32 (Triton's CPU interpreter, in a subprocess since
+TRITON_INTERPRET is read at import; skipped where Triton is not installed). The GPU test in
+tests/gpu/test_cuda_paths.py checks bf16 on CUDA."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+_CASES = r"""
+import torch
+from cpmoe.moe import fused_moe
+from cpmoe.moe.experts import LocalExperts
+assert fused_moe.usable(torch.zeros(1), 1), "interpreter not active"
+torch.manual_seed(0)
+# (rows, top-k, local experts, hidden, intermediate): a row per expert and several rows on
+# one expert (more than a 16-row tile), widths off the tile sizes, other ranks' slots (-1)
+for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16)):
+    m = LocalExperts(E, H, I, torch.float32)
+    torch.nn.init.normal_(m.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(m.down_proj, std=0.2)
+    x = torch.randn(M, H)
+    ids = torch.stack([torch.randperm(E + 2)[:K] for _ in range(M)]) - 2  # some -1 and -2
+    ids = torch.where(ids < 0, -1, ids)
+    w = torch.rand(M, K)
+    want = m._forward_loop(x, ids, w)
+    got = fused_moe.fused_experts(x, ids, w, m.gate_up_proj, m.down_proj)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    none = torch.full_like(ids, -1)  # no slot on this rank: zeros, nothing read
+    assert torch.equal(fused_moe.fused_experts(x, none, w, m.gate_up_proj, m.down_proj),
+                       torch.zeros_like(x))
+print("fused moe ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_fused_decode_experts_match_the_loop_in_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _CASES], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused moe ok" in out.stdout
