@@ -142,3 +142,12 @@ def test_provenance_check_tells_this_trees_files_from_others(tmp_path: Path):
     assert pv.main(["--check", str(theirs)]) == 1
     ok, line = pv.check_file(bare)
     assert not ok and "no provenance" in line
+
+
+def test_report_command_reprints_a_result_file_with_both_mfu_columns(capsys):
+    path = REPO_ROOT / "bench/results/qwen3-30b-a3b-1gpu-20261130.json"
+    assert rp.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| tp=1 | 4096 |"))
+    assert "| 38.8% | 48.5% |" in row  # datasheet peak, then measured ceiling
+    assert rp.main([]) == 2
