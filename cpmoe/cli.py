@@ -18,6 +18,7 @@ import torch
 from cpmoe import communicator as cm
 from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
+from cpmoe.context import context_length, over_context
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
@@ -55,6 +56,28 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 "
                    "(default: float32 on cpu, bfloat16 on cuda)")
+
+
+def add_context_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-length", type=int, default=None,
+                   help="most positions of one sequence, prompt + new tokens (default: the "
+                        "model's max_position_embeddings; only a shorter one can be set)")
+
+
+def context_from_args(args: argparse.Namespace, cfg) -> int:
+    try:
+        return context_length(cfg.max_position_embeddings, args.context_length)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def check_context(lengths: list[int], max_tokens: int, context: int, max_flag: str) -> None:
+    """One line for the first prompt (of `lengths`) that does not fit the context length."""
+    for i, n in enumerate(lengths):
+        what = "prompt" if len(lengths) == 1 else f"prompt {i}"
+        refusal = over_context(n, max_tokens, context, what, max_flag)
+        if refusal:
+            raise InputError(refusal)
 
 
 def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:
@@ -210,6 +233,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from cpmoe.engine.tasks import RunSpec, prefill_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     seqs = read_id_batch(args.input_ids_file, cfg.vocab_size)
+    check_context([len(q) for q in seqs], 0, context_from_args(args, cfg), "")
     out_path = Path(args.dump_logits)
     if not out_path.parent.is_dir():
         raise InputError(f"--dump-logits {out_path}: folder {out_path.parent} does not exist")
@@ -266,6 +290,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_context([len(p) for p in prompts], args.max_new_tokens, context_from_args(args, cfg),
+                  "--max-new-tokens")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
@@ -314,6 +340,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.prompts < 1 or not lengths or min(lengths) < 1:
         raise InputError(f"--prompts {args.prompts} and --lengths {args.lengths} must be "
                          f"positive")
+    context = context_from_args(args, cfg)
+    if max(lengths) > context:
+        raise InputError(f"--lengths {args.lengths}: {max(lengths)} tokens exceed the context "
+                         f"length of {context} tokens")
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (lengths[i % len(lengths)],),
                              generator=gen).tolist() for i in range(args.prompts)]
@@ -372,6 +402,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cpmoe.serve.options import BindError, ServeOptions
     layout, model_dir, cfg, device, dtype = resolve(args)
     engine = engine_options(args)
+    context = context_from_args(args, cfg)
     try:
         opts = ServeOptions.from_args(args)
     except ValueError as e:
@@ -381,7 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
     from cpmoe.serve.server import serve  # web framework imports only for this command
     try:
-        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)
+        return serve(opts, engine, layout, model_dir, cfg, context, device, dtype, tokenizer)
     except BindError as e:
         raise InputError(str(e)) from None
 
@@ -407,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.add_argument("--input-ids-file", type=Path, required=True)
     p.add_argument("--dump-logits", type=Path, required=True)
+    add_context_flag(p)
     p.set_defaults(fn=cmd_prefill)
     p = sub.add_parser("generate", help="greedy generation")
     add_layout_flags(p)
@@ -420,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    add_context_flag(p)
     add_engine_flags(p, "what the prompts need at once on CPU; --mem-fraction-static on CUDA")
     p.add_argument("--json", action="store_true", help="print tokens and text as JSON")
     p.add_argument("--verbose", action="store_true", help="per-rank memory and timings")
@@ -431,12 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="17,64,129")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    add_context_flag(p)
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     add_layout_flags(p)
     add_model_flags(p)
     add_serve_arguments(p)
+    add_context_flag(p)
     add_engine_flags(p, "16384 on CPU; --mem-fraction-static on CUDA")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
