@@ -500,9 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cpmoe: error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:
-        kind = e.summary.split(": ", 2)
-        if len(kind) == 3 and kind[1] in {c.__name__ for c in USER_ERRORS}:
-            print(f"cpmoe: error: {kind[2]} ({kind[0]})", file=sys.stderr)
+        if isinstance(e.error, USER_ERRORS):  # the same line and exit code as on one rank
+            print(f"cpmoe: error: {e.error}", file=sys.stderr)
             return 2
         print(f"cpmoe: {e}", file=sys.stderr)
         return 1

@@ -44,14 +44,18 @@ _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
 class RankFailure(RuntimeError):
-    """A rank raised or died; ``str()`` is one summary line followed by the rank's traceback."""
+    """A rank raised or died; ``str()`` is one summary line followed by the rank's traceback.
+    ``error``: the exception the rank raised, when it could be pickled back (so a caller can
+    tell a user error, e.g. a bad checkpoint, from a bug by its type), else None."""
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str | None = None) -> None:
+    def __init__(self, rank: int, summary: str, remote_traceback: str | None = None,
+                 error: BaseException | None = None) -> None:
         super().__init__(f"{summary}\n{remote_traceback.rstrip()}" if remote_traceback else summary)
         self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
+        self.error = error
 
     def __reduce__(self) -> tuple[Any, ...]:  # default pickling replays args: wrong signature
-        return (RankFailure, (self.rank, self.summary, self.remote_traceback))
+        return (RankFailure, (self.rank, self.summary, self.remote_traceback, self.error))
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,26 @@ def _fail(conn: Connection, err: BaseException) -> NoReturn:
     lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
     try:
         conn.send(("error", lines[0] if lines else type(err).__name__,
-                   "".join(traceback.format_exception(err)), time.monotonic()))
+                   "".join(traceback.format_exception(err)), time.monotonic(), _pickled(err)))
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a broken stream must not mask the error
                 stream.flush()
         os._exit(1)  # destructors of a group whose peers are mid-collective could block
+
+
+def _pickled(err: BaseException) -> bytes | None:
+    try:
+        return pickle.dumps(err, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001  (an unpicklable error still reports its traceback)
+        return None
+
+
+def _unpickled(raw: bytes | None) -> BaseException | None:
+    try:
+        return None if raw is None else pickle.loads(raw)
+    except Exception:  # noqa: BLE001  (e.g. a class the parent cannot import)
+        return None
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -272,7 +290,7 @@ class RankPool:
         while pending:
             wait([state.results[r] for r in pending] + [p.sentinel for p in state.procs],
                  timeout=_POLL_S)
-            errors: list[tuple[float, int, str, str]] = []
+            errors: list[tuple[float, int, str, str, bytes | None]] = []
             deaths: list[int] = []
             for rank, (proc, conn) in enumerate(zip(state.procs, state.results)):
                 # Judge the exit only after draining: a rank's traceback precedes its death.
@@ -281,7 +299,7 @@ class RankPool:
                     while conn.poll():
                         msg = conn.recv()
                         if msg[0] == "error":
-                            errors.append((msg[3], rank, msg[1], msg[2]))
+                            errors.append((msg[3], rank, msg[1], msg[2], msg[4]))
                         elif msg[0] == kind and msg[1] == task_id:
                             results[rank] = None if msg[2] is None else pickle.loads(msg[2])
                             pending.discard(rank)
@@ -295,8 +313,8 @@ class RankPool:
                 sig = {-s.value: f" ({s.name})" for s in signal.Signals}.get(code or 0, "")
                 raise RankFailure(deaths[0], f"rank {deaths[0]} died: exit code {code}{sig}")
             if errors:
-                _, rank, headline, tb = min(errors)  # earliest failure, by the ranks' own clocks
-                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb)
+                _, rank, headline, tb, err = min(errors, key=lambda e: e[:2])  # earliest
+                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb, _unpickled(err))
             if deadline is not None and time.monotonic() > deadline:
                 for rank in pending:  # a hang is a bug: faulthandler prints each rank's stacks
                     with contextlib.suppress(OSError, AttributeError):  # gone, or no SIGUSR1

@@ -1,0 +1,170 @@
+"""What a new user meets first, run through the real CLI (`python -m cpmoe.cli`, CPU):
+the context length is enforced before any work, and bad input gives one line and exit 2 at
+every world size -- a rank's user error (a broken checkpoint) surfaces exactly as on one
+rank, with no traceback.
+
+Checkpoints here are the conftest's tiny Qwen3-MoE (vocab 256, no tokenizer), broken in one
+way each. Calls run two at a time (each tp 2 call starts two ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.e2e.test_cli import Cli, CliResult, shown_lines
+
+TP2 = ("--tp-size", "2", "--attn-cp-size", "2", "--ep-size", "2")
+IDS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("first-use")
+
+
+@pytest.fixture(scope="module")
+def cli(workdir) -> Cli:
+    return Cli(workdir, workdir / "cache")
+
+
+@pytest.fixture(scope="module")
+def ids_file(workdir) -> Path:
+    path = workdir / "ids.json"
+    path.write_text(json.dumps(IDS))
+    return path
+
+
+def assert_one_line(res: CliResult, *named: str) -> str:
+    """Exit 2, exactly one `cpmoe: error:` line (as a terminal shows stderr) naming each of
+    `named`, no traceback, nothing on stdout -> the line."""
+    lines = shown_lines(res.stderr)
+    assert res.returncode == 2, res.describe()
+    assert len(lines) == 1 and lines[0].startswith("cpmoe: error: "), res.describe()
+    assert "Traceback" not in res.stderr and res.stdout == "", res.describe()
+    for text in named:
+        assert text in lines[0], f"{text!r} not named\n{res.describe()}"
+    return lines[0]
+
+
+# ---- context length -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_model(make_hf_checkpoint) -> Path:
+    return make_hf_checkpoint("qwen3_moe", max_position_embeddings=512)[1]
+
+
+@pytest.fixture(scope="module")
+def context_runs(cli, workdir, short_model) -> dict[str, CliResult]:
+    long_ids = ",".join(["5"] * 594)
+    long_file = workdir / "long.json"
+    long_file.write_text(json.dumps([[5] * 600]))
+    out = workdir / "long.safetensors"
+    calls = {
+        "generate-594-on-512": ("generate", "--model", short_model, "--input-ids", long_ids),
+        "generate-flag-lowers": ("generate", "--model", short_model, "--input-ids", "1,2,3,4",
+                                 "--max-new-tokens", "8", "--context-length", "10"),
+        "generate-flag-too-long": ("generate", "--model", short_model, "--input-ids", "1,2",
+                                   "--context-length", "1024"),
+        "prefill-600-on-512": ("prefill", "--model", short_model, "--input-ids-file", long_file,
+                               "--dump-logits", out),
+        "check-lengths-on-512": ("check", "--model", short_model, "--lengths", "17,600"),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(cli, *v) for k, v in calls.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_generate_refuses_prompt_plus_new_tokens_beyond_the_models_positions(context_runs):
+    line = assert_one_line(context_runs["generate-594-on-512"])
+    assert line == ("cpmoe: error: prompt of 594 tokens + --max-new-tokens 32 = 626 tokens "
+                    "exceeds the context length of 512 tokens")
+    assert context_runs["generate-594-on-512"].ranks_spawned() == 0
+
+
+def test_context_length_flag_lowers_the_limit_and_cannot_raise_it(context_runs):
+    assert_one_line(context_runs["generate-flag-lowers"], "4 tokens + --max-new-tokens 8 = 12",
+                    "context length of 10 tokens")
+    assert_one_line(context_runs["generate-flag-too-long"], "--context-length 1024",
+                    "model's 512 positions")
+
+
+def test_prefill_and_check_refuse_prompts_beyond_the_context_length(context_runs, workdir):
+    assert_one_line(context_runs["prefill-600-on-512"], "prompt of 600 tokens",
+                    "context length of 512 tokens")
+    assert not (workdir / "long.safetensors").exists()
+    assert_one_line(context_runs["check-lengths-on-512"], "--lengths 17,600", "512")
+
+
+# ---- a broken checkpoint at tp 2: the tp 1 line, exit 2 ----------------------------------------
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _truncate(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return dst
+
+
+def _sharded_without_one_shard(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(dst / file))
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    (dst / "model-00002-of-00002.safetensors").unlink()
+    return dst
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+BROKEN = {
+    "truncated-file": (_truncate, "unreadable safetensors file"),
+    "missing-tensor": (lambda s, d: _rewrite(s, d, lambda t: t.pop(Q_PROJ)), Q_PROJ),
+    "extra-tensor": (lambda s, d: _rewrite(s, d, lambda t: t.update(
+        {"model.layers.0.self_attn.bogus.weight": t[Q_PROJ].clone()})), "bogus"),
+    "misshaped-tensor": (lambda s, d: _rewrite(s, d, lambda t: t.update(
+        {Q_PROJ: t[Q_PROJ][:-1].clone()})), Q_PROJ),
+    "deleted-shard": (_sharded_without_one_shard, "model-00002-of-00002.safetensors"),
+}
+
+
+@pytest.fixture(scope="module")
+def broken_runs(cli, workdir, ids_file, qwen3_moe_dir) -> dict[tuple[str, int], CliResult]:
+    """(case, tp) -> the prefill run on that broken checkpoint, at tp 1 and tp 2."""
+    calls = {}
+    for case, (make, _) in BROKEN.items():
+        model = make(qwen3_moe_dir, workdir / case)
+        for tp, flags in ((1, ()), (2, TP2)):
+            calls[(case, tp)] = ("prefill", "--model", model, *flags, "--input-ids-file",
+                                 ids_file, "--dump-logits", workdir / f"{case}-{tp}.out")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(cli, *v) for k, v in calls.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_checkpoint_at_tp2_is_the_tp1_line_and_exit_2(broken_runs, workdir, case):
+    named = BROKEN[case][1]
+    one = assert_one_line(broken_runs[(case, 1)], named)
+    two = assert_one_line(broken_runs[(case, 2)], named)
+    assert two == one
+    assert broken_runs[(case, 2)].ranks_spawned() == 2
+    assert "leaked" not in broken_runs[(case, 2)].stderr
+    assert not (workdir / f"{case}-2.out").exists()
