@@ -168,3 +168,40 @@ def test_broken_checkpoint_at_tp2_is_the_tp1_line_and_exit_2(broken_runs, workdi
     assert broken_runs[(case, 2)].ranks_spawned() == 2
     assert "leaked" not in broken_runs[(case, 2)].stderr
     assert not (workdir / f"{case}-2.out").exists()
+
+
+# ---- other user errors at tp 2: the tp 1 line, exit 2, no rank started ---------------------
+
+@pytest.fixture(scope="module")
+def input_runs(cli, workdir, ids_file, qwen3_moe_dir) -> dict[tuple[str, int], CliResult]:
+    bad_config = workdir / "yarn-config"
+    shutil.copytree(qwen3_moe_dir, bad_config)
+    raw = json.loads((bad_config / "config.json").read_text())
+    del raw["num_attention_heads"]
+    (bad_config / "config.json").write_text(json.dumps(raw))
+    bad_ids = workdir / "bad-ids.json"
+    bad_ids.write_text(json.dumps([[1, 2, 256]]))
+    cases = {
+        "config": ("prefill", "--model", bad_config, "--input-ids-file", ids_file,
+                   "--dump-logits", workdir / "x.out"),
+        "input-ids": ("prefill", "--model", qwen3_moe_dir, "--input-ids-file", bad_ids,
+                      "--dump-logits", workdir / "x.out"),
+        "cache-size": ("generate", "--model", qwen3_moe_dir, "--input-ids", "1,2,3",
+                       "--max-total-tokens", "16", "--max-new-tokens", "40"),
+    }
+    calls = {(case, tp): (*args, *flags) for case, args in cases.items()
+             for tp, flags in ((1, ()), (2, TP2))}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(cli, *v) for k, v in calls.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("case,named", [("config", "missing field 'num_attention_heads'"),
+                                        ("input-ids", "token id 256"),
+                                        ("cache-size", "--max-total-tokens 16")])
+def test_bad_input_at_tp2_is_one_line_before_any_rank(input_runs, case, named):
+    one = assert_one_line(input_runs[(case, 1)], named)
+    two = assert_one_line(input_runs[(case, 2)], named)
+    if case != "cache-size":  # there the slots needed differ: CP shards a prompt's KV
+        assert two == one
+    assert input_runs[(case, 2)].ranks_spawned() == 0
