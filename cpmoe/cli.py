@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
-from cpmoe.parallel.launch import RankFailure, launch
+from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
 
@@ -34,6 +35,7 @@ class InputError(ValueError):
     """Bad user input other than layout/config; one line naming the flag or file."""
 
 
+TORCHRUN_QUIET_EXIT_S = 2.0  # how long a silent rank waits before exiting on bad input
 USER_ERRORS = (LayoutError, ConfigError, LoadError, InputError, MissingBackendError,
                CacheFullError)
 
@@ -142,6 +144,10 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
                             moe_dp_size=args.moe_dp_size, ep_size=args.ep_size,
                             moe_a2a_backend=args.moe_a2a_backend, cp_strategy=args.cp_strategy)
     check_backend_available(layout.moe_a2a_backend)
+    if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != layout.world_size:
+        raise LayoutError(f"--tp-size {layout.tp_size}: torchrun started WORLD_SIZE="
+                          f"{os.environ['WORLD_SIZE']} processes; nnodes x nproc-per-node "
+                          f"must equal the layout's {layout.world_size} ranks")
     return layout
 
 
@@ -493,18 +499,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0; 2 after one `cpmoe: error:` line for bad input (checked before any rank, or
+    raised on a rank); 1 after a rank failed (its error); 130 on Ctrl-C (ranks stopped).
+    Under torchrun every process runs this: input checked before the ranks meet is the same
+    on all of them, so only rank 0 prints it; a peer that lost its partner prints one line."""
     args = build_parser().parse_args(argv)
+    rank = torchrun_rank()
     try:
         return args.fn(args)
     except USER_ERRORS as e:
-        print(f"cpmoe: error: {e}", file=sys.stderr)
+        if not rank:
+            print(f"cpmoe: error: {e}", file=sys.stderr)
+        else:  # torchrun stops the others when one exits: let rank 0 print first
+            time.sleep(TORCHRUN_QUIET_EXIT_S)
         return 2
     except RankFailure as e:
         if isinstance(e.error, USER_ERRORS):  # the same line and exit code as on one rank
             print(f"cpmoe: error: {e.error}", file=sys.stderr)
             return 2
+        lost = peer_loss(e.error) if rank is not None else None
+        if lost:
+            print(f"cpmoe: rank {rank} stopped: a peer rank left the job ({lost}); the root "
+                  f"error is in that rank's output", file=sys.stderr)
+            return 1
         print(f"cpmoe: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a pool has killed its ranks on the way out
+        print("cpmoe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -80,15 +80,47 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
 
 def _fail(conn: Connection, err: BaseException) -> NoReturn:
     """Report err to the parent, then leave without interpreter teardown."""
-    lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
     try:
-        conn.send(("error", lines[0] if lines else type(err).__name__,
-                   "".join(traceback.format_exception(err)), time.monotonic(), _pickled(err)))
+        conn.send(("error", _headline(err), "".join(traceback.format_exception(err)),
+                   time.monotonic(), _pickled(err)))
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a broken stream must not mask the error
                 stream.flush()
         os._exit(1)  # destructors of a group whose peers are mid-collective could block
+
+
+def torchrun_rank() -> int | None:
+    """This process's global rank when torchrun (or any env:// launcher) started it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+# How a peer's death reads in this rank's collectives (gloo's tcp transport, NCCL's
+# DistBackendError): the peer's own log holds the root error, this one adds nothing.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Connection refused", "NCCL communicator was aborted")
+
+
+def peer_loss(err: BaseException | None) -> str | None:
+    """How a collective failed because another rank went away ("Connection reset by peer"),
+    or None when `err` is not that."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    if not isinstance(err, RuntimeError) or not (isinstance(err, backend_error)
+                                                 or "gloo" in str(err)):
+        return None
+    return next((text for text in _PEER_LOSS if text in str(err)), None)
+
+
+def _headline(err: BaseException) -> str:
+    lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _failure(rank: int, err: BaseException) -> RankFailure:
+    return RankFailure(rank, f"rank {rank} failed: {_headline(err)}",
+                       "".join(traceback.format_exception(err)), err)
 
 
 def _pickled(err: BaseException) -> bytes | None:
@@ -341,9 +373,11 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
            collective_timeout_s: float = 600.0, **kwargs: Any) -> Any:
     """Run fn(info, *args, **kwargs) for a CLI command; return this rank's (or rank 0's) result.
     collective_timeout_s bounds how long a rank waits in one collective for its peers (a
-    rank that dies ends the job at once anyway; this only catches peers that stall)."""
+    rank that dies ends the job at once anyway; this only catches peers that stall).
+    Under torchrun this process is one rank: an exception of fn is raised as this rank's
+    RankFailure (`error` = the exception), as a pool raises it."""
     kind = _device_type(device)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join it
+    if torchrun_rank() is not None:  # started by torchrun: join it
         if (env_world := int(os.environ["WORLD_SIZE"])) != world_size:
             raise ValueError(f"launched with WORLD_SIZE={env_world} (torchrun) but the command "
                              f"asks for world_size={world_size}; make them match")
@@ -355,6 +389,8 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
                                 world_size=world_size)
         try:
             return fn(RankInfo(rank, world_size, _rank_device(kind, local_rank)), *args, **kwargs)
+        except Exception as err:  # as from a pool: the caller tells user errors by `error`
+            raise _failure(rank, err) from None
         finally:
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups
     if world_size == 1:  # no process group: single-rank code paths must not need one

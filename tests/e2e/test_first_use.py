@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -205,3 +206,48 @@ def test_bad_input_at_tp2_is_one_line_before_any_rank(input_runs, case, named):
     if case != "cache-size":  # there the slots needed differ: CP shards a prompt's KV
         assert two == one
     assert input_runs[(case, 2)].ranks_spawned() == 0
+
+
+# ---- under torchrun: one process per rank, started by the launcher ---------------------------
+
+def _torchrun_world(cli: Cli, n: int, *args, env: dict[str, str] | None = None
+                    ) -> list[CliResult]:
+    """The CLI as torchrun starts it: n processes with RANK / WORLD_SIZE / MASTER_* set
+    (rank 0 hosts the store on a free port) -> each rank's result, by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def rank(r: int) -> CliResult:
+        return cli(*args, env={**(env or {}), "RANK": str(r), "LOCAL_RANK": str(r),
+                               "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(rank, range(n)))
+
+
+def test_bad_input_under_torchrun_is_one_line_from_rank_0_only(cli, qwen3_moe_dir, ids_file,
+                                                               workdir):
+    ranks = _torchrun_world(cli, 2, "prefill", "--model", qwen3_moe_dir, "--tp-size", "4",
+                            "--attn-cp-size", "2", "--input-ids-file", ids_file,
+                            "--dump-logits", workdir / "tr.out")
+    assert_one_line(ranks[0], "--tp-size 4", "WORLD_SIZE=2", "4 ranks")
+    assert ranks[1].returncode == 2 and ranks[1].stderr == "" and ranks[1].stdout == "", \
+        ranks[1].describe()
+
+
+def test_a_failing_torchrun_rank_shows_its_error_and_its_peer_one_line(cli, qwen3_moe_dir):
+    ranks = _torchrun_world(cli, 2, "generate", "--model", qwen3_moe_dir, "--tp-size", "2",
+                            "--attn-cp-size", "2", "--input-ids", "1,2,3",
+                            env={"CPMOE_INJECT_FAULT": "1:1"})
+    root, peer = ranks[1], ranks[0]
+    assert root.returncode == 1, root.describe()
+    assert shown_lines(root.stderr)[0].startswith("cpmoe: rank 1 failed: RuntimeError: "
+                                                  "injected fault at layer 1"), root.describe()
+    assert root.stderr.count("injected fault at layer 1") == 2  # the summary and its traceback
+    assert peer.returncode == 1, peer.describe()
+    lines = shown_lines(peer.stderr)
+    assert len(lines) == 1, peer.describe()
+    assert lines[0].startswith("cpmoe: rank 0 stopped: a peer rank left the job ("), lines
+    assert lines[0].endswith("); the root error is in that rank's output"), lines
