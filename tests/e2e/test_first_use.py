@@ -10,14 +10,21 @@ way each. Calls run two at a time (each tp 2 call starts two ranks).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.e2e._serve_helpers import REPO_ROOT, marked_processes
 from tests.e2e.test_cli import Cli, CliResult, shown_lines
 
 TP2 = ("--tp-size", "2", "--attn-cp-size", "2", "--ep-size", "2")
@@ -251,3 +258,34 @@ def test_a_failing_torchrun_rank_shows_its_error_and_its_peer_one_line(cli, qwen
     assert len(lines) == 1, peer.describe()
     assert lines[0].startswith("cpmoe: rank 0 stopped: a peer rank left the job ("), lines
     assert lines[0].endswith("); the root error is in that rank's output"), lines
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------
+
+def test_ctrl_c_stops_the_ranks_and_exits_130_without_a_traceback(cli, qwen3_moe_dir):
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "CPMOE_CACHE_DIR": str(cli.cache_dir), "CPMOE_E2E_MARKER": marker,
+           "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpmoe.cli", "generate", "--model", str(qwen3_moe_dir), *TP2,
+         "--input-ids", "1,2,3", "--max-new-tokens", "20000", "--device", "cpu"],
+        env=env, cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True)  # its own process group, as a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 120
+        while sum("spawn_main" in cmd for _, _, cmd in marked_processes(marker)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(3.0)  # the ranks are loading or generating
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.decode()
+    assert err.decode() == "cpmoe: interrupted\n" and out == b""
+    deadline = time.monotonic() + 10
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_processes(marker) == []
