@@ -8,6 +8,7 @@ writing output. A failing rank ends the whole job (exit 1) with its error shown.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -317,12 +318,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if res is None:
         return 0
     texts = [tokenizer.decode(t) if tokenizer is not None else None for t in res.tokens]
+    if args.model is None:
+        print(f"cpmoe: note: the built-in {DEFAULT_MODEL_NAME} has random weights, so its "
+              f"tokens are noise; give --model DIR for a real checkpoint", file=sys.stderr)
     if args.json:
         print(json.dumps([{"prompt": i, "tokens": t, "text": x}
                           for i, (t, x) in enumerate(zip(res.tokens, texts))]))
     else:
         for i, (t, x) in enumerate(zip(res.tokens, texts)):
-            shown = x if x is not None and args.input_ids is None else ",".join(map(str, t))
+            shown = (escape_text(x) if x is not None and args.input_ids is None
+                     else ",".join(map(str, t)))
             print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
@@ -333,6 +338,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"CUDA graphs {res.graph_bytes / 2**20:.1f} MiB; prefill {res.prefill_s:.3f} s, "
               f"{res.decode_steps} decode steps {res.decode_s:.3f} s", file=sys.stderr)
     return 0
+
+
+def escape_text(text: str) -> str:
+    """Generated text safe for a terminal: control and other unprintable characters (an
+    escape sequence, a bell, a stray byte's control code) as Python escapes; newlines and
+    tabs stay."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -431,6 +444,28 @@ def _tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+class _Help(argparse.HelpFormatter):
+    """--help lists every flag's default (flags whose help already names it excepted)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return (bool(action.option_strings) and action.default is not None
+                and action.default is not False and action.default != argparse.SUPPRESS
+                and "default" not in (action.help or ""))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # argparse skips empty help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not self._shows_default(action) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -446,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-logits", type=Path, required=True)
     add_context_flag(p)
     p.set_defaults(fn=cmd_prefill)
-    p = sub.add_parser("generate", help="greedy generation")
+    p = sub.add_parser("generate", help="generate tokens: greedy by default, sampled with "
+                       "--temperature > 0", formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -473,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_context_flag(p)
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     add_serve_arguments(p)

@@ -9,6 +9,7 @@ way each. Calls run two at a time (each tp 2 call starts two ranks).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -289,3 +290,59 @@ def test_ctrl_c_stops_the_ranks_and_exits_130_without_a_traceback(cli, qwen3_moe
     while marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert marked_processes(marker) == []
+
+
+# ---- first impressions ---------------------------------------------------------------------
+
+def test_demo_generate_says_the_weights_are_random_and_prints_no_control_characters(cli):
+    res = cli("generate", "--prompt", "Context parallel prefill", "--max-new-tokens", "16")
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.endswith("\n") and res.stdout.count("\n") == 1, res.describe()
+    text = res.stdout[:-1]
+    assert all(c.isprintable() for c in text), repr(text)
+    note = [line for line in shown_lines(res.stderr) if line.startswith("cpmoe: note:")]
+    assert note == ["cpmoe: note: the built-in cpmoe-tiny-qwen3-moe has random weights, so its "
+                    "tokens are noise; give --model DIR for a real checkpoint"], res.describe()
+    assert "loading weights" not in res.stderr  # no progress bar frozen at 0% in a log
+
+
+def test_escape_text_keeps_newlines_and_escapes_control_characters():
+    from cpmoe.cli import escape_text
+    assert escape_text("a\nb\tc") == "a\nb\tc"
+    assert escape_text("x\x1b[2Jy\x07\x7f") == "x\\x1b[2Jy\\x07\\x7f"
+    assert escape_text("é€<|im_start|>") == "é€<|im_start|>"
+
+
+def _flag_help(command: str) -> dict[str, str]:
+    """flag -> its line(s) of `cpmoe COMMAND --help`, as argparse formats them."""
+    from cpmoe.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[command]
+    formatter = p._get_formatter()
+    return {a.option_strings[-1]: formatter._format_action(a) for a in p._actions
+            if a.option_strings and a.dest != "help"}
+
+
+@pytest.mark.parametrize("command,example", [("serve", ("--port", "(default: 8000)")),
+                                             ("generate", ("--max-new-tokens", "(default: 32)"))])
+def test_help_shows_every_flags_default(command, example):
+    from cpmoe.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    defaults = {a.option_strings[-1]: a.default for a in sub.choices[command]._actions
+                if a.option_strings and a.default not in (None, False, argparse.SUPPRESS)}
+    shown = _flag_help(command)
+    assert defaults  # --port, --max-queue, --temperature, ...
+    for flag, default in defaults.items():
+        assert "default" in " ".join(shown[flag].split()), (flag, default, shown[flag])
+    assert example[1] in shown[example[0]]
+
+
+def test_generate_help_says_it_samples_with_a_temperature():
+    from cpmoe.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    assert "greedy generation" not in helps["generate"]
+    assert "sampled with --temperature > 0" in helps["generate"]
