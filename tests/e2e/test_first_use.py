@@ -346,3 +346,19 @@ def test_generate_help_says_it_samples_with_a_temperature():
     helps = {c.dest: c.help for c in sub._choices_actions}
     assert "greedy generation" not in helps["generate"]
     assert "sampled with --temperature > 0" in helps["generate"]
+
+
+@pytest.fixture(scope="module")
+def default_model_dir(cli) -> Path:
+    from cpmoe.default_model import ensure_default_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(cli.cache_dir))
+        return ensure_default_model()
+
+
+def test_serve_on_a_broken_checkpoint_at_tp2_is_one_line_and_exit_2(cli, workdir,
+                                                                     default_model_dir):
+    model = _truncate(default_model_dir, workdir / "serve-truncated")
+    res = cli("serve", "--model", model, *TP2, "--port", "0")
+    assert_one_line(res, "serve-truncated/model.safetensors", "unreadable safetensors file")
+    assert res.ranks_spawned() == 2
