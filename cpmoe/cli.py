@@ -2,7 +2,8 @@
 
 Everything a user can get wrong (layout flags, model fit, input files) is checked in the
 parent process before any rank is spawned; a failure prints one line and exits 2 without
-writing output. A failing rank ends the whole job (exit 1) with its error shown.
+writing output. A failing rank ends the whole job (exit 1) with its error shown; a user
+error found on a rank (a broken checkpoint) prints the same one line and exits 2.
 """
 
 from __future__ import annotations
@@ -326,9 +327,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           for i, (t, x) in enumerate(zip(res.tokens, texts))]))
     else:
         for i, (t, x) in enumerate(zip(res.tokens, texts)):
-            shown = (escape_text(x) if x is not None and args.input_ids is None
-                     else ",".join(map(str, t)))
-            print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
+            shown = x if x is not None and args.input_ids is None else ",".join(map(str, t))
+            print(escape_text(shown) if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
             print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "

@@ -389,7 +389,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
                                 world_size=world_size)
         try:
             return fn(RankInfo(rank, world_size, _rank_device(kind, local_rank)), *args, **kwargs)
-        except Exception as err:  # as from a pool: the caller tells user errors by `error`
+        except Exception as err:  # noqa: BLE001  (re-raised as RankFailure, as from a pool)
             raise _failure(rank, err) from None
         finally:
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups

@@ -301,8 +301,9 @@ def test_demo_generate_says_the_weights_are_random_and_prints_no_control_charact
     text = res.stdout[:-1]
     assert all(c.isprintable() for c in text), repr(text)
     note = [line for line in shown_lines(res.stderr) if line.startswith("cpmoe: note:")]
-    assert note == ["cpmoe: note: the built-in cpmoe-tiny-qwen3-moe has random weights, so its "
-                    "tokens are noise; give --model DIR for a real checkpoint"], res.describe()
+    assert note == [("cpmoe: note: the built-in cpmoe-tiny-qwen3-moe has random weights, so "
+                     "its tokens are noise; give --model DIR for a real checkpoint")], \
+        res.describe()
     assert "loading weights" not in res.stderr  # no progress bar frozen at 0% in a log
 
 
