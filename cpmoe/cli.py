@@ -2,15 +2,18 @@
 
 Everything a user can get wrong (layout flags, model fit, input files) is checked in the
 parent process before any rank is spawned; a failure prints one line and exits 2 without
-writing output. A failing rank ends the whole job (exit 1) with its error shown.
+writing output. A failing rank ends the whole job (exit 1) with its error shown; a user
+error found on a rank (a broken checkpoint) prints the same one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,13 +21,14 @@ import torch
 from cpmoe import communicator as cm
 from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
+from cpmoe.context import context_length, over_context
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
-from cpmoe.parallel.launch import RankFailure, launch
+from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
 
@@ -33,6 +37,7 @@ class InputError(ValueError):
     """Bad user input other than layout/config; one line naming the flag or file."""
 
 
+TORCHRUN_QUIET_EXIT_S = 2.0  # how long a silent rank waits before exiting on bad input
 USER_ERRORS = (LayoutError, ConfigError, LoadError, InputError, MissingBackendError,
                CacheFullError)
 
@@ -60,6 +65,28 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "the fast paths: float16 runs the experts as a loop of one matmul pair per "
                    "expert (after a host sync); float32 does too and also takes the masked "
                    "attention fallback")
+
+
+def add_context_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-length", type=int, default=None,
+                   help="most positions of one sequence, prompt + new tokens (default: the "
+                        "model's max_position_embeddings; only a shorter one can be set)")
+
+
+def context_from_args(args: argparse.Namespace, cfg) -> int:
+    try:
+        return context_length(cfg.max_position_embeddings, args.context_length)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def check_context(lengths: list[int], max_tokens: int, context: int, max_flag: str) -> None:
+    """One line for the first prompt (of `lengths`) that does not fit the context length."""
+    for i, n in enumerate(lengths):
+        what = "prompt" if len(lengths) == 1 else f"prompt {i}"
+        refusal = over_context(n, max_tokens, context, what, max_flag)
+        if refusal:
+            raise InputError(refusal)
 
 
 def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:
@@ -124,6 +151,10 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
                             moe_dp_size=args.moe_dp_size, ep_size=args.ep_size,
                             moe_a2a_backend=args.moe_a2a_backend, cp_strategy=args.cp_strategy)
     check_backend_available(layout.moe_a2a_backend)
+    if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != layout.world_size:
+        raise LayoutError(f"--tp-size {layout.tp_size}: torchrun started WORLD_SIZE="
+                          f"{os.environ['WORLD_SIZE']} processes; nnodes x nproc-per-node "
+                          f"must equal the layout's {layout.world_size} ranks")
     return layout
 
 
@@ -215,6 +246,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from cpmoe.engine.tasks import RunSpec, prefill_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     seqs = read_id_batch(args.input_ids_file, cfg.vocab_size)
+    check_context([len(q) for q in seqs], 0, context_from_args(args, cfg), "")
     out_path = Path(args.dump_logits)
     if not out_path.parent.is_dir():
         raise InputError(f"--dump-logits {out_path}: folder {out_path.parent} does not exist")
@@ -271,6 +303,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_context([len(p) for p in prompts], args.max_new_tokens, context_from_args(args, cfg),
+                  "--max-new-tokens")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
@@ -290,13 +324,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if res is None:
         return 0
     texts = [tokenizer.decode(t) if tokenizer is not None else None for t in res.tokens]
+    if args.model is None:
+        print(f"cpmoe: note: the built-in {DEFAULT_MODEL_NAME} has random weights, so its "
+              f"tokens are noise; give --model DIR for a real checkpoint", file=sys.stderr)
     if args.json:
         print(json.dumps([{"prompt": i, "tokens": t, "text": x}
                           for i, (t, x) in enumerate(zip(res.tokens, texts))]))
     else:
         for i, (t, x) in enumerate(zip(res.tokens, texts)):
             shown = x if x is not None and args.input_ids is None else ",".join(map(str, t))
-            print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
+            print(escape_text(shown) if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
             print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "
@@ -306,6 +343,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"CUDA graphs {res.graph_bytes / 2**20:.1f} MiB; prefill {res.prefill_s:.3f} s, "
               f"{res.decode_steps} decode steps {res.decode_s:.3f} s", file=sys.stderr)
     return 0
+
+
+def escape_text(text: str) -> str:
+    """Generated text safe for a terminal: control and other unprintable characters (an
+    escape sequence, a bell, a stray byte's control code) as Python escapes; newlines and
+    tabs stay."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -322,6 +367,11 @@ def cmd_check(args: argparse.Namespace) -> int:
                          f"positive")
     if args.decode_steps < 0:
         raise InputError(f"--decode-steps must be >= 0, got {args.decode_steps}")
+    context = context_from_args(args, cfg)
+    if max(lengths) + args.decode_steps > context:
+        raise InputError(f"--lengths {args.lengths} with --decode-steps {args.decode_steps}: "
+                         f"{max(lengths) + args.decode_steps} tokens exceed the context "
+                         f"length of {context} tokens")
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (lengths[i % len(lengths)],),
                              generator=gen).tolist() for i in range(args.prompts)]
@@ -407,6 +457,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cpmoe.serve.options import BindError, ServeOptions
     layout, model_dir, cfg, device, dtype = resolve(args)
     engine = engine_options(args)
+    context = context_from_args(args, cfg)
     try:
         opts = ServeOptions.from_args(args)
     except ValueError as e:
@@ -416,7 +467,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
     from cpmoe.serve.server import serve  # web framework imports only for this command
     try:
-        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)
+        return serve(opts, engine, layout, model_dir, cfg, context, device, dtype, tokenizer)
     except BindError as e:
         raise InputError(str(e)) from None
 
@@ -427,6 +478,28 @@ def _tokenizer(model_dir: Path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class _Help(argparse.HelpFormatter):
+    """--help lists every flag's default (flags whose help already names it excepted)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return (bool(action.option_strings) and action.default is not None
+                and action.default is not False and action.default != argparse.SUPPRESS
+                and "default" not in (action.help or ""))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # argparse skips empty help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not self._shows_default(action) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,8 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.add_argument("--input-ids-file", type=Path, required=True)
     p.add_argument("--dump-logits", type=Path, required=True)
+    add_context_flag(p)
     p.set_defaults(fn=cmd_prefill)
-    p = sub.add_parser("generate", help="greedy generation")
+    p = sub.add_parser("generate", help="generate tokens: greedy by default, sampled with "
+                       "--temperature > 0", formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -455,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    add_context_flag(p)
     add_engine_flags(p, "what the prompts need at once on CPU; --mem-fraction-static on CUDA")
     p.add_argument("--json", action="store_true", help="print tokens and text as JSON")
     p.add_argument("--verbose", action="store_true", help="per-rank memory and timings")
@@ -473,12 +549,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flag a prompt whose top-k router margin (k-th minus (k+1)-th logit) "
                         "falls to this x max(1, |k-th logit|) or below anywhere; default 1e-5 "
                         "in float32, 2^-8 in 16-bit dtypes (reported; it excuses no mismatch)")
+    add_context_flag(p)
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     add_serve_arguments(p)
+    add_context_flag(p)
     add_engine_flags(p, "16384 on CPU; --mem-fraction-static on CUDA")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
@@ -500,19 +579,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0; 2 after one `cpmoe: error:` line for bad input (checked before any rank, or
+    raised on a rank); 1 after a rank failed (its error); 130 on Ctrl-C (ranks stopped).
+    Under torchrun every process runs this: input checked before the ranks meet is the same
+    on all of them, so only rank 0 prints it; a peer that lost its partner prints one line."""
     args = build_parser().parse_args(argv)
+    rank = torchrun_rank()
     try:
         return args.fn(args)
     except USER_ERRORS as e:
-        print(f"cpmoe: error: {e}", file=sys.stderr)
+        if not rank:
+            print(f"cpmoe: error: {e}", file=sys.stderr)
+        else:  # torchrun stops the others when one exits: let rank 0 print first
+            time.sleep(TORCHRUN_QUIET_EXIT_S)
         return 2
     except RankFailure as e:
-        kind = e.summary.split(": ", 2)
-        if len(kind) == 3 and kind[1] in {c.__name__ for c in USER_ERRORS}:
-            print(f"cpmoe: error: {kind[2]} ({kind[0]})", file=sys.stderr)
+        if isinstance(e.error, USER_ERRORS):  # the same line and exit code as on one rank
+            print(f"cpmoe: error: {e.error}", file=sys.stderr)
             return 2
+        lost = peer_loss(e.error) if rank is not None else None
+        if lost:
+            print(f"cpmoe: rank {rank} stopped: a peer rank left the job ({lost}); the root "
+                  f"error is in that rank's output", file=sys.stderr)
+            return 1
         print(f"cpmoe: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a pool has killed its ranks on the way out
+        print("cpmoe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
