@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -127,6 +129,16 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
                            tied_embeddings=tied_embeddings)
 
 
+def _progress_bar(total: int, show: bool) -> tqdm | None:
+    """A bar on a terminal only: a log would keep its first frame (0%) and look stuck. It
+    takes a thread lock: tqdm's default one is a multiprocessing semaphore, which a rank
+    killed mid-load (a peer failed) leaks, and the resource tracker then warns at exit."""
+    if not (show and sys.stderr.isatty()):
+        return None
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
+
+
 def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progress: bool,
                     tied_embeddings: bool) -> dict[str, int]:
     """Fill `model` from (path, handle) pairs; a handle has `keys()` and `get_slice(name)`
@@ -139,12 +151,12 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
     regions: set[tuple[str, str]] = set()
     stats = {"loaded": 0, "skipped": 0, "bytes": 0}
     total = sum(len(h.keys()) for _, h in handles)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress,
-               leave=False)
+    bar = _progress_bar(total, show_progress)
     with torch.no_grad():
         for f, handle in handles:
             for name in handle.keys():
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
                 target = _resolve(rename(name), params, modules, tied_embeddings)
                 if target == "unexpected":
                     raise LoadError(f"{f.name}: unexpected tensor {name!r} (no such parameter "
@@ -155,7 +167,8 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
                 _copy(handle, f, name, target, regions, filled)
                 stats["loaded"] += 1
                 stats["bytes"] += target.dest.numel() * target.dest.element_size()
-    bar.close()
+    if bar is not None:
+        bar.close()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         names = _missing_tensor_names(missing, modules, regions)

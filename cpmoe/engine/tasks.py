@@ -6,7 +6,7 @@ rank 0 only (None elsewhere), so nothing large travels back from other ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,46 +74,3 @@ def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
     return GenerateResult(out, [int(m[0]) for m in per_rank], [int(m[1]) for m in per_rank],
                           sizes["kv_capacity"], sizes["graph_bytes"], t.prefill_s, t.decode_s,
                           t.decode_steps)
-
-
-@dataclass
-class CheckReport:
-    prompts: int = 0
-    matches: int = 0
-    max_abs_diff: float = 0.0
-    logprob_deltas: list[float] = field(default_factory=list)
-    mismatched: list[int] = field(default_factory=list)
-
-    @property
-    def mean_logprob_delta(self) -> float:
-        return sum(self.logprob_deltas) / max(1, len(self.logprob_deltas))
-
-
-def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]]
-               ) -> CheckReport | None:
-    """Run every batch on the layout and, on rank 0, on a one-rank reference; compare."""
-    runner = _runner(info, spec)
-    reference = None
-    if info.rank == 0:
-        single = ProcessGroups.single(info.device)
-        reference = (runner if spec.layout.world_size == 1 else
-                     ModelRunner(spec.model_dir, single, spec.dtype, show_progress=False))
-    report = CheckReport()
-    index = 0
-    for seqs in batches:
-        got = runner.prefill(seqs)
-        if reference is not None:
-            want = reference.prefill(seqs)
-            report.max_abs_diff = max(report.max_abs_diff, (got - want).abs().max().item())
-            ends = torch.tensor([len(s) for s in seqs], device=got.device).cumsum(0) - 1
-            for g, w in zip(got[ends], want[ends]):
-                top = int(w.argmax())
-                report.prompts += 1
-                if int(g.argmax()) == top:
-                    report.matches += 1
-                else:
-                    report.mismatched.append(index)
-                delta = torch.log_softmax(g, -1)[top] - torch.log_softmax(w, -1)[top]
-                report.logprob_deltas.append(abs(delta.item()))
-                index += 1
-    return report if info.rank == 0 else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from cpmoe.config import ConfigError, architecture_of
+from cpmoe.config import ConfigError, architecture_of, positive_field
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -21,6 +21,7 @@ SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
 HASH_MOE, MOE = "hash_moe", "moe"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _SCORING = ("sqrtsoftplus", "sigmoid")
+DEFAULT_MAX_POSITIONS = 1048576  # transformers' DeepseekV4Config value when config.json has none
 
 DECODE_CACHE_NOTE = ("DeepSeek-V4 decode: every CP rank keeps the full (replicated) cache of "
                      "each sequence (sliding window, compressed KV, indexer keys) and runs "
@@ -76,6 +77,7 @@ class DeepseekV4Config:
     rope_compress: RopeSpec
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int  # the context length the model was built for
 
     # The names the engine's generic checks (`check_model_fit`, `cpmoe plan`) read.
     num_key_value_heads = 1  # one shared KV head, read as both key and value
@@ -236,4 +238,6 @@ def parse_deepseek_v4(raw: dict, where: str = "config.json") -> DeepseekV4Config
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None
                                                                   else (int(eos),)),
+        max_position_embeddings=positive_field(raw, "max_position_embeddings", where,
+                                               DEFAULT_MAX_POSITIONS),
     )

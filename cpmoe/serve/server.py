@@ -77,12 +77,13 @@ class _Exit:
 
 
 def serve_in_world(info: RankInfo, opts: ServeOptions, engine: EngineOptions,
-                   layout: ParallelLayout, model_dir: Path, cfg, device: str,
+                   layout: ParallelLayout, model_dir: Path, cfg, context: int, device: str,
                    dtype: torch.dtype, tokenizer) -> int:
     """One rank of a torchrun world (`launch` joined it): rank 0 serves HTTP and runs engine
     rank 0 in a thread; every other rank runs the engine loop until rank 0 stops it."""
     if info.rank == 0:
-        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer, info)
+        return serve(opts, engine, layout, model_dir, cfg, context, device, dtype, tokenizer,
+                     info)
     serve_task(info, _spec(model_dir, layout, dtype, cfg, engine, ignore_sigterm=False))
     return 0
 
@@ -94,8 +95,10 @@ def _spec(model_dir: Path, layout: ParallelLayout, dtype: torch.dtype, cfg,
 
 
 def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, model_dir: Path,
-          cfg, device: str, dtype: torch.dtype, tokenizer, world: RankInfo | None = None
-          ) -> int:
+          cfg, context: int, device: str, dtype: torch.dtype, tokenizer,
+          world: RankInfo | None = None) -> int:
+    """`context`: the context length every request must fit (prompt + max_tokens).
+    `world`: rank 0 of a torchrun world (engine rank 0 runs in a thread of this process)."""
     sock = bind(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     name = opts.served_model_name or model_dir.name
@@ -105,7 +108,7 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
     client = EngineClient.start(spec, layout.world_size, device, opts.max_queue, metrics,
                                 exit_.on_failure, world)
     try:
-        limits = Limits(name, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
+        limits = Limits(name, cfg.vocab_size, context,
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
                         opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))
