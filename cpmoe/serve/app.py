@@ -216,22 +216,38 @@ async def _respond(state: ServeState, request: Request, runs: list[_Run], rid: s
             run.release()
     state.metrics.requests[(endpoint, 200)] += 1
     chat = endpoint == "chat"
-    choices = [_final_choice(state, run, text, finish, chat)
-               for run, (text, finish) in zip(runs, results)]
+    kept = (_best(runs, list(results), runs[0].job.n) if runs[0].job.best_of > 1
+            else list(zip(runs, results)))
+    choices = [_final_choice(state, run, text, finish, chat, index)
+               for index, (run, (text, finish)) in enumerate(kept)]
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": api.now(), "model": name, "choices": choices,
                          "usage": _usage(runs)})
 
 
-def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bool) -> dict:
+def _best(runs: list[_Run], results: list[tuple[str, str]], n: int
+          ) -> list[tuple[_Run, tuple[str, str]]]:
+    """best_of: of each prompt's candidates, the n with the highest mean log-probability per
+    token (OpenAI's definition), best first; prompts in order."""
+    per = runs[0].job.best_of
+    kept = []
+    for p in range(0, len(runs), per):
+        group = list(zip(runs[p:p + per], results[p:p + per]))
+        group.sort(key=lambda g: -sum(e.logprob for e in g[0].events) / len(g[0].events))
+        kept += group[:n]
+    return kept
+
+
+def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bool,
+                  index: int) -> dict:
     job = run.job
     ids = run.ids if job.return_token_ids or state.tokenizer is None else None
     logprobs = None
-    if job.logprobs is not None:
+    if job.logprobs is not None and job.show_logprobs:
         logprobs = (api.chat_logprobs(state.tokenizer, run.events) if chat else
                     api.completion_logprobs(state.tokenizer, run.events, len(job.echo or "")))
     make = api.chat_choice if chat else api.completion_choice
-    return make(text, finish, ids, job.index, logprobs)
+    return make(text, finish, ids, index, logprobs)
 
 
 async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[TokenEvent], str | None]]:

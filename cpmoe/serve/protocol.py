@@ -265,6 +265,9 @@ class Job:
     first_of_prompt: bool = True  # counts the prompt in usage (once per prompt)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     echo: str | None = None  # completions echo: the prompt text put before the output
+    n: int = 1  # choices per prompt the client asked for
+    best_of: int = 1  # > 1: one of best_of candidates of its prompt (the best n are kept)
+    show_logprobs: bool = True  # False: logprobs taken only to rank best_of candidates
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -357,10 +360,16 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
                bool(req.return_token_ids), bool(req.ignore_eos))
 
 
-def _choices(job: Job, n: int, first: int, logprobs: int | None, echo: str | None
-             ) -> list[Job]:
-    return [dataclasses.replace(job, index=first + i, first_of_prompt=i == 0,
-                                logprobs=logprobs, echo=echo) for i in range(n)]
+def _choices(job: Job, n: int, first: int, logprobs: int | None, echo: str | None,
+             best_of: int = 1) -> list[Job]:
+    """n choices of one prompt; with best_of > n, best_of candidates that carry logprobs
+    (to rank them) whether or not the client asked for them."""
+    if best_of <= n:
+        return [dataclasses.replace(job, index=first + i, first_of_prompt=i == 0, n=n,
+                                    logprobs=logprobs, echo=echo) for i in range(n)]
+    return [dataclasses.replace(job, index=first + i, first_of_prompt=i == 0, n=n,
+                                logprobs=logprobs or 0, echo=echo, best_of=best_of,
+                                show_logprobs=logprobs is not None) for i in range(best_of)]
 
 
 def _check_common(req: _Common, tokenizer) -> None:
@@ -373,9 +382,11 @@ def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[J
     """-> one Job per choice: every prompt in order, n choices each."""
     _check_common(req, tokenizer)
     n = req.n or 1
-    if req.best_of is not None and req.best_of != n:
-        raise bad_request(f"best_of={req.best_of} is not supported by cpmoe (only best_of = n "
-                          f"= {n})", "best_of", "unsupported_value")
+    best_of = req.best_of or n
+    if best_of < n:
+        raise bad_request(f"best_of={best_of} is less than n={n}", "best_of")
+    if best_of > n and req.stream:
+        raise bad_request(f"best_of={best_of} > n={n} cannot stream (as OpenAI)", "best_of")
     if req.echo and tokenizer is None:
         raise _no_tokenizer("echo", "echo")
     if req.echo and req.logprobs is not None:
@@ -388,7 +399,8 @@ def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[J
         echo = None
         if req.echo:
             echo = text if text is not None else tokenizer.decode(ids)
-        jobs += _choices(make_job(req, ids, 16, limits), n, len(jobs), req.logprobs, echo)
+        jobs += _choices(make_job(req, ids, 16, limits), n, len(jobs), req.logprobs, echo,
+                         best_of)
     return jobs
 
 

@@ -115,7 +115,8 @@ UNHONOURABLE = [  # (endpoint, body, field named, value quoted in the message)
     ("chat", {"logprobs": False, "top_logprobs": 3}, "top_logprobs", "3"),
     ("chat", {"stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "True"),
-    ("completions", {"best_of": 3}, "best_of", "3"),
+    ("completions", {"best_of": 2, "n": 3}, "best_of", "2"),
+    ("completions", {"best_of": 3, "stream": True}, "best_of", "3"),
     ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias", "1.0"),
     ("completions", {"use_beam_search": True}, "use_beam_search", "True"),
     ("completions", {"stop_token_ids": [3]}, "stop_token_ids", "[3]"),
@@ -234,6 +235,27 @@ def test_n3_with_seed_gives_three_reproducible_distinct_samples_equal_generate(
         model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3,
         **SAMPLED)
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+def test_best_of_keeps_the_candidates_with_highest_mean_logprob(server, reference,
+                                                                 tokenizer):
+    """best_of 4, n 2: the candidates are generate's streams 0..3; the two kept are those
+    whose tokens have the highest mean log_softmax (computed here by plain prefills)."""
+    ids = tokenizer.encode(PROMPT)
+    (cands, _) = reference.batch([ids] * 4, 5, **SAMPLED)
+
+    def mean_logprob(out: list[int]) -> float:
+        lps = [torch.log_softmax(reference.next_logits(ids + out[:k]).double(), -1)[t].item()
+               for k, t in enumerate(out)]
+        return sum(lps) / len(lps)
+
+    want = sorted(cands, key=mean_logprob, reverse=True)[:2]
+    resp = _client(server).completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=5, n=2, best_of=4, **SAMPLED,
+        extra_body={"return_token_ids": True})
+    assert [c.token_ids for c in resp.choices] == want
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.logprobs is None for c in resp.choices)  # not asked for
 
 
 def test_several_prompts_in_one_request_equal_generate_of_that_batch(server, reference,
