@@ -220,13 +220,13 @@ def _from_validation(e: ValidationError) -> ApiError:
     errors = e.errors()
     first = errors[0]
     param = str(first["loc"][0]) if first["loc"] else None
-    if first["type"] == "extra_forbidden":
-        return bad_request(f"unknown parameter {param!r}", param, "unknown_parameter")
     if param in _EXPECTED and (len(errors) > 1 or len(first["loc"]) > 1):
         return bad_request(f"{param}: expected {_EXPECTED[param]}", param, "invalid_type")
     where = ".".join(str(p) for p in first["loc"])
     code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
-    got = "" if first["type"] == "missing" else f" (got {first.get('input')!r})"
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    got = "" if first["type"] == "missing" else f" (got {shown})"
     return bad_request(f"{where}: {first['msg']}{got}", param, code)
 
 
