@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from cpmoe.engine.scheduler import TokenEvent
+from cpmoe.serve import logprobs as lp
 from cpmoe.serve import protocol as api
 from cpmoe.serve.detokenize import TextStream
 from cpmoe.serve.engine_client import EngineClient, EngineDown, QueueFull, RequestStream
@@ -244,8 +245,8 @@ def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bo
     ids = run.ids if job.return_token_ids or state.tokenizer is None else None
     logprobs = None
     if job.logprobs is not None and job.show_logprobs:
-        logprobs = (api.chat_logprobs(state.tokenizer, run.events) if chat else
-                    api.completion_logprobs(state.tokenizer, run.events, len(job.echo or "")))
+        logprobs = (lp.chat_logprobs(state.tokenizer, run.events) if chat else
+                    lp.completion_logprobs(state.tokenizer, run.events, len(job.echo or "")))
     make = api.chat_choice if chat else api.completion_choice
     return make(text, finish, ids, index, logprobs)
 
@@ -276,8 +277,8 @@ async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncItera
         ids = [ev.token for ev in events] if want_ids else None
         logprobs = None
         if job.logprobs is not None:
-            logprobs = (api.chat_logprobs(state.tokenizer, events) if chat else
-                        api.completion_logprobs(state.tokenizer, events, offset))
+            logprobs = (lp.chat_logprobs(state.tokenizer, events) if chat else
+                        lp.completion_logprobs(state.tokenizer, events, offset))
         offset += len(piece)
         if not chat:
             yield api.completion_choice(piece, finish, ids, job.index, logprobs)
