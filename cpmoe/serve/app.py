@@ -49,7 +49,7 @@ class _Run:
 
     def __init__(self, state: ServeState, stream: RequestStream, job: api.Job) -> None:
         self.state, self.stream, self.job = state, stream, job
-        self.text = TextStream(state.tokenizer, job.stop)
+        self.text = TextStream(state.tokenizer, job.stop, job.params.min_tokens)
         self.ids: list[int] = []
         self.events: list[TokenEvent] = []
         self.reason = "cancelled"  # what release() records unless the request ends normally

@@ -8,6 +8,8 @@ Invariants:
   `finish`, which releases it as it is.
 - The last (longest stop - 1) characters are held back while a stop string could still be
   completing across them.
+- Stop strings apply once `min_tokens` tokens were taken (vLLM's rule for min_tokens); text
+  released before that is never searched again.
 
 Only a window of recent tokens is decoded per step (the two-offset scheme: decode from
 `_prefix`, emit what lies beyond the decode up to `_read`), so the cost per token is constant.
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""  # complete text decoded so far (cut at a stop once one is seen)
         self.sent = 0  # characters of `text` handed out
@@ -56,7 +59,8 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        stops = self.stops if len(self.ids) >= self.min_tokens else ()
+        hits = [i for i in (self.text.find(s, self.sent) for s in stops) if i >= 0]
         if hits:
             self.stopped = True
             self.text = self.text[:min(hits)]

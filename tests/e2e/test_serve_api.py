@@ -350,6 +350,24 @@ def test_min_tokens_defers_eos(server, reference, tokenizer):
     assert resp.choices[0].token_ids == want and len(want) > min_tokens - 1
 
 
+def test_min_tokens_holds_stop_strings_back_until_reached(server, reference, tokenizer):
+    """As in vLLM, a stop string counts only once min_tokens tokens were generated: a stop
+    string found only early in the output cuts it without min_tokens, and not with
+    min_tokens = max_tokens."""
+    ids = tokenizer.encode(PROMPT)
+    want = reference.tokens(ids, 16)
+    assert len(want) == 16  # no EOS on this prompt: min_tokens changes no token
+    full = tokenizer.decode(want, skip_special_tokens=True)
+    stop = next(full[i:i + 2] for i in range(2, 8) if full.count(full[i:i + 2]) == 1
+                and "\ufffd" not in full[i:i + 2])
+    client = _client(server)
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+          "stop": [stop]}
+    assert client.completions.create(**kw).choices[0].text == full[:full.index(stop)]
+    held = client.completions.create(**kw, extra_body={"min_tokens": 16})
+    assert held.choices[0].text == full
+
+
 # ---- --skip-tokenizer-init ----------------------------------------------------------------------
 
 def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(servers, reference, tokenizer):
