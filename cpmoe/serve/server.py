@@ -84,7 +84,9 @@ def serve_in_world(info: RankInfo, opts: ServeOptions, engine: EngineOptions,
     if info.rank == 0:
         return serve(opts, engine, layout, model_dir, cfg, context, device, dtype, tokenizer,
                      info)
-    serve_task(info, _spec(model_dir, layout, dtype, cfg, engine, ignore_sigterm=False))
+    # SIGTERM is rank 0's to handle (it stops every rank's loop); a rank whose peers vanish
+    # fails its next collective anyway
+    serve_task(info, _spec(model_dir, layout, dtype, cfg, engine))
     return 0
 
 

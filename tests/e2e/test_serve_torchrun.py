@@ -1,7 +1,8 @@
 """`cpmoe serve` under torchrun: two "nodes" on this host (`--nnodes 2 --nproc-per-node 2`,
 gloo) make ONE server: rank 0 serves HTTP, all four ranks run the engine. Its completion
-equals `cpmoe generate` on the same layout, and a worker killed on the second node brings the
-server down (503 to clients, exit 1) within 30 s.
+equals `cpmoe generate` on the same layout, a worker killed on the second node brings the
+server down (503 to clients, exit 1) within 30 s, and SIGTERM to rank 0 stops every rank
+cleanly (both torchrun launchers exit 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,8 +38,7 @@ def _torchrun(node_rank: int, port: int) -> tuple[str, ...]:
             "127.0.0.1", "--master-port", str(port), "-m", "cpmoe.cli")
 
 
-def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
-        tmp_path_factory):
+def _launch_two_nodes(tmp_path_factory) -> tuple[Path, list[Server]]:
     from cpmoe.default_model import ensure_default_model
     cache = tmp_path_factory.mktemp("cpmoe-cache")
     work = tmp_path_factory.mktemp("torchrun")
@@ -46,7 +47,32 @@ def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
         ensure_default_model()  # written once, before four ranks look for it
     port = _free_port()
     flags = (*LAYOUT, "--max-total-tokens", "2048")
-    nodes = [Server(work, cache, *flags, launcher=_torchrun(r, port)) for r in (0, 1)]
+    return cache, [Server(work, cache, *flags, launcher=_torchrun(r, port)) for r in (0, 1)]
+
+
+def _stop_all(nodes: list[Server]) -> None:
+    for node in nodes:
+        node.stop()
+    for node in nodes:
+        for pid in node.processes():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_server_stops_every_rank_cleanly_on_sigterm_to_rank_0(tmp_path_factory):
+    _, nodes = _launch_two_nodes(tmp_path_factory)
+    try:
+        server = nodes[0].wait_ready(timeout_s=300)
+        pids = server.health()["rank_pids"]
+        os.kill(pids[0], signal.SIGTERM)
+        for node in nodes:
+            assert node.proc.wait(timeout=60) == 0, node.stderr()
+    finally:
+        _stop_all(nodes)
+
+
+def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
+        tmp_path_factory):
+    cache, nodes = _launch_two_nodes(tmp_path_factory)
     try:
         server = nodes[0].wait_ready(timeout_s=300)
         pids = server.health()["rank_pids"]
@@ -89,8 +115,4 @@ def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
         assert time.monotonic() - killed_at < 30
         assert nodes[1].proc.wait(timeout=30) != 0
     finally:
-        for node in nodes:
-            node.stop()
-        for node in nodes:
-            for pid in node.processes():
-                os.kill(pid, signal.SIGKILL)
+        _stop_all(nodes)
