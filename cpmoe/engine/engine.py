@@ -8,6 +8,10 @@ same order. Rank 0 then samples one token for each row that completed a prompt o
 and hands the tokens to the frontend. Tokens to feed into the next decode travel inside the
 next plan, so no other rank samples, and the plan is the only per-step message.
 
+A row's penalties and min_tokens are applied to its logits before the choice
+(logits.py); requests that ask for logprobs get log_softmax of the row's raw logits for the
+chosen token and the top k in their TokenEvent, computed on rank 0 only.
+
 Sampling stream of a request: `(seed, stream, tokens generated so far)`: prompt i of a
 generate batch uses stream i, a served request stream 0, so the same prompt and seed give
 the same tokens through both (and after a preemption).
