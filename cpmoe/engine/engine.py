@@ -13,8 +13,9 @@ A row's penalties and min_tokens are applied to its logits before the choice
 chosen token and the top k in their TokenEvent, computed on rank 0 only.
 
 Sampling stream of a request: `(seed, stream, tokens generated so far)`: prompt i of a
-generate batch uses stream i, a served request stream 0, so the same prompt and seed give
-the same tokens through both (and after a preemption).
+generate batch uses stream i, choice i of a served request (n choices, several prompts)
+stream i, so the same prompts and seed give the same tokens through both (and after a
+preemption).
 """
 
 from __future__ import annotations
