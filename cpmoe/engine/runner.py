@@ -42,6 +42,11 @@ def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
     if dense and cfg.intermediate_size % layout.attn_tp_size:
         raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
                           f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
+    quant = getattr(cfg, "quantization", None)
+    if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
+        from cpmoe.models.registry import model_class
+        from cpmoe.quant.layout import check_fp8_layout
+        check_fp8_layout(layout, cfg, model_class(cfg.architecture))
 
 
 def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
@@ -89,7 +94,8 @@ class ModelRunner:
         self._build(config, model_cls, groups, dtype)
         self.load_stats = load_checkpoint(self.model, model_dir,
                                           show_progress=show_progress and groups.rank == 0,
-                                          tied_embeddings=self.config.tie_word_embeddings)
+                                          tied_embeddings=self.config.tie_word_embeddings,
+                                          quantization=getattr(config, "quantization", None))
 
     @classmethod
     def from_config(cls, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from cpmoe.config import ConfigError, architecture_of
+from cpmoe.config import ConfigError, Fp8Config, architecture_of, parse_quantization
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -76,6 +76,7 @@ class DeepseekV4Config:
     rope_compress: RopeSpec
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    quantization: Fp8Config | None = None
 
     # The names the engine's generic checks (`check_model_fit`, `cpmoe plan`) read.
     num_key_value_heads = 1  # one shared KV head, read as both key and value
@@ -236,4 +237,5 @@ def parse_deepseek_v4(raw: dict, where: str = "config.json") -> DeepseekV4Config
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None
                                                                   else (int(eos),)),
+        quantization=parse_quantization(raw, where),
     )
