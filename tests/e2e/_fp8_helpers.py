@@ -11,8 +11,9 @@ reference.
 Variants of the tiny Qwen models (tests/conftest.py) for FP8:
     divides     hidden 64, moe_intermediate 128, blocks [32, 32]: every dim a multiple
     partial     Qwen3: hidden 72, blocks [16, 8] (hidden rows end in a half block);
-                Qwen2: shared expert 40 wide (gate/up rows end in a half block). Every
-                layout of the matrix cuts on block boundaries (pieces of 16 at tp 8).
+                Qwen2 (head_dim 8): blocks [8, 8], shared expert 44 wide (its rows and
+                columns end in a half block). Every layout of the matrix cuts on block
+                boundaries (KV heads of 16 / 8 rows, MoE-TP pieces of 16 at tp 8).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ VARIANTS = {
                                     shared_expert_intermediate_size=64), [32, 32]),
     ("qwen3_moe", "partial"): (dict(moe_intermediate_size=128, hidden_size=72), [16, 8]),
     ("qwen2_moe", "partial"): (dict(moe_intermediate_size=128,
-                                    shared_expert_intermediate_size=40), [16, 8]),
+                                    shared_expert_intermediate_size=44), [8, 8]),
 }
 
 
