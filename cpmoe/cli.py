@@ -20,7 +20,7 @@ from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
-from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
+from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, check_model_fit, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
@@ -85,6 +85,14 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights at the shape of --model's config.json (no "
                         "checkpoint read; the tokenizer still comes from --model)")
+    add_quantization_flag(g)
+
+
+def add_quantization_flag(g) -> None:
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: quantize 16-bit (or dummy) weights to 128x128-block FP8 at load "
+                        "(FP8 GEMMs on CUDA, FP8-rounded weights on CPU); FP8 checkpoints "
+                        "load as FP8 without it")
 
 
 def engine_options(args: argparse.Namespace):
@@ -108,7 +116,8 @@ def engine_options(args: argparse.Namespace):
                          cuda_graph_max_bs=args.cuda_graph_max_bs,
                          max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static,
-                         load_format=args.load_format, routing=args.routing)
+                         load_format=args.load_format, routing=args.routing,
+                         quantization=args.quantization)
 
 
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
@@ -158,6 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
+    cfg = with_quantization(cfg, args.quantization)
     out["memory_per_rank"] = memory_per_rank(cfg, load_model_config(model_dir)[1], layout, dtype)
     if args.json:
         print(json.dumps(out))
@@ -178,8 +188,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_text = ("replicated per-sequence caches" if kv is None else
                    f"KV {kv} bytes per stored token ({kv / layout.attn_cp_size:.0f} per prompt "
                    f"token: the KV of a prompt is sharded over {layout.attn_cp_size} CP ranks)")
+        fp8 = m.get("fp8_on_cuda")
+        fp8_text = ("" if fp8 is None else
+                    f" ({fp8['weight_bytes'] / 2**30:.3f} GiB on CUDA with FP8 weights: "
+                    f"{fp8['fp8_bytes'] / 2**30:.3f} GiB FP8 weights + scales)")
         print(f"  rank {m['rank']}: weights {m['weight_bytes'] / 2**30:.3f} GiB "
-              f"({out['dtype']}), {kv_text}")
+              f"({out['dtype']}){fp8_text}, {kv_text}")
     if note:
         print(f"decode cache: {note}")
     return 0
@@ -400,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print sizes, groups and per-layer token layouts")
     add_layout_flags(p)
     add_model_flags(p)
+    add_quantization_flag(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("prefill", help="prefill a batch and dump all-position logits")

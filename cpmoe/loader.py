@@ -31,7 +31,8 @@ from tqdm import tqdm
 from cpmoe.config import Fp8Config
 from cpmoe.models.layers import Linear
 from cpmoe.moe.experts import LocalExperts
-from cpmoe.quant.formats import FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid
+from cpmoe.quant.formats import (FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid,
+                                 scale_to_float)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                      r"\.weight$")
@@ -58,19 +59,38 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def quantized_weight_names(model_dir: Path) -> set[str]:
+    """Checkpoint names of the weights that come with a block scale (headers only)."""
+    keys: set[str] = set()
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            keys |= set(h.keys())
+    out = set()
+    for k in keys:
+        if k.endswith(".weight_scale_inv"):
+            out.add(k.removesuffix("_scale_inv"))
+        elif k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in keys:
+            out.add(k.removesuffix(".scale") + ".weight")
+    return out
+
+
 class _Target:
     """Where (part of) one checkpoint tensor goes: a parameter view and a source slice."""
 
     def __init__(self, param_name: str, region: str, dest: torch.Tensor,
-                 full_shape: tuple[int, ...], src: tuple[slice, ...]) -> None:
+                 full_shape: tuple[int, ...], src: tuple[slice, ...],
+                 scale: tuple[str, torch.Tensor] | None = None) -> None:
         self.param_name, self.region, self.dest = param_name, region, dest
         self.full_shape, self.src = full_shape, src
+        self.scale = scale  # FP8 parameters: (scale parameter name, its view to fill)
 
 
 def _linear_target(name: str, param_name: str, module: Linear, param: torch.Tensor) -> _Target:
     shard, local = module.shard, tuple(param.shape)
+    scale = ((f"{param_name}_scale_inv", module.weight_scale_inv)
+             if param.dtype == torch.float8_e4m3fn else None)
     if shard is None:
-        return _Target(param_name, "all", param, local, ())
+        return _Target(param_name, "all", param, local, (), scale)
     kind, index, parts = shard
     if kind == "cols" and param.dim() == 1:  # bias of a row-parallel layer is replicated
         return _Target(param_name, "all", param, local, ())
@@ -79,7 +99,7 @@ def _linear_target(name: str, param_name: str, module: Linear, param: torch.Tens
     full = list(local)
     full[dim] = n * parts
     src = (slice(None),) * dim + (slice(index * n, (index + 1) * n),)
-    return _Target(param_name, "all", param, tuple(full), src)
+    return _Target(param_name, "all", param, tuple(full), src, scale)
 
 
 def _expert_target(name: str, m: re.Match, experts: LocalExperts, prefix: str) -> _Target | None:
@@ -93,12 +113,20 @@ def _expert_target(name: str, m: re.Match, experts: LocalExperts, prefix: str) -
     I = experts.down_proj.shape[2]
     H = experts.down_proj.shape[1]
     rows = slice(tp_rank * I, (tp_rank + 1) * I)
+    fp8 = experts.gate_up_proj.dtype == torch.float8_e4m3fn
     if m["proj"] == "down_proj":
+        scale = (f"{prefix}.down_scale_inv", experts.down_scale_inv[le]) if fp8 else None
         return _Target(f"{prefix}.down_proj", f"{le}", experts.down_proj[le],
-                       (H, I * tp_size), (slice(None), rows))
+                       (H, I * tp_size), (slice(None), rows), scale)
     half = 0 if m["proj"] == "gate_proj" else 1
     dest = experts.gate_up_proj[le, half * I:(half + 1) * I]
-    return _Target(f"{prefix}.gate_up_proj", f"{le}.{half}", dest, (I * tp_size, H), (rows,))
+    scale = None
+    if fp8:
+        ib = I // experts.fp8_block[0]
+        scale = (f"{prefix}.gate_up_scale_inv",
+                 experts.gate_up_scale_inv[le, half * ib:(half + 1) * ib])
+    return _Target(f"{prefix}.gate_up_proj", f"{le}.{half}", dest, (I * tp_size, H), (rows,),
+                   scale)
 
 
 def _resolve(name: str, params: dict[str, torch.Tensor], modules: dict[str, nn.Module],
@@ -300,9 +328,28 @@ def _copy_quantized(handle, f: Path, name: str, scale_handle, scale_file: Path, 
             raise LoadError(f"{f.name}: MXFP4 tensor {name!r} cut at an odd column "
                             f"{cols.start}")
         cols = slice(cols.start // 2, cols.stop // 2)
+    if t.dest.dtype == torch.float8_e4m3fn:  # FP8 compute: weights and scales as stored
+        _copy_fp8(f, name, scale, sl[rows, cols], ssl[srows, scols], (r_off, c_off), fp4, t,
+                  filled)
+        return
     data = dequantize(sl[rows, cols], ssl[srows, scols], block, (r_off, c_off))
     if tuple(data.shape) != tuple(t.dest.shape):
         raise LoadError(f"{f.name}: tensor {name!r} slice {list(data.shape)} does not fit "
                         f"{t.param_name} {list(t.dest.shape)}")
     t.dest.copy_(data.to(t.dest.dtype))
     filled[t.param_name] += t.dest.numel()
+
+
+def _copy_fp8(f: Path, name: str, scale: str, q: torch.Tensor, s: torch.Tensor,
+              offset: tuple[int, int], fp4: bool, t: _Target, filled: dict) -> None:
+    assert t.scale is not None
+    scale_param, scale_dest = t.scale
+    if fp4 or offset != (0, 0) or tuple(q.shape) != tuple(t.dest.shape) \
+            or tuple(s.shape) != tuple(scale_dest.shape):
+        raise LoadError(f"{f.name}: tensor {name!r} (slice {list(q.shape)}, scale "
+                        f"{list(s.shape)}) does not fit the FP8 parameter {t.param_name} "
+                        f"{list(t.dest.shape)} with scale {list(scale_dest.shape)}")
+    t.dest.copy_(q.view(torch.float8_e4m3fn) if q.dtype != torch.float8_e4m3fn else q)
+    scale_dest.copy_(scale_to_float(s))
+    filled[t.param_name] += t.dest.numel()
+    filled[scale_param] += scale_dest.numel()

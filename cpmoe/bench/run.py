@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file (default: bench/results/<shape>-<UTC time>.json)")
     p.add_argument("--plot", action="store_true", help="PNG of tokens/s vs length next to --out")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: quantize the random weights to 128x128-block FP8 at load")
 
 
 class _Run:
@@ -97,7 +99,8 @@ class _Run:
                                             "warmup": args.warmup, "iters": args.iters,
                                             "seed": args.seed,
                                             "layouts": [bl.name for bl in self.layouts],
-                                            "compare_hf": args.compare_hf})
+                                            "compare_hf": args.compare_hf,
+                                            "quantization": args.quantization})
         self.rows: list[dict] = []
         first = self.layouts[0]
         self.tp1 = first.name if first.world_size == 1 else None
@@ -136,7 +139,7 @@ class _Run:
     def run_layout(self, bl: BenchLayout) -> None:
         a = self.args
         spec = model_task.ModelSpec(self.raw, bl.layout, self.dtype, a.seed, a.batch, a.warmup,
-                                    a.iters, bl.placement)
+                                    a.iters, bl.placement, a.quantization)
         is_ref = bl is self.layouts[0] and self.tp1 is not None
         sizes = bl.sizes()
 

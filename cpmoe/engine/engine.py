@@ -42,6 +42,7 @@ class EngineOptions:
     mem_fraction_static: float = 0.85  # CUDA, no max_total_tokens: weights + KV share
     load_format: str = "auto"
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
+    quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
 
 
 def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,

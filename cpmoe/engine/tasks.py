@@ -32,7 +32,8 @@ class RunSpec:
 def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress,
-                       load_format=spec.options.load_format)
+                       load_format=spec.options.load_format,
+                       quantization=spec.options.quantization)
 
 
 def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]

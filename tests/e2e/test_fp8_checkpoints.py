@@ -169,3 +169,48 @@ def test_layout_cutting_a_block_is_refused_naming_sizes(fp8_checkpoint):
         check_model_fit(ParallelLayout(tp_size=2, ep_size=2), cfg)
     assert "k_proj.weight: attention TP 2 cuts its output rows into pieces of 16, not a " \
            "multiple of the scale block 32" in _one_line(e)
+
+
+# ---- --quantization fp8 and the plan ------------------------------------------------------
+
+def test_online_fp8_matches_hf_with_block_rounded_weights(make_hf_checkpoint):
+    """--quantization fp8 on CPU: every projection is rounded to [128, 128] FP8 blocks (the
+    tiny widths make one partial block per tensor); HF holding the same rounding, done by
+    the test's own quantizer, gives the same logits."""
+    from tests.e2e._fp8_helpers import dequantize_blocks, quantize_blocks
+    hf_model, d = make_hf_checkpoint("qwen3_moe")
+    runner = ModelRunner(d, ProcessGroups.single(), torch.float32, show_progress=False,
+                         quantization="fp8")
+    import copy
+    ref = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("_proj.weight") or name.endswith(("gate_up_proj", "down_proj")):
+                mats = p.view(-1, *p.shape[-2:])
+                for m in mats:
+                    m.copy_(dequantize_blocks(*quantize_blocks(m, [128, 128]), [128, 128]))
+    got = runner.prefill(seqs())
+    diff = (got - hf_logits(ref, seqs())).abs().max().item()
+    assert diff <= TOL, f"online FP8 logits differ from block-rounded HF by {diff:.3e}"
+    plain = single(d).prefill(seqs())
+    assert (got - plain).abs().max().item() > 10 * TOL  # the rounding did happen
+
+
+def test_plan_reports_fp8_weight_bytes(fp8_checkpoint, make_hf_checkpoint, capsys):
+    from cpmoe.cli import main
+    _, d = fp8_checkpoint("qwen3_moe", "divides")
+    assert main(["plan", "--model", str(d), "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory_per_rank"][0]
+    fp8 = mem["fp8_on_cuda"]
+    assert 0 < fp8["fp8_bytes"] < fp8["weight_bytes"] < mem["weight_bytes"]
+    _, bf16_dir = make_hf_checkpoint("qwen3_moe")
+    assert main(["plan", "--model", str(bf16_dir), "--quantization", "fp8"]) == 0
+    assert "GiB FP8 weights + scales" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_layout_cutting_a_block_before_spawning(fp8_checkpoint, capsys):
+    from cpmoe.cli import main
+    _, d = fp8_checkpoint("qwen3_moe", "divides")
+    assert main(["plan", "--model", str(d), "--tp-size", "8", "--attn-cp-size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "moe_tp 8 = 16 is not a multiple of the scale block 32" in err[0]
