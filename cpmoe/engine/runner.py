@@ -108,9 +108,12 @@ class StepTimes:
 class ModelRunner:
     def __init__(self, model_dir: Path, groups: ProcessGroups, dtype: torch.dtype,
                  show_progress: bool = True, load_format: str = "auto", seed: int = 0,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, fp8_compute: bool = True) -> None:
         """quantization "fp8": quantize 16-bit weights to FP8 blocks at load (a no-op for
-        an FP8 checkpoint); FP8 checkpoints load as FP8 without it."""
+        an FP8 checkpoint); FP8 checkpoints load as FP8 without it. fp8_compute False:
+        FP8 weights are dequantized at load on CUDA too (the reference FP8 is checked
+        against)."""
+        self.fp8_compute = fp8_compute
         if load_format == "dummy":  # random weights at the checkpoint's shape (SGLang's name)
             self._init_random(read_config_json(model_dir), groups, dtype, seed, quantization)
             return
@@ -118,7 +121,7 @@ class ModelRunner:
         config = with_quantization(config, quantization)
         self._build(config, model_cls, groups, dtype)
         quant = getattr(config, "quantization", None)
-        if quant is not None and not quant.online and self.device.type == "cuda":
+        if quant is not None and not quant.online and self._keep_fp8():
             from cpmoe.loader import quantized_weight_names
             from cpmoe.quant.modules import prepare_fp8
             prepare_fp8(self.model, quantized_weight_names(model_dir), quant)
@@ -132,7 +135,11 @@ class ModelRunner:
         quant = getattr(self.config, "quantization", None)
         if quant is not None and quant.online:
             from cpmoe.quant.modules import quantize_loaded
-            quantize_loaded(self.model, quant, keep_fp8=self.device.type == "cuda")
+            quantize_loaded(self.model, quant, keep_fp8=self._keep_fp8())
+
+    def _keep_fp8(self) -> bool:
+        """FP8 weights stay FP8 (FP8 GEMMs) on CUDA; elsewhere they are dequantized."""
+        return self.device.type == "cuda" and getattr(self, "fp8_compute", True)
 
     @classmethod
     def from_config(cls, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,

@@ -21,6 +21,7 @@ kernels are tested against. Requires bk == activation group size, and K a multip
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -180,6 +181,9 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
+SCALED_MM_ERROR: str | None = None  # set once if scaled_mm refuses; the GPU tests read it
+
+
 def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int]) -> bool:
     import torch.nn.functional as F
     return (x.is_cuda and tuple(block) == (128, 128) and hasattr(F, "scaled_mm")
@@ -194,11 +198,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     q, s = quantize_act(x2, block[1])
-    if _scaled_mm_fits(x, w, block):
+    global SCALED_MM_ERROR
+    y = None
+    if SCALED_MM_ERROR is None and _scaled_mm_fits(x, w, block):
         import torch.nn.functional as F
-        y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
-                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    else:
+        try:
+            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
+                            F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+        except RuntimeError as e:  # a torch build without the block-wise kernel: say so once
+            SCALED_MM_ERROR = str(e).splitlines()[0]
+            warnings.warn(f"FP8 linear: F.scaled_mm refused block-wise scales "
+                          f"({SCALED_MM_ERROR}); using the Triton GEMM", stacklevel=2)
+    if y is None:
         offs = torch.full((1,), x2.shape[0], dtype=torch.int64, device=x.device)
         y = grouped_fp8_gemm(q, s, w[None], w_scale[None], offs, block, out_dtype=x.dtype)
     if bias is not None:
