@@ -308,7 +308,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
-            print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "
+            fp8 = res.fp8_bytes[r] if res.fp8_bytes else 0
+            fp8_text = f" ({fp8 / 2**20:.2f} MiB FP8 weights + scales)" if fp8 else ""
+            print(f"rank {r}: weights {w / 2**20:.2f} MiB{fp8_text}, KV {kv} bytes per stored "
+                  f"token "
                   f"({kv / layout.attn_cp_size:.0f} per prompt token with attn_cp "
                   f"{layout.attn_cp_size})", file=sys.stderr)
         print(f"KV capacity {res.kv_capacity} tokens per rank (pages of {opts.page_size}); "

@@ -56,6 +56,7 @@ class GenerateResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    fp8_bytes: list[int] = field(default_factory=list)  # per rank: FP8 weights + scales
 
 
 def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
@@ -67,14 +68,16 @@ def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
                            layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
     sizes = prepare_runner(runner, opts, need)
     out = generate(runner, prompts, max_new_tokens, eos_ids, sampling, options=opts)
-    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token()], device=info.device)
+    from cpmoe.quant.modules import fp8_weight_bytes
+    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token(),
+                        fp8_weight_bytes(runner.model)], device=info.device)
     per_rank = runner.gather_from_ranks(mem)
     if info.rank != 0:
         return None
     t = runner.times
     return GenerateResult(out, [int(m[0]) for m in per_rank], [int(m[1]) for m in per_rank],
                           sizes["kv_capacity"], sizes["graph_bytes"], t.prefill_s, t.decode_s,
-                          t.decode_steps)
+                          t.decode_steps, [int(m[2]) for m in per_rank])
 
 
 @dataclass

@@ -214,3 +214,14 @@ def test_cli_refuses_a_layout_cutting_a_block_before_spawning(fp8_checkpoint, ca
     assert main(["plan", "--model", str(d), "--tp-size", "8", "--attn-cp-size", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe_tp 8 = 16 is not a multiple of the scale block 32" in err[0]
+
+
+def test_generate_takes_quantization_fp8_and_fp8_checkpoints(fp8_checkpoint, make_hf_checkpoint,
+                                                             capsys):
+    from cpmoe.cli import main
+    _, bf16_dir = make_hf_checkpoint("qwen3_moe")
+    _, fp8_dir = fp8_checkpoint("qwen3_moe", "divides")
+    for model, extra in ((bf16_dir, ["--quantization", "fp8"]), (fp8_dir, [])):
+        assert main(["generate", "--model", str(model), "--input-ids", "1,2,3", "--device",
+                     "cpu", "--max-new-tokens", "2", "--json", "--verbose", *extra]) == 0
+        assert len(json.loads(capsys.readouterr().out)[0]["tokens"]) == 2
