@@ -61,7 +61,8 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
-                         load_format=spec.options.load_format)
+                         load_format=spec.options.load_format,
+                         quantization=spec.options.quantization)
     sizes = prepare_runner(runner, spec.options, spec.default_kv_tokens)
     pid = torch.tensor([os.getpid()], dtype=torch.int64, device=runner.device)
     pids = [int(p) for p in runner.gather_from_ranks(pid)]

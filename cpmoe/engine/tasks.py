@@ -101,7 +101,9 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]]
     if info.rank == 0:
         single = ProcessGroups.single(info.device)
         reference = (runner if spec.layout.world_size == 1 else
-                     ModelRunner(spec.model_dir, single, spec.dtype, show_progress=False))
+                     ModelRunner(spec.model_dir, single, spec.dtype, show_progress=False,
+                                 load_format=spec.options.load_format,
+                                 quantization=spec.options.quantization))
     report = CheckReport()
     index = 0
     for seqs in batches:
