@@ -152,7 +152,8 @@ def _resolve(name: str, params: dict[str, torch.Tensor], modules: dict[str, nn.M
 def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = True,
                     tied_embeddings: bool = False,
                     quantization: Fp8Config | None = None) -> dict[str, int]:
-    """Fill `model` from `model_dir`; returns counts {'loaded', 'skipped', 'bytes'}."""
+    """Fill `model` from `model_dir`; returns counts {'loaded', 'skipped', 'bytes',
+    'scales'} (scales: block-scale tensors read with their weights)."""
     handles = []
     for f in checkpoint_files(model_dir):
         try:

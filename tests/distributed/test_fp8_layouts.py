@@ -1,8 +1,9 @@
 """FP8 checkpoints load on every layout of the matrix and equal the one-rank run (gloo, fp32).
 
-The checkpoints are the tiny Qwen3-MoE and Qwen2-MoE "partial" FP8 variants
-(tests/e2e/_fp8_helpers.py: [16, 8] and [8, 8] blocks, hidden rows or shared-expert rows
-ending in a half block; every layout of the matrix cuts on block boundaries). Each rank
+The checkpoints are the tiny Qwen3-MoE and Qwen2-MoE FP8 variants "aligned" (blocks that
+divide every dim) and "partial" (tests/e2e/_fp8_helpers.py: [16, 8] and [8, 8] blocks,
+hidden rows or shared-expert rows ending in a half block); every layout of the matrix cuts
+both on block boundaries. Each rank
 reads its slices of the FP8 weights with the slices of their scale grids and dequantizes
 them. The one-rank logits equal HF transformers holding the independently dequantized
 weights within 1e-4; every layout's prefill logits and decode-step logits equal the one-rank
@@ -23,7 +24,7 @@ from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 NEW_TOKENS = 4
 TOL = 1e-5
 HF_TOL = 1e-4
-KINDS = ("qwen3_moe", "qwen2_moe")
+KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,8 @@ def seqs() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def fp8_models(tmp_path_factory):
-    return {k: make_fp8_checkpoint(k, "partial", tmp_path_factory.mktemp(f"fp8-{k}"))
-            for k in KINDS}
+    return {f"{k}-{v}": make_fp8_checkpoint(k, v, tmp_path_factory.mktemp(f"fp8-{k}-{v}"))
+            for k, v in KINDS}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,10 @@ block with plain loops (not cpmoe's code), which the tests load into the HF mode
 reference.
 
 Variants of the tiny Qwen models (tests/conftest.py) for FP8:
-    divides     hidden 64, moe_intermediate 128, blocks [32, 32]: every dim a multiple
+    divides     hidden 64, moe_intermediate 128, blocks [32, 32]: every dim a multiple,
+                but heads of 16 (Qwen3) / 8 (Qwen2) rows: attention TP cuts inside blocks
+    aligned     every dim a multiple and every layout of the matrix on block boundaries:
+                Qwen3 blocks [16, 16], Qwen2 (head_dim 8) blocks [8, 8]
     partial     Qwen3: hidden 72, blocks [16, 8] (hidden rows end in a half block);
                 Qwen2 (head_dim 8): blocks [8, 8], shared expert 44 wide (its rows and
                 columns end in a half block). Every layout of the matrix cuts on block
@@ -32,6 +35,9 @@ VARIANTS = {
     ("qwen3_moe", "divides"): (dict(moe_intermediate_size=128), [32, 32]),
     ("qwen2_moe", "divides"): (dict(moe_intermediate_size=128,
                                     shared_expert_intermediate_size=64), [32, 32]),
+    ("qwen3_moe", "aligned"): (dict(moe_intermediate_size=128), [16, 16]),
+    ("qwen2_moe", "aligned"): (dict(moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=64), [8, 8]),
     ("qwen3_moe", "partial"): (dict(moe_intermediate_size=128, hidden_size=72), [16, 8]),
     ("qwen2_moe", "partial"): (dict(moe_intermediate_size=128,
                                     shared_expert_intermediate_size=44), [8, 8]),

@@ -225,3 +225,24 @@ def test_generate_takes_quantization_fp8_and_fp8_checkpoints(fp8_checkpoint, mak
         assert main(["generate", "--model", str(model), "--input-ids", "1,2,3", "--device",
                      "cpu", "--max-new-tokens", "2", "--json", "--verbose", *extra]) == 0
         assert len(json.loads(capsys.readouterr().out)[0]["tokens"]) == 2
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"fmt": "e5m2"}, "quantization_config.fmt 'e5m2' is not supported (only 'e4m3')"),
+    ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
+    ({"weight_block_size": None}, "weight_block_size must be two positive integers [bn, bk] "
+                                  "(per-tensor FP8 is not supported), got None"),
+    ({"weight_block_size": [128, 0]}, "got [128, 0]"),
+    ({"expert_dtype": "int4"}, "expert_dtype 'int4' is not supported"),
+])
+def test_quantization_config_fields_are_checked(change, message):
+    from cpmoe.config import parse_quantization
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 128], **change}
+    with pytest.raises(ConfigError) as e:
+        parse_quantization({"quantization_config": q}, "m/config.json")
+    assert message in _one_line(e) and "m/config.json" in str(e.value)
+    ok = parse_quantization({"quantization_config": {"quant_method": "fp8",
+                                                     "weight_block_size": [128, 64],
+                                                     "modules_to_not_convert": ["lm_head"]}})
+    assert ok.block == (128, 64) and not ok.converts("lm_head") and ok.converts("model.x")
