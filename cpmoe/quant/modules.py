@@ -140,6 +140,15 @@ def quantize_loaded(model: nn.Module, quant: Fp8Config, keep_fp8: bool) -> int:
     return count
 
 
+def block_scales_of(model: nn.Module, param_name: str) -> torch.Tensor:
+    """The scale grid of an FP8 weight parameter (scaling it scales the weight)."""
+    prefix, _, attr = param_name.rpartition(".")
+    module = model.get_submodule(prefix)
+    if isinstance(module, Fp8Linear):
+        return module.weight_scale_inv
+    return getattr(module, attr.removesuffix("_proj") + "_scale_inv")
+
+
 def fp8_weight_bytes(model: nn.Module) -> int:
     """Bytes of FP8 weights and their scales held by a model shard."""
     total = 0

@@ -121,3 +121,21 @@ def test_fp8_forward_follows_dequantized_model_in_the_interpreter(fp8_dir):
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fp8 forward ok" in out.stdout
+
+
+def test_uniform_routing_scales_fp8_residual_writers_through_their_scales(fp8_dir):
+    """--routing uniform scales o_proj / down_proj by RESIDUAL_SCALE: on FP8 weights (no
+    FP8 multiply on CUDA) their block scales are scaled instead: the same weights up to
+    float32 rounding."""
+    from cpmoe.moe.uniform_routing import RESIDUAL_SCALE, calibrate_uniform_routing
+    fp8, _ = build(fp8_dir, ParallelLayout(), 0, fp8=True)
+    plain, _ = build(fp8_dir, ParallelLayout(), 0, fp8=False)
+    groups = rank_groups(ParallelLayout(), 0)
+    for model in (fp8, plain):
+        calibrate_uniform_routing(model, groups, lambda: None)
+    got, want = dense_params(fp8), dict(plain.named_parameters())
+    o = "model.layers.0.self_attn.o_proj.weight"
+    torch.testing.assert_close(got[o], want[o], rtol=1e-6, atol=0)
+    d = "model.layers.0.mlp.experts.down_proj"
+    torch.testing.assert_close(got[d], want[d], rtol=1e-6, atol=0)
+    assert RESIDUAL_SCALE != 1
