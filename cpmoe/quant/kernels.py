@@ -204,7 +204,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         import torch.nn.functional as F
         try:
             y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
-                            F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+                            F.ScalingType.BlockWise128x128,
+                            output_dtype=torch.bfloat16).to(x.dtype)  # as checked on H200
         except RuntimeError as e:  # a torch build without the block-wise kernel: say so once
             SCALED_MM_ERROR = str(e).splitlines()[0]
             warnings.warn(f"FP8 linear: F.scaled_mm refused block-wise scales "
