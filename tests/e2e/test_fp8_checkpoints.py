@@ -246,3 +246,15 @@ def test_quantization_config_fields_are_checked(change, message):
                                                      "weight_block_size": [128, 64],
                                                      "modules_to_not_convert": ["lm_head"]}})
     assert ok.block == (128, 64) and not ok.converts("lm_head") and ok.converts("model.x")
+
+
+def test_cli_prints_one_line_for_a_checkpoint_missing_a_scale(fp8_checkpoint, tmp_path,
+                                                              capsys):
+    from cpmoe.cli import main
+    _, src = fp8_checkpoint("qwen3_moe", "divides")
+    d = _copy_dir(src, tmp_path / "m")
+    _edit_tensors(d, lambda s: s.pop(SCALE))
+    assert main(["generate", "--model", str(d), "--input-ids", "1,2", "--device", "cpu",
+                 "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is float8_e4m3fn but the checkpoint has no scale" in err[0]
