@@ -211,6 +211,7 @@ def test_plan_reports_fp8_weight_bytes(fp8_checkpoint, make_hf_checkpoint, capsy
 def test_cli_refuses_a_layout_cutting_a_block_before_spawning(fp8_checkpoint, capsys):
     from cpmoe.cli import main
     _, d = fp8_checkpoint("qwen3_moe", "divides")
+    capsys.readouterr()  # the fixture's own output
     assert main(["plan", "--model", str(d), "--tp-size", "8", "--attn-cp-size", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe_tp 8 = 16 is not a multiple of the scale block 32" in err[0]
@@ -254,6 +255,7 @@ def test_cli_prints_one_line_for_a_checkpoint_missing_a_scale(fp8_checkpoint, tm
     _, src = fp8_checkpoint("qwen3_moe", "divides")
     d = _copy_dir(src, tmp_path / "m")
     _edit_tensors(d, lambda s: s.pop(SCALE))
+    capsys.readouterr()  # the fixture's own output
     assert main(["generate", "--model", str(d), "--input-ids", "1,2", "--device", "cpu",
                  "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
