@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
@@ -56,7 +57,7 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
         tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
         if tokens < opts.page_size:
-            raise ValueError(
+            raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
                 f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
                 f"GiB already allocated: raise it or set --max-total-tokens")
