@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
+from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
 
@@ -133,11 +134,14 @@ class Rope:
 
 @dataclass
 class CompressorState:
-    """What a compressor knows of one sequence: its C pooled entries [C, d] and the projected
-    rows [r, 2F] it still needs, from the start of window C-1 (overlap) or C onwards."""
+    """What a compressor knows of one sequence: `total` entries pooled so far, of which this
+    CP rank keeps `entries` [C_local, d] (entry c lives on CP rank c % cp_size, in order; one
+    rank keeps them all), and the projected rows [r, 2F] it still needs, from the start of
+    window total-1 (overlap) or total onwards (replicated: at most 2m rows)."""
 
     entries: torch.Tensor
     rows: torch.Tensor
+    total: int = 0
 
 
 class DeepseekV4Compressor(nn.Module):
@@ -169,17 +173,25 @@ class DeepseekV4Compressor(nn.Module):
         return max(entries - 1, 0) * self.rate if self.overlap else entries * self.rate
 
     def extend(self, state: CompressorState, new_rows: torch.Tensor, end_pos: int,
-               rope: RopeTable) -> CompressorState:
+               rope: RopeTable, shard: tuple[int, int] = (0, 1)) -> CompressorState:
         """Append the rows of positions [end_pos - len(new_rows), end_pos); pool every window
-        they complete."""
+        they complete and keep the new entries of CP rank shard[0] of shard[1]."""
         rows = torch.cat([state.rows, new_rows])
-        done, total = state.entries.shape[0], end_pos // self.rate
+        done, total = state.total, end_pos // self.rate
         start = self._rows_start(done)
         entries = state.entries
         if total > done:
             fresh = self._pool(rows[:total * self.rate - start], done, rope)
-            entries = torch.cat([entries, fresh.to(entries.dtype)])
-        return CompressorState(entries, rows[self._rows_start(total) - start:])
+            cp_rank, cp_size = shard
+            mine = fresh[(cp_rank - done) % cp_size::cp_size]
+            entries = torch.cat([entries, mine.to(entries.dtype)])
+        return CompressorState(entries, rows[self._rows_start(total) - start:], total)
+
+    @staticmethod
+    def shard(state: CompressorState, cp_rank: int, cp_size: int) -> CompressorState:
+        """A state holding every entry -> CP rank cp_rank's share, in compact storage."""
+        return CompressorState(state.entries[cp_rank::cp_size].clone(), state.rows.clone(),
+                               state.total)
 
     def _pool(self, rows: torch.Tensor, first: int, rope: RopeTable) -> torch.Tensor:
         """rows of windows [first - p, first + n), p = 1 if overlap and first > 0 else 0
@@ -211,7 +223,12 @@ class DeepseekV4IndexerScorer(nn.Module):
         self.weights_proj = Linear(hidden, heads, bias=False, dtype=dtype)
 
     def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale
+        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row)."""
+        if keys.dim() == 3:
+            dots = torch.einsum("thd,tcd->thc", q.float(), keys.float())
+        else:
+            dots = torch.matmul(q.float(), keys.float().T)
+        scores = F.relu(dots) * self.softmax_scale
         weights = self.weights_proj(x_TH).float() * self.weights_scaling
         return (scores * weights[..., None]).sum(dim=1)
 
@@ -226,6 +243,12 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False, dtype=dtype)
         self.scorer = DeepseekV4IndexerScorer(cfg.hidden_size, self.heads, self.dim, dtype)
+
+    def row_scores(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
+        """Scores [T, C] of each row's own keys [T, C, dI] (decode over a cache shard)."""
+        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
+        return self.scorer(apply_rope(q, cos, sin), keys_TCd, x_TH)
 
     def select(self, q_res: torch.Tensor, x_TH: torch.Tensor, pos: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -249,6 +272,15 @@ class SeqState:
     window: torch.Tensor  # [<= W-1, D]
     comp: CompressorState | None
     index: CompressorState | None
+
+
+def shard_state(st: SeqState, cp_rank: int, cp_size: int) -> SeqState:
+    """A state holding every compressed entry -> CP rank cp_rank's share, compact (no views
+    into the prefill's buffers)."""
+    def part(s: CompressorState | None) -> CompressorState | None:
+        return None if s is None else DeepseekV4Compressor.shard(s, cp_rank, cp_size)
+
+    return SeqState(st.window.clone(), part(st.comp), part(st.index))
 
 
 @dataclass
@@ -315,16 +347,18 @@ class DeepseekV4Attention(nn.Module):
         return SeqState(like.new_zeros((0, self.head_dim)), None if c is None else c.empty(like),
                         None if c is None or c.indexer is None else c.indexer.empty(like))
 
-    def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable
-                ) -> tuple[torch.Tensor, SeqState]:
-        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos)."""
+    def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
+                shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, SeqState]:
+        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos, whose
+        new compressed entries are CP rank shard[0] of shard[1]'s)."""
         D, c = self.head_dim, self.compressor
         keys = torch.cat([st.window, rows[:, :D]])
         comp = index = None
         if c is not None:
-            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope)
+            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope, shard)
             if c.indexer is not None:
-                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope)
+                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope,
+                                         shard)
         keep = max(0, keys.shape[0] - (self.window - 1))
         return keys, SeqState(keys[keep:], comp, index)
 
@@ -350,23 +384,24 @@ class DeepseekV4Attention(nn.Module):
             kv, valid = torch.cat([kv, ckv], dim=1), torch.cat([valid, cvalid], dim=1)
         return sink_attention(qs.q[r], kv, valid, self.sinks, self.scale)
 
-    def _segments(self, batch: ForwardBatch, k_side: torch.Tensor, like: torch.Tensor):
-        """(query rows, K-side rows, end position, state before them, cache key) per piece:
-        each whole sequence in prefill, each row in decode."""
-        keys = batch.seq_keys if batch.kv is not None else None
-        if batch.is_decode:
-            assert keys is not None, "V4 decode needs the per-sequence cache"
-            for i, key in enumerate(keys):
-                rows = torch.tensor([i], device=like.device)
-                yield (rows, k_side[i:i + 1], int(batch.positions[i]) + 1,
-                       batch.kv.state(key, self.layer), key)
-            return
+    def _prefill(self, qs: Queries, k_side: torch.Tensor, batch: ForwardBatch,
+                 rope: RopeTable) -> torch.Tensor:
+        """Every local query row over its whole sequence; with a cache, each sequence's state
+        is stored as this CP rank's shard (see deepseek_v4_decode.py)."""
         assert batch.split is not None
-        cu = batch.split.cu_seqlens
+        cu, keys = batch.split.cu_seqlens, batch.seq_keys if batch.kv is not None else None
+        cp = self.groups.attn_cp
+        out = torch.zeros_like(qs.q)
         for s in range(len(cu) - 1):
             rows = (batch.seq_ids == s).nonzero().flatten()
-            yield (rows, k_side[cu[s]:cu[s + 1]], cu[s + 1] - cu[s], self.empty_state(like),
-                   None if keys is None else keys[s])
+            k_rows, end = k_side[cu[s]:cu[s + 1]], cu[s + 1] - cu[s]
+            keys_s, st = self._extend(self.empty_state(k_side), k_rows, end, rope)
+            for i in range(0, rows.numel(), _QUERY_CHUNK):
+                r = rows[i:i + _QUERY_CHUNK]
+                out[r] = self._attend(qs, r, keys_s, end - keys_s.shape[0], st)
+            if keys is not None:
+                batch.kv.put(keys[s], self.layer, shard_state(st, cp.rank, cp.size))
+        return out
 
     def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
                 ) -> torch.Tensor:
@@ -379,14 +414,10 @@ class DeepseekV4Attention(nn.Module):
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
-        out = torch.zeros_like(q)
-        for rows, k_rows, end, st, key in self._segments(batch, k_side, x_TH):
-            keys, new_st = self._extend(st, k_rows, end, rope.table)
-            for i in range(0, rows.numel(), _QUERY_CHUNK):
-                r = rows[i:i + _QUERY_CHUNK]
-                out[r] = self._attend(qs, r, keys, end - keys.shape[0], new_st)
-            if key is not None:
-                batch.kv.put(key, self.layer, new_st)
+        if batch.is_decode:
+            out = decode_attention(self, qs, k_side, batch, rope.table)
+        else:
+            out = self._prefill(qs, k_side, batch, rope.table)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
         o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])
