@@ -42,15 +42,17 @@ if TYPE_CHECKING:
 def partial_sink_attention(q_BHD: torch.Tensor, kv_BND: torch.Tensor, valid_BN: torch.Tensor,
                            sinks: torch.Tensor | None, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over the valid keys of its row (K = V) -> (o [B, Hq, D] fp32, lse
-    [B, Hq] fp32); with `sinks` the per-head sink logit joins the softmax (its mass dropped).
-    A row with no valid key and no sink has lse -inf and o 0 (weight 0 in the merge)."""
-    kvf = kv_BND.float()
-    s = torch.einsum("bhd,bnd->bhn", q_BHD.float(), kvf) * scale
+    """Attention of q over the valid keys of its row (K = V) -> (o [B, Hq, D], lse [B, Hq]);
+    with `sinks` the per-head sink logit joins the softmax (its mass dropped). A row with no
+    valid key and no sink has lse -inf and o 0 (weight 0 in the merge). Math in fp32, in
+    fp64 for fp32 inputs: the CP merge then adds no error above fp32 rounding."""
+    acc = torch.float64 if q_BHD.dtype == torch.float32 else torch.float32
+    kvf = kv_BND.to(acc)
+    s = torch.einsum("bhd,bnd->bhn", q_BHD.to(acc), kvf) * scale
     s = s.masked_fill(~valid_BN[:, None, :], float("-inf"))
     logits = s
     if sinks is not None:
-        logits = torch.cat([s, sinks.float().view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
+        logits = torch.cat([s, sinks.to(acc).view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
     lse = torch.logsumexp(logits, dim=-1)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
     return torch.einsum("bhn,bnd->bhd", p, kvf), lse
