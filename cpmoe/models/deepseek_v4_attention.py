@@ -10,12 +10,14 @@ ATTN_CP (`communicator.gather_output`, flat order) replicates those per-token ro
 rank; every rank then pools the compressed KV and indexer keys of whole sequences itself
 (replicated compute) and its local queries attend by their global positions.
 
-Decode. Every rank holds the full state of each sequence (replicated, `SeqState`): the last
-W-1 KV rows, the compressed entries and the projected rows of the still-open window(s).
-A step appends the new token's rows and closes a window when the token completes one.
+Decode (`deepseek_v4_decode.py`). Each rank holds, per sequence (`SeqState`), the last W-1
+KV rows and the projected rows of the still-open window(s) (replicated, bounded) and its
+share of the compressed entries (entry c on CP rank c % attn_cp). A step appends the new
+token's rows, pools a window when the token completes one (its owner keeps the entry), and
+merges every rank's partial attention by LSE.
 
 Attention never shards heads (attn_cp == tp, see `check_v4_layout`), so nothing here sums
-partial outputs.
+partial outputs over heads.
 
 Legend: T = query rows, N = K-side rows, H = hidden, D = head dim, R = rope dim,
 Hq = query heads, W = sliding window, m = compress rate, C = compressed entries,

@@ -117,3 +117,25 @@ def v4_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Path],
     out = {kind: greedy_run(groups, d, seqs, new_tokens, calibration)
            for kind, d in model_dirs.items()}
     return out if info.rank == 0 else None
+
+
+def cache_bytes_run(groups: ProcessGroups, model_dir: Path, seq: list[int],
+                    new_tokens: int) -> dict:
+    """One prompt prefilled into the cache, then greedy decode steps: this rank's cache
+    bytes after the prefill and after the decode, the tokens and every step's logits."""
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    runner.allocate_kv(len(seq) + new_tokens)
+    logits = runner.prefill([seq], [0], last_only=True)
+    after_prefill = runner.kv.nbytes_used()
+    steps, tokens = [logits], [int(logits[0].argmax())]
+    for _ in range(new_tokens - 1):
+        steps.append(runner.decode([0], [tokens[-1]]))
+        tokens.append(int(steps[-1][0].argmax()))
+    return {"prefill_bytes": after_prefill, "decode_bytes": runner.kv.nbytes_used(),
+            "tokens": tokens, "steps": torch.cat(steps)}
+
+
+def cache_bytes_task(info: RankInfo, layout: ParallelLayout, model_dir: Path, seq: list[int],
+                     new_tokens: int) -> dict:
+    return cache_bytes_run(ProcessGroups.build(layout, info.rank, info.device), model_dir, seq,
+                           new_tokens)
