@@ -42,6 +42,7 @@ from cpmoe.models.deepseek_v4_attention import (
     RopeTable,
 )
 from cpmoe.models.deepseek_v4_cache import V4Cache
+from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
@@ -264,10 +265,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn_hc = DeepseekV4HyperConnection(cfg)
         self.ffn_hc = DeepseekV4HyperConnection(cfg)
 
-    def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
+                plan: PrefillPlan | None) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch),
+        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
         post, comb, x = self.ffn_hc(h)
         out = self.mlp(self.post_attention_layernorm(x), self.comm, batch)
@@ -277,7 +278,7 @@ class DeepseekV4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hc_mult = cfg.hc_mult
+        self.hc_mult, self.config, self.cp_rank = cfg.hc_mult, cfg, groups.attn_cp.rank
         self.plans = cm.plan_layers(groups.layout, [True] * cfg.num_hidden_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
@@ -295,8 +296,9 @@ class DeepseekV4Model(nn.Module):
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
         h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
+        plan = None if batch.is_decode else PrefillPlan.build(batch, self.cp_rank, self.config)
         for layer in self.layers:
-            h = layer(h, ropes, batch)
+            h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
 
 

@@ -3,12 +3,13 @@ and value), partial interleaved RoPE, a per-head attention sink, a sliding windo
 layer, compressed KV (CSA: rate 4 chosen by the lightning indexer's top-k; HCA: rate 128,
 all causal entries), and the grouped low-rank output projection. HF parameter names.
 
-CP prefill (exact for any split strategy). Queries stay CP-local. The K side of a layer
-(sliding-window KV rows, compressor and indexer projections of every token) is what
-crosses chunk boundaries, so each rank projects its own rows and ONE all-gather over
-ATTN_CP (`communicator.gather_output`, flat order) replicates those per-token rows on every
-rank; every rank then pools the compressed KV and indexer keys of whole sequences itself
-(replicated compute) and its local queries attend by their global positions.
+CP prefill (exact for any split strategy; `deepseek_v4_prefill.py`). Queries stay CP-local.
+The K side of a layer (sliding-window KV rows, compressor and indexer projections of every
+token) is what crosses chunk boundaries, so each rank projects its own rows and ONE
+all-gather over ATTN_CP (`communicator.gather_output`, flat order) replicates those
+per-token rows on every rank; every rank then pools the compressed KV and indexer keys of
+every sequence of the batch in one gather (replicated compute) and its local queries attend
+by their global positions, all sequences at once.
 
 Decode (`deepseek_v4_decode.py`). Each rank holds, per sequence (`SeqState`), the last W-1
 KV rows and the projected rows of the still-open window(s) (replicated, bounded) and its
@@ -37,12 +38,10 @@ from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
+from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
 from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
-
-# Query rows attended at once: bounds the [rows, W + K, D] gathered-key buffer.
-_QUERY_CHUNK = 128
-
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -134,18 +133,6 @@ class Rope:
 
 # ---- compressed KV ---------------------------------------------------------------------------
 
-@dataclass
-class CompressorState:
-    """What a compressor knows of one sequence: `total` entries pooled so far, of which this
-    CP rank keeps `entries` [C_local, d] (entry c lives on CP rank c % cp_size, in order; one
-    rank keeps them all), and the projected rows [r, 2F] it still needs, from the start of
-    window total-1 (overlap) or total onwards (replicated: at most 2m rows)."""
-
-    entries: torch.Tensor
-    rows: torch.Tensor
-    total: int = 0
-
-
 class DeepseekV4Compressor(nn.Module):
     """Pools every m source tokens into one KV entry. Entry w is the softmax(gate +
     position_bias)-weighted sum of its window's projected rows. With `overlap` (CSA) each row
@@ -168,9 +155,6 @@ class DeepseekV4Compressor(nn.Module):
         """-> [T, 2F]: kv then gate projections, the per-token input of `extend`."""
         return torch.cat([self.kv_proj(x_TH), self.gate_proj(x_TH)], dim=-1)
 
-    def empty(self, like: torch.Tensor) -> CompressorState:
-        return CompressorState(like.new_zeros((0, self.dim)), like.new_zeros((0, 2 * self.width)))
-
     def _rows_start(self, entries: int) -> int:
         return max(entries - 1, 0) * self.rate if self.overlap else entries * self.rate
 
@@ -188,12 +172,6 @@ class DeepseekV4Compressor(nn.Module):
             mine = fresh[(cp_rank - done) % cp_size::cp_size]
             entries = torch.cat([entries, mine.to(entries.dtype)])
         return CompressorState(entries, rows[self._rows_start(total) - start:], total)
-
-    @staticmethod
-    def shard(state: CompressorState, cp_rank: int, cp_size: int) -> CompressorState:
-        """A state holding every entry -> CP rank cp_rank's share, in compact storage."""
-        return CompressorState(state.entries[cp_rank::cp_size].clone(), state.rows.clone(),
-                               state.total)
 
     def _pool(self, rows: torch.Tensor, first: int, rope: RopeTable) -> torch.Tensor:
         """rows of windows [first - p, first + n), p = 1 if overlap and first > 0 else 0
@@ -216,6 +194,28 @@ class DeepseekV4Compressor(nn.Module):
         return apply_rope(pooled, *rope(positions, pooled.dtype))
 
 
+    def pool_flat(self, rows_N2F: torch.Tensor, start_E: torch.Tensor, window_E: torch.Tensor,
+                  rope: RopeTable) -> torch.Tensor:
+        """Entries of many sequences at once -> [E, d]: entry e pools window window_E[e] of
+        its sequence, whose rows start at flat row start_E[e] of rows_N2F (with overlap
+        also the m rows before it, none for window 0); `_pool`'s math entry by entry."""
+        m, d, Fw = self.rate, self.dim, self.width
+        idx = start_E[:, None] + torch.arange(m, device=start_E.device)  # [E, m]
+        win = rows_N2F[idx]
+        kv, gate = win[..., :Fw], win[..., Fw:] + self.position_bias
+        if self.overlap:
+            prev = rows_N2F[(idx - m).clamp(min=0)]
+            first = (window_E == 0)[:, None, None]
+            prev_kv = prev[..., :d].masked_fill(first, 0.0)
+            prev_gate = (prev[..., Fw:Fw + d] + self.position_bias[:, :d]).masked_fill(
+                first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.kv_norm((kv * weights).sum(dim=1))
+        return apply_rope(pooled, *rope(window_E * m, pooled.dtype))
+
+
 class DeepseekV4IndexerScorer(nn.Module):
     """score[t, c] = sum_h w[t, h] * relu(q[t, h] . k[c]) / sqrt(dI), w = weights_proj(x)."""
 
@@ -225,14 +225,19 @@ class DeepseekV4IndexerScorer(nn.Module):
         self.weights_proj = Linear(hidden, heads, bias=False, dtype=dtype)
 
     def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
-        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row)."""
+        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row).
+        For fp32 inputs the math is fp64, rounded to fp32 at the end: a score then does not
+        depend on how many rows and entries share the kernels (batch composition, CP shard;
+        fp32 reductions order by shape), so near-tied top-k picks do not flip between
+        layouts; fp32 for 16-bit inputs."""
+        acc = torch.float64 if q.dtype == torch.float32 else torch.float32
         if keys.dim() == 3:
-            dots = torch.einsum("thd,tcd->thc", q.float(), keys.float())
+            dots = torch.einsum("thd,tcd->thc", q.to(acc), keys.to(acc))
         else:
-            dots = torch.matmul(q.float(), keys.float().T)
+            dots = torch.matmul(q.to(acc), keys.to(acc).T)
         scores = F.relu(dots) * self.softmax_scale
-        weights = self.weights_proj(x_TH).float() * self.weights_scaling
-        return (scores * weights[..., None]).sum(dim=1)
+        weights = self.weights_proj(x_TH).to(acc) * self.weights_scaling
+        return (scores * weights[..., None]).sum(dim=1).float()
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -252,38 +257,23 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
         return self.scorer(apply_rope(q, cos, sin), keys_TCd, x_TH)
 
-    def select(self, q_res: torch.Tensor, x_TH: torch.Tensor, pos: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """-> [T, min(topk, C)] entry ids, best first; -1 where the pick is not yet causal.
-        The top-k size comes from the sequence's entry count, as in the reference."""
+    def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
+                       ) -> torch.Tensor:
+        """-> [T, min(topk, E)] indices into keys_Ed, best first; -1 where the pick is not
+        visible to the row (another sequence's entry, or its window not yet closed).
+        Equal scores go to the lower entry (a stable sort; `topk`'s choice among ties
+        depends on the row's length, so it would differ between batch compositions and CP
+        layouts). Exact ties are scores of 0: every head's q.k negative."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_rope(q, cos, sin), keys, x_TH)
-        ready = ((pos + 1) // self.rate)[:, None]
-        scores = scores.masked_fill(torch.arange(keys.shape[0], device=pos.device) >= ready,
-                                    float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.where(picks < ready, picks, -1)
+        scores = self.scorer(apply_rope(q, cos, sin), keys_Ed, x_TH)
+        scores = scores.masked_fill(~visible_TE, float("-inf"))
+        k = min(self.topk, keys_Ed.shape[0])
+        picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        return torch.where(visible_TE.gather(1, picks), picks, -1)
 
 
 # ---- attention -------------------------------------------------------------------------------
-
-@dataclass
-class SeqState:
-    """One sequence at one layer: KV rows of the last W-1 positions and compressor states."""
-
-    window: torch.Tensor  # [<= W-1, D]
-    comp: CompressorState | None
-    index: CompressorState | None
-
-
-def shard_state(st: SeqState, cp_rank: int, cp_size: int) -> SeqState:
-    """A state holding every compressed entry -> CP rank cp_rank's share, compact (no views
-    into the prefill's buffers)."""
-    def part(s: CompressorState | None) -> CompressorState | None:
-        return None if s is None else DeepseekV4Compressor.shard(s, cp_rank, cp_size)
-
-    return SeqState(st.window.clone(), part(st.comp), part(st.index))
-
 
 @dataclass
 class Queries:
@@ -295,18 +285,6 @@ class Queries:
     pos: torch.Tensor  # [T] absolute positions
     cos: torch.Tensor  # [T, R/2] of the layer's RoPE table
     sin: torch.Tensor
-
-
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
-                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
-    softmax also holds its sink logit, whose probability mass is dropped. fp32 math."""
-    kvf = kv.float()
-    scores = torch.einsum("thd,tnd->thn", q.float(), kvf) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thn,tnd->thd", probs, kvf).to(q.dtype)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -344,11 +322,6 @@ class DeepseekV4Attention(nn.Module):
                 parts.append(self.compressor.indexer.project(x_TH))
         return torch.cat(parts, dim=-1)
 
-    def empty_state(self, like: torch.Tensor) -> SeqState:
-        c = self.compressor
-        return SeqState(like.new_zeros((0, self.head_dim)), None if c is None else c.empty(like),
-                        None if c is None or c.indexer is None else c.indexer.empty(like))
-
     def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
                 shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, SeqState]:
         """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos, whose
@@ -364,50 +337,10 @@ class DeepseekV4Attention(nn.Module):
         keep = max(0, keys.shape[0] - (self.window - 1))
         return keys, SeqState(keys[keep:], comp, index)
 
-    # -- queries --------------------------------------------------------------------------
-    def _attend(self, qs: Queries, r: torch.Tensor, keys: torch.Tensor, first: int,
-                st: SeqState) -> torch.Tensor:
-        """Query rows r of one sequence: window keys from `keys` (positions `first` on) plus
-        the compressed entries of `st` -> [len(r), Hq, D]."""
-        W, c, pos = self.window, self.compressor, qs.pos[r]
-        kpos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)  # [T, W]
-        kv, valid = keys[(kpos - first).clamp(min=0)], kpos >= 0
-        if c is not None and st.comp is not None:
-            entries = st.comp.entries
-            if c.indexer is not None:
-                assert st.index is not None
-                picks = c.indexer.select(qs.q_res[r], qs.x[r], pos, qs.cos[r], qs.sin[r],
-                                         st.index.entries)
-                ckv, cvalid = entries[picks.clamp(min=0)], picks >= 0
-            else:  # HCA: every entry whose window has closed
-                ckv = entries.expand(r.numel(), -1, -1)
-                cvalid = (torch.arange(entries.shape[0], device=pos.device)[None, :]
-                          < ((pos + 1) // c.rate)[:, None])
-            kv, valid = torch.cat([kv, ckv], dim=1), torch.cat([valid, cvalid], dim=1)
-        return sink_attention(qs.q[r], kv, valid, self.sinks, self.scale)
-
-    def _prefill(self, qs: Queries, k_side: torch.Tensor, batch: ForwardBatch,
-                 rope: RopeTable) -> torch.Tensor:
-        """Every local query row over its whole sequence; with a cache, each sequence's state
-        is stored as this CP rank's shard (see deepseek_v4_decode.py)."""
-        assert batch.split is not None
-        cu, keys = batch.split.cu_seqlens, batch.seq_keys if batch.kv is not None else None
-        cp = self.groups.attn_cp
-        out = torch.zeros_like(qs.q)
-        for s in range(len(cu) - 1):
-            rows = (batch.seq_ids == s).nonzero().flatten()
-            k_rows, end = k_side[cu[s]:cu[s + 1]], cu[s + 1] - cu[s]
-            keys_s, st = self._extend(self.empty_state(k_side), k_rows, end, rope)
-            for i in range(0, rows.numel(), _QUERY_CHUNK):
-                r = rows[i:i + _QUERY_CHUNK]
-                out[r] = self._attend(qs, r, keys_s, end - keys_s.shape[0], st)
-            if keys is not None:
-                batch.kv.put(keys[s], self.layer, shard_state(st, cp.rank, cp.size))
-        return out
-
-    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
-                ) -> torch.Tensor:
-        """This rank's rows [T, H] -> attention output [T, H], complete (no partial sums)."""
+    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
+                plan: PrefillPlan | None = None) -> torch.Tensor:
+        """`plan`: the forward's `PrefillPlan` (extend steps; None in decode)."""
+        # This rank's rows [T, H] -> attention output [T, H], complete (no partial sums).
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
@@ -419,7 +352,8 @@ class DeepseekV4Attention(nn.Module):
         if batch.is_decode:
             out = decode_attention(self, qs, k_side, batch, rope.table)
         else:
-            out = self._prefill(qs, k_side, batch, rope.table)
+            assert plan is not None, "V4 prefill needs the forward's PrefillPlan"
+            out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
         o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from cpmoe.engine.kv_cache import PagedKVCache
-from cpmoe.models.deepseek_v4_attention import SeqState
 from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from cpmoe.models.deepseek_v4_state import SeqState
 
 
 def _owned(total: int, cp_rank: int, cp_size: int) -> int:
