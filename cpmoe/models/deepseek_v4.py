@@ -35,15 +35,10 @@ import torch.nn.functional as F
 
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.models.deepseek_v4_attention import (
-    DeepseekV4Attention,
-    Fp32RMSNorm,
-    Rope,
-    RopeTable,
-)
+from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
-from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher

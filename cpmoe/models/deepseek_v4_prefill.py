@@ -23,13 +23,12 @@ S = compressed keys per row, B = sequences, D = head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.models.deepseek_v4_config import DeepseekV4Config
+from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
 
 if TYPE_CHECKING:
@@ -82,10 +81,13 @@ class PrefillPlan:
         entries = {m: EntryIndex.build(cu, m, device) for m in rates}
         seqs = split.local_seq_ids(cp_rank)  # host copy of batch.seq_ids
         T, W = seqs.numel(), cfg.sliding_window
-        keys = W + max(cfg.index_topk, max((e.offsets[-1] for e in entries.values()), default=0))
+        csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
+        hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
+        # Per row: gathered keys (W + CSA picks or HCA entries) with their scores, and the
+        # indexer's scores against the CSA entries of the block (at most all of them).
+        keys = W + max(cfg.index_topk if csa else 0, hca.offsets[-1] if hca else 0)
         per_row = max(keys * (cfg.num_attention_heads + cfg.head_dim),
-                      cfg.index_n_heads * entries[cfg.compress_rate_csa].offsets[-1]
-                      if cfg.compress_rate_csa in entries else 0)
+                      cfg.index_n_heads * csa.offsets[-1] if csa else 0)
         step = max(1, _BLOCK_ELEMS // per_row)
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
