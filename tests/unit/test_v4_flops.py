@@ -5,7 +5,7 @@
 - the per-token terms equal torch's FLOP counter on a real one-rank forward of a tiny V4
   (4 layers: HCA, CSA, sliding, CSA; hash and top-k MoE; hc 4), once the counter's view of
   the implementation's attention core (it computes masked window slots and every HCA
-  entry) and the formula's contractions the implementation does elementwise (pooling,
+  entry of the batch in one block) and the formula's contractions the implementation does elementwise (pooling,
   the indexer's head-weighted sum) are accounted for by hand;
 - `cpmoe bench`'s `model_flops` uses it for V4 configs.
 """
@@ -62,19 +62,20 @@ def test_v4_attention_flops_match_brute_force(cfg, L):
         assert v4_flops.attention_flops(cfg, layer, L) == brute_force_attention(cfg, layer, L)
 
 
-def _implementation_attention(cfg, layer: int, L: int) -> int:
-    """What the one-rank forward's matmuls spend on attention (counted by the FLOP counter):
-    W gathered window slots per query, every HCA entry, min(topk, C) CSA picks, indexer
-    scores against every entry of the sequence (its head-weighted sum is elementwise)."""
+def _implementation_attention(cfg, layer: int, lengths: list[int]) -> int:
+    """What the one-rank batched forward's matmuls spend on attention (counted by the FLOP
+    counter), all rows in one block: W gathered window slots per row, every HCA entry of the
+    batch (other sequences' masked), min(topk, E) CSA picks, indexer scores against every
+    CSA entry of the batch (its head-weighted sum is elementwise)."""
     Hq, D, kind = cfg.num_attention_heads, cfg.head_dim, cfg.layer_types[layer]
     keys, scores = cfg.sliding_window, 0
     if kind == HCA:
-        keys += L // cfg.compress_rate_hca
+        keys += sum(L // cfg.compress_rate_hca for L in lengths)
     elif kind == CSA:
-        C = L // cfg.compress_rate_csa
-        keys += min(cfg.index_topk, C)
-        scores = 2 * cfg.index_n_heads * cfg.index_head_dim * C
-    return L * (4 * Hq * D * keys + scores)
+        E = sum(L // cfg.compress_rate_csa for L in lengths)
+        keys += min(cfg.index_topk, E)
+        scores = 2 * cfg.index_n_heads * cfg.index_head_dim * E
+    return sum(lengths) * (4 * Hq * D * keys + scores)
 
 
 def _elementwise_contractions(cfg, layer: int) -> int:
@@ -103,9 +104,8 @@ def test_v4_flops_match_flop_counter_on_a_forward(raw, cfg):
     want = v4_flops.v4_prefill_flops(cfg, LENGTHS)
     T = sum(LENGTHS)
     for layer in range(cfg.num_hidden_layers):
-        for L in LENGTHS:
-            want += _implementation_attention(cfg, layer, L) - v4_flops.attention_flops(
-                cfg, layer, L)
+        want += _implementation_attention(cfg, layer, LENGTHS)
+        want -= sum(v4_flops.attention_flops(cfg, layer, L) for L in LENGTHS)
         want -= T * _elementwise_contractions(cfg, layer)
     assert counted == want
 
