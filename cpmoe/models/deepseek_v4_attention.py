@@ -322,7 +322,7 @@ class DeepseekV4Attention(nn.Module):
                 parts.append(self.compressor.indexer.project(x_TH))
         return torch.cat(parts, dim=-1)
 
-    def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
+    def extend_state(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
                 shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, SeqState]:
         """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos, whose
         new compressed entries are CP rank shard[0] of shard[1]'s)."""

@@ -103,7 +103,7 @@ def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tenso
     windows, entries, index_keys = [], [], []
     for i, key in enumerate(batch.seq_keys):
         end = kv.seqs[key].length  # host-side: the row's position + 1
-        keys, st = attn._extend(kv.state(key, attn.layer), k_side[i:i + 1], end, rope,
+        keys, st = attn.extend_state(kv.state(key, attn.layer), k_side[i:i + 1], end, rope,
                                 (cp.rank, cp.size))
         kv.put(key, attn.layer, st)
         windows.append(F.pad(keys[-W:], (0, 0, W - min(W, keys.shape[0]), 0)))
