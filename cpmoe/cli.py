@@ -190,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in cm.plan_layers(layout, sparse)]
-    note = getattr(cfg, "decode_cache_note", None)
+    note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
@@ -211,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  layers {layers}: attention {attn}, mlp {mlp}")
     for m in out["memory_per_rank"]:
         kv = m["kv_bytes_per_token"]
-        kv_text = ("replicated per-sequence caches" if kv is None else
+        kv_text = ("the model's own decode cache (below)" if kv is None else
                    f"KV {kv} bytes per stored token ({kv / layout.attn_cp_size:.0f} per prompt "
                    f"token: the KV of a prompt is sharded over {layout.attn_cp_size} CP ranks)")
         print(f"  rank {m['rank']}: weights {m['weight_bytes'] / 2**30:.3f} GiB "

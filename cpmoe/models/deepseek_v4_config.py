@@ -23,9 +23,10 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _SCORING = ("sqrtsoftplus", "sigmoid")
 DEFAULT_MAX_POSITIONS = 1048576  # transformers' DeepseekV4Config value when config.json has none
 
-DECODE_CACHE_NOTE = ("DeepSeek-V4 decode: every CP rank keeps the full (replicated) cache of "
-                     "each sequence (sliding window, compressed KV, indexer keys) and runs "
-                     "attention for every decode row; the MoE stays distributed.")
+DECODE_CACHE_NOTE = ("DeepSeek-V4 decode: each CP rank keeps its share of every sequence's "
+                     "compressed KV and indexer keys (entry c on CP rank c % attn_cp); the "
+                     "bounded sliding window and open compressor windows are replicated; "
+                     "partial attention of every rank is merged by LSE.")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class DeepseekV4Config:
 
     def check_layout(self, layout: ParallelLayout) -> None:
         check_v4_layout(layout)
+
+    def decode_cache_for(self, layout: ParallelLayout, dtype) -> str:
+        """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
+        from cpmoe.models.deepseek_v4_cache import cache_summary
+        return cache_summary(self, layout.attn_cp_size, dtype)
 
 
 def check_v4_layout(layout: ParallelLayout) -> None:
