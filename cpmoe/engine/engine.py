@@ -45,6 +45,13 @@ class EngineOptions:
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
 
 
+def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
+    """Prompt tokens per step: `--chunked-prefill-size`, except for models that keep their
+    own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
+    those prefill each prompt in one piece."""
+    return -1 if runner.own_cache else opts.chunked_prefill_size
+
+
 def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,
                    ) -> dict:
     """The KV cache (`max_total_tokens`, else on CUDA what `mem_fraction_static` leaves,
