@@ -5,52 +5,62 @@
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
-set -euo pipefail
-part=$1
-status=0
+# Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
+# if any failed (a failing test included), listed in OUT_DIR/failed-engine-<part>.txt.
+# Without .git on the machine: CPMOE_GIT_COMMIT=<commit> CPMOE_GIT_DIRTY=0 bash bench/...
+set -uo pipefail
+part=${1:-}
 out=${2:-bench/results}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+failed_file="$out/failed-engine-$part.txt"
+source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
+  smoke|decode|serving)
+    step "provenance-engine-$part" sh -c \
+      "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
+  *) echo "unknown part $part (smoke | decode | serving)" >&2; exit 2 ;;
+esac
+case "$part" in
   smoke)
-    # a failing test fails the part (exit status), after the figures are taken
-    python3 -m pytest -q tests/gpu > "$out/gpu-tests.log" 2>&1 || status=$?
-    tail -40 "$out/gpu-tests.log"
-    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,16,64,256 \
-      --input-len 1024 --output-len 32 --out "$out/one-batch-1k.json" --plot
+    step gpu-tests python3 -m pytest -q tests/gpu
+    step one-batch-1k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
+      --batch-size 1,16,64,256 --input-len 1024 --output-len 32 \
+      --out "$out/one-batch-1k.json" --plot
     ;;
   decode)
-    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
+    step one-batch-1k-hf python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
       --input-len 1024 --output-len 32 --compare-hf --hf-compile-batches 1,64 \
       --out "$out/one-batch-1k-hf.json" --plot
-    python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 --input-len 32768 \
-      --output-len 16 --out "$out/one-batch-32k.json"
+    step one-batch-32k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 \
+      --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
   serving)
     model=$(mktemp -d)
-    python3 - "$model" <<'PY'
-import json, pathlib, shutil, sys
+    step serving-model python3 - "$model" <<'PY'
+import json, pathlib, sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from cpmoe.bench.spec import SHAPES
-from cpmoe.default_model import ensure_default_model
 dst = pathlib.Path(sys.argv[1])
-(dst / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
-for f in ensure_default_model().iterdir():  # a tokenizer; prompts go as token ids
-    if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-        shutil.copy(f, dst / f.name)
+cfg = SHAPES["qwen3-30b-a3b"]
+(dst / "config.json").write_text(json.dumps(cfg))
+# a word-level tokenizer over the whole vocabulary: every generated id decodes to text, so
+# the server streams a chunk per token (a small tokenizer would decode most ids to "")
+tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg["vocab_size"])},
+                                 unk_token="t0"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
 PY
     serve=(--model "$model" --load-format dummy --routing uniform)
-    python3 -m cpmoe.cli bench-serving --dataset random --random-input-len 1024 \
-      --random-output-len 256 --num-prompts 512 --max-concurrency 128 \
-      --out "$out/serving-random.json" --plot --launch "${serve[@]}"
-    python3 -m cpmoe.cli bench-serving --dataset random --random-input-len 256 \
-      --random-output-len 1200 --num-prompts 32 --long-prompt-len 65536 \
-      --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
-    ;;
-  *)
-    echo "unknown part $part (smoke | decode | serving)" >&2
-    exit 2
+    step serving-random python3 -m cpmoe.cli bench-serving --dataset random \
+      --random-input-len 1024 --random-output-len 256 --num-prompts 512 \
+      --max-concurrency 128 --out "$out/serving-random.json" --plot --launch "${serve[@]}"
+    step serving-long-prompt python3 -m cpmoe.cli bench-serving --dataset random \
+      --random-input-len 256 --random-output-len 1200 --num-prompts 32 \
+      --long-prompt-len 65536 --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
     ;;
 esac
-exit $status
+finish

@@ -2,15 +2,18 @@
 
 Everything a user can get wrong (layout flags, model fit, input files) is checked in the
 parent process before any rank is spawned; a failure prints one line and exits 2 without
-writing output. A failing rank ends the whole job (exit 1) with its error shown.
+writing output. A failing rank ends the whole job (exit 1) with its error shown; a user
+error found on a rank (a broken checkpoint) prints the same one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,13 +21,14 @@ import torch
 from cpmoe import communicator as cm
 from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
+from cpmoe.context import context_length, over_context
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, check_model_fit, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
-from cpmoe.parallel.launch import RankFailure, launch
+from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
 
@@ -33,6 +37,7 @@ class InputError(ValueError):
     """Bad user input other than layout/config; one line naming the flag or file."""
 
 
+TORCHRUN_QUIET_EXIT_S = 2.0  # how long a silent rank waits before exiting on bad input
 USER_ERRORS = (LayoutError, ConfigError, LoadError, InputError, MissingBackendError,
                CacheFullError)
 
@@ -44,7 +49,9 @@ def add_layout_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-dp-size", type=int, default=1, help="MoE data parallel (1 or CP)")
     g.add_argument("--ep-size", type=int, default=1, help="MoE expert parallel")
     g.add_argument("--moe-a2a-backend", default="none", choices=BACKENDS)
-    g.add_argument("--cp-strategy", default="zigzag", choices=CP_STRATEGIES)
+    g.add_argument("--cp-strategy", default="zigzag", choices=CP_STRATEGIES,
+                   help="zigzag (fast path on CUDA) or interleave (exact, but on CUDA a slow "
+                        "fallback: masked attention with a host sync per 1,024-query chunk)")
     g.add_argument("--dp-size", type=int, default=1, help="attention data parallel (only 1)")
 
 
@@ -54,7 +61,32 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 "
-                   "(default: float32 on cpu, bfloat16 on cuda)")
+                   "(default: float32 on cpu, bfloat16 on cuda). On CUDA only bfloat16 takes "
+                   "the fast paths: float16 runs the experts as a loop of one matmul pair per "
+                   "expert (after a host sync); float32 does too and also takes the masked "
+                   "attention fallback")
+
+
+def add_context_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-length", type=int, default=None,
+                   help="most positions of one sequence, prompt + new tokens (default: the "
+                        "model's max_position_embeddings; only a shorter one can be set)")
+
+
+def context_from_args(args: argparse.Namespace, cfg) -> int:
+    try:
+        return context_length(cfg.max_position_embeddings, args.context_length)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def check_context(lengths: list[int], max_tokens: int, context: int, max_flag: str) -> None:
+    """One line for the first prompt (of `lengths`) that does not fit the context length."""
+    for i, n in enumerate(lengths):
+        what = "prompt" if len(lengths) == 1 else f"prompt {i}"
+        refusal = over_context(n, max_tokens, context, what, max_flag)
+        if refusal:
+            raise InputError(refusal)
 
 
 def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:
@@ -128,6 +160,10 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
                             moe_dp_size=args.moe_dp_size, ep_size=args.ep_size,
                             moe_a2a_backend=args.moe_a2a_backend, cp_strategy=args.cp_strategy)
     check_backend_available(layout.moe_a2a_backend)
+    if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != layout.world_size:
+        raise LayoutError(f"--tp-size {layout.tp_size}: torchrun started WORLD_SIZE="
+                          f"{os.environ['WORLD_SIZE']} processes; nnodes x nproc-per-node "
+                          f"must equal the layout's {layout.world_size} ranks")
     return layout
 
 
@@ -163,7 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in cm.plan_layers(layout, sparse)]
-    note = getattr(cfg, "decode_cache_note", None)
+    note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
@@ -185,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  layers {layers}: attention {attn}, mlp {mlp}")
     for m in out["memory_per_rank"]:
         kv = m["kv_bytes_per_token"]
-        kv_text = ("replicated per-sequence caches" if kv is None else
+        kv_text = ("the model's own decode cache (below)" if kv is None else
                    f"KV {kv} bytes per stored token ({kv / layout.attn_cp_size:.0f} per prompt "
                    f"token: the KV of a prompt is sharded over {layout.attn_cp_size} CP ranks)")
         fp8 = m.get("fp8_on_cuda")
@@ -224,6 +260,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from cpmoe.engine.tasks import RunSpec, prefill_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     seqs = read_id_batch(args.input_ids_file, cfg.vocab_size)
+    check_context([len(q) for q in seqs], 0, context_from_args(args, cfg), "")
     out_path = Path(args.dump_logits)
     if not out_path.parent.is_dir():
         raise InputError(f"--dump-logits {out_path}: folder {out_path.parent} does not exist")
@@ -280,6 +317,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_context([len(p) for p in prompts], args.max_new_tokens, context_from_args(args, cfg),
+                  "--max-new-tokens")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:
@@ -299,13 +338,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if res is None:
         return 0
     texts = [tokenizer.decode(t) if tokenizer is not None else None for t in res.tokens]
+    if args.model is None:
+        print(f"cpmoe: note: the built-in {DEFAULT_MODEL_NAME} has random weights, so its "
+              f"tokens are noise; give --model DIR for a real checkpoint", file=sys.stderr)
     if args.json:
         print(json.dumps([{"prompt": i, "tokens": t, "text": x}
                           for i, (t, x) in enumerate(zip(res.tokens, texts))]))
     else:
         for i, (t, x) in enumerate(zip(res.tokens, texts)):
             shown = x if x is not None and args.input_ids is None else ",".join(map(str, t))
-            print(shown if len(prompts) == 1 else f"[{i}] {shown!r}")
+            print(escape_text(shown) if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
             fp8 = res.fp8_bytes[r] if res.fp8_bytes else 0
@@ -320,8 +362,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def escape_text(text: str) -> str:
+    """Generated text safe for a terminal: control and other unprintable characters (an
+    escape sequence, a bell, a stray byte's control code) as Python escapes; newlines and
+    tabs stay."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode()
+                   for c in text)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    from cpmoe.engine.tasks import RunSpec, check_task
+    from cpmoe.check import check_task
+    from cpmoe.engine.tasks import RunSpec
     layout, model_dir, cfg, device, dtype = resolve(args)
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
@@ -331,6 +382,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.prompts < 1 or not lengths or min(lengths) < 1:
         raise InputError(f"--prompts {args.prompts} and --lengths {args.lengths} must be "
                          f"positive")
+    if args.decode_steps < 0:
+        raise InputError(f"--decode-steps must be >= 0, got {args.decode_steps}")
+    context = context_from_args(args, cfg)
+    if max(lengths) + args.decode_steps > context:
+        raise InputError(f"--lengths {args.lengths} with --decode-steps {args.decode_steps}: "
+                         f"{max(lengths) + args.decode_steps} tokens exceed the context "
+                         f"length of {context} tokens")
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (lengths[i % len(lengths)],),
                              generator=gen).tolist() for i in range(args.prompts)]
@@ -345,16 +403,43 @@ def cmd_check(args: argparse.Namespace) -> int:
     # collective: give them as long as a long reference prompt can take.
     report = launch(check_task, layout.world_size, device,
                     RunSpec(model_dir, layout, dtype, options=engine_options(args)), batches,
-                    collective_timeout_s=3600.0)
+                    args.decode_steps, args.seed, args.near_tie, collective_timeout_s=3600.0)
     if report is None:
         return 0
     print(f"layout: {json.dumps({k: v for k, v in layout.summary().items() if k != 'groups'})}")
-    print(f"first-token matches: {report.matches}/{report.prompts}")
+    for i, p in enumerate(report.prompts):
+        where = ("routing margin not measured for this model" if p.margin is None else
+                 f"smallest top-k routing margin {p.margin:.2e} at layer {p.margin_at[0]}, "
+                 f"position {p.margin_at[1]}{' (NEAR-TIE)' if p.near_tie else ''}")
+        print(f"prompt {i} ({p.length} tokens): first token "
+              f"{'matches' if p.first_token_match else 'DIFFERS'}, max |logit diff| "
+              f"{p.max_abs_diff:.2e}, decode max |logit diff| {p.decode_max_abs_diff:.2e} "
+              f"({p.decode_top1_mismatches} top-1 mismatches in {report.decode_steps} steps); "
+              f"{where}")
+    n = len(report.prompts)
+    ties = [i for i, p in enumerate(report.prompts) if p.near_tie]
+    print(f"first-token matches: {report.matches}/{n}")
     print(f"max |logit diff|: {report.max_abs_diff:.3e}")
+    clean = [p.max_abs_diff for p in report.prompts if not p.near_tie]
+    print(f"max |logit diff| of prompts without a routing near-tie: "
+          f"{max(clean):.3e}" if clean else "max |logit diff| of prompts without a routing "
+          f"near-tie: - (every prompt has one)")
     print(f"mean top-1 log-prob delta: {report.mean_logprob_delta:.3e}")
-    if report.mismatched:
-        print(f"mismatched prompts: {report.mismatched}")
-    return 0 if report.matches == report.prompts else 1
+    print(f"decode: {report.decode_steps} steps per prompt, max |logit diff| "
+          f"{max(p.decode_max_abs_diff for p in report.prompts):.3e}, top-1 matches "
+          f"{report.decode_steps * n - sum(p.decode_top1_mismatches for p in report.prompts)}"
+          f"/{report.decode_steps * n}")
+    print(f"routing near-ties (margin <= {report.near_tie:.1e} x max(1, |k-th logit|)): "
+          f"{len(ties)} prompt(s){': ' + str(ties) if ties else ''}")
+    mismatched = [i for i, p in enumerate(report.prompts)
+                  if not p.first_token_match or p.decode_top1_mismatches]
+    if mismatched:
+        print(f"mismatched prompts: {mismatched} (of which with a routing near-tie: "
+              f"{[i for i in mismatched if i in ties]})")
+    failed = report.failures()
+    if failed:
+        print(f"failed prompts: {failed}")
+    return 1 if failed else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -389,6 +474,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cpmoe.serve.options import BindError, ServeOptions
     layout, model_dir, cfg, device, dtype = resolve(args)
     engine = engine_options(args)
+    context = context_from_args(args, cfg)
     try:
         opts = ServeOptions.from_args(args)
     except ValueError as e:
@@ -398,7 +484,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--model {model_dir}: no tokenizer files; serve needs a tokenizer")
     from cpmoe.serve.server import serve  # web framework imports only for this command
     try:
-        return serve(opts, engine, layout, model_dir, cfg, device, dtype, tokenizer)
+        return serve(opts, engine, layout, model_dir, cfg, context, device, dtype, tokenizer)
     except BindError as e:
         raise InputError(str(e)) from None
 
@@ -409,6 +495,28 @@ def _tokenizer(model_dir: Path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class _Help(argparse.HelpFormatter):
+    """--help lists every flag's default (flags whose help already names it excepted)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return (bool(action.option_strings) and action.default is not None
+                and action.default is not False and action.default != argparse.SUPPRESS
+                and "default" not in (action.help or ""))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # argparse skips empty help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not self._shows_default(action) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,8 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.add_argument("--input-ids-file", type=Path, required=True)
     p.add_argument("--dump-logits", type=Path, required=True)
+    add_context_flag(p)
     p.set_defaults(fn=cmd_prefill)
-    p = sub.add_parser("generate", help="greedy generation")
+    p = sub.add_parser("generate", help="generate tokens: greedy by default, sampled with "
+                       "--temperature > 0", formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -438,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    add_context_flag(p)
     add_engine_flags(p, "what the prompts need at once on CPU; --mem-fraction-static on CUDA")
     p.add_argument("--json", action="store_true", help="print tokens and text as JSON")
     p.add_argument("--verbose", action="store_true", help="per-rank memory and timings")
@@ -449,12 +560,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="17,64,129")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--decode-steps", type=int, default=4,
+                   help="decode steps compared per prompt, both runs fed the same tokens; a "
+                        "top-1 difference fails the check in float32 and is reported in 16-bit")
+    p.add_argument("--near-tie", type=float, default=None,
+                   help="flag a prompt whose top-k router margin (k-th minus (k+1)-th logit) "
+                        "falls to this x max(1, |k-th logit|) or below anywhere; default 1e-5 "
+                        "in float32, 2^-8 in 16-bit dtypes (reported; it excuses no mismatch)")
+    add_context_flag(p)
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       formatter_class=_Help)
     add_layout_flags(p)
     add_model_flags(p)
     add_serve_arguments(p)
+    add_context_flag(p)
     add_engine_flags(p, "16384 on CPU; --mem-fraction-static on CUDA")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
@@ -476,19 +597,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0; 2 after one `cpmoe: error:` line for bad input (checked before any rank, or
+    raised on a rank); 1 after a rank failed (its error); 130 on Ctrl-C (ranks stopped).
+    Under torchrun every process runs this: input checked before the ranks meet is the same
+    on all of them, so only rank 0 prints it; a peer that lost its partner prints one line."""
     args = build_parser().parse_args(argv)
+    rank = torchrun_rank()
     try:
         return args.fn(args)
     except USER_ERRORS as e:
-        print(f"cpmoe: error: {e}", file=sys.stderr)
+        if not rank:
+            print(f"cpmoe: error: {e}", file=sys.stderr)
+        else:  # torchrun stops the others when one exits: let rank 0 print first
+            time.sleep(TORCHRUN_QUIET_EXIT_S)
         return 2
     except RankFailure as e:
-        kind = e.summary.split(": ", 2)
-        if len(kind) == 3 and kind[1] in {c.__name__ for c in USER_ERRORS}:
-            print(f"cpmoe: error: {kind[2]} ({kind[0]})", file=sys.stderr)
+        if isinstance(e.error, USER_ERRORS):  # the same line and exit code as on one rank
+            print(f"cpmoe: error: {e.error}", file=sys.stderr)
             return 2
+        lost = peer_loss(e.error) if rank is not None else None
+        if lost:
+            print(f"cpmoe: rank {rank} stopped: a peer rank left the job ({lost}); the root "
+                  f"error is in that rank's output", file=sys.stderr)
+            return 1
         print(f"cpmoe: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a pool has killed its ranks on the way out
+        print("cpmoe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

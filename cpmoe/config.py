@@ -101,6 +101,7 @@ class QwenMoeConfig:
     rope_theta: float
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int  # the context length the model was built for
     quantization: Fp8Config | None = None
 
     def is_sparse_layer(self, layer: int) -> bool:
@@ -109,6 +110,8 @@ class QwenMoeConfig:
 
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# transformers' value when config.json has none (Qwen2MoeConfig and Qwen3MoeConfig agree)
+QWEN_DEFAULT_MAX_POSITIONS = 32768
 
 
 def read_config_json(model_dir: Path) -> dict:
@@ -189,8 +192,20 @@ def parse_qwen_moe(raw: dict, where: str = "config.json") -> QwenMoeConfig:
         rope_theta=float(rope_theta),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
+        max_position_embeddings=positive_field(raw, "max_position_embeddings", where,
+                                               QWEN_DEFAULT_MAX_POSITIONS),
         quantization=parse_quantization(raw, where),
     )
+
+
+def positive_field(raw: dict, key: str, where: str, default: int) -> int:
+    """An integer field >= 1 (`default` when absent or null, as transformers reads it)."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: field {key!r} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -188,6 +190,16 @@ def _scale_pairs(index: dict[str, tuple[Path, object]], quant: Fp8Config | None,
     return pairs
 
 
+def _progress_bar(total: int, show: bool) -> tqdm | None:
+    """A bar on a terminal only: a log would keep its first frame (0%) and look stuck. It
+    takes a thread lock: tqdm's default one is a multiprocessing semaphore, which a rank
+    killed mid-load (a peer failed) leaks, and the resource tracker then warns at exit."""
+    if not (show and sys.stderr.isatty()):
+        return None
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
+
+
 def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progress: bool,
                     tied_embeddings: bool, quantization: Fp8Config | None = None
                     ) -> dict[str, int]:
@@ -204,13 +216,12 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
     scale_of = _scale_pairs(index, quantization, where)
     scales = set(scale_of.values())
     block = quantization.block if quantization is not None else (0, 0)
-    total = len(index)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress,
-               leave=False)
+    bar = _progress_bar(len(index), show_progress)
     with torch.no_grad():
         for f, handle in handles:
             for name in handle.keys():
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
                 if name in scales:  # read with its weight
                     continue
                 target = _resolve(rename(name), params, modules, tied_embeddings)
@@ -230,7 +241,8 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
                     stats["scales"] += 1
                 stats["loaded"] += 1
                 stats["bytes"] += target.dest.numel() * target.dest.element_size()
-    bar.close()
+    if bar is not None:
+        bar.close()
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         names = _missing_tensor_names(missing, modules, regions)

@@ -3,7 +3,9 @@ one-device SDPA measured in the same run (`bench/attention_cp.py` is the script)
 
 - cpmoe: the functions the model calls, `communicator.gather_kv` (one all-gather of the
   K/V chunks over ATTN_CP) and `cp.attention.prefill_attention`, on a zigzag `CPSplit`,
-  GQA (q_heads / kv_heads). Its one-device reference is causal SDPA with `enable_gqa`.
+  GQA (q_heads / kv_heads), row `cpmoe_cp`, against causal SDPA with `enable_gqa`; and the
+  same with MHA (kv_heads = q_heads), row `cpmoe_cp_mha`, against causal MHA SDPA: the
+  shape PyTorch's ring takes, so only this row compares the two at equal K/V bytes.
 - torch: `torch.distributed.tensor.experimental.context_parallel` (ring SDPA) with each
   rotate method, MHA with q_heads heads (as the envelope's peer baseline); its one-device
   reference is causal MHA SDPA.
@@ -97,14 +99,16 @@ def _time_sdpa(spec: AttnSpec, kv_heads: int, device: torch.device) -> float:
     return median(_time(lambda: _sdpa(q, k, v), spec, device)[0])
 
 
-def cpmoe_task(info: RankInfo, spec: AttnSpec) -> dict | None:
-    """Every rank: its zigzag chunk of q against the gathered K/V, as the model does it."""
+def cpmoe_task(info: RankInfo, spec: AttnSpec, kv_heads: int | None = None) -> dict | None:
+    """Every rank: its zigzag chunk of q against the gathered K/V, as the model does it;
+    kv_heads (default spec.kv_heads) = q heads gives the ring's MHA shape, K/V bytes alike."""
+    kv_heads = kv_heads or spec.kv_heads
     cp = info.world_size
     groups = ProcessGroups.build(ParallelLayout(tp_size=cp, attn_cp_size=cp), info.rank,
                                  info.device)
     split = CPSplit.build([spec.seq_len], cp, "zigzag")
     r = groups.attn_cp.rank
-    q, k, v = (split.scatter(t, r) for t in _qkv(spec, spec.kv_heads, info.device))
+    q, k, v = (split.scatter(t, r) for t in _qkv(spec, kv_heads, info.device))
     positions, seq_ids = split.local_positions(r), split.local_seq_ids(r)
     batch = ForwardBatch(is_decode=False, input_ids=positions.to(info.device),
                          positions=positions.to(info.device), seq_ids=seq_ids.to(info.device),
@@ -120,7 +124,7 @@ def cpmoe_task(info: RankInfo, spec: AttnSpec) -> dict | None:
     groups.start_timing()
     step()
     comm_s = sum(groups.stop_timing().values())
-    full = _qkv(spec, spec.kv_heads, info.device)
+    full = _qkv(spec, kv_heads, info.device)
     want = split.scatter(_sdpa(*full), r)
     diff = (o.float() - want.float()).abs().max()
     del full, want
@@ -204,10 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                                                f"{'-smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    head = {"what": "CP attention alone, causal, one sequence", "gpus": args.gpus,
+    head = {**rp.provenance(None if argv is None else ["bench/attention_cp.py", *argv]),
+            "what": "CP attention alone, causal, one sequence", "gpus": args.gpus,
             "q_heads": heads[0], "kv_heads": heads[1], "head_dim": dim, "dtype": str(dtype),
-            "device": args.device, "torch": torch.__version__, "warmup": args.warmup,
-            "iters": iters, "gpu": None}
+            "device": args.device, "warmup": args.warmup, "iters": iters, "gpu": None}
     with Pooled(args.gpus, args.device) as pooled:
         for S in lengths:
             spec = AttnSpec(S, heads[0], heads[1], dim, dtype, args.warmup, iters)
@@ -232,7 +236,10 @@ def _one_length(pooled: Pooled, spec: AttnSpec, rotates: list[str], head: dict) 
     head["gpu"] = head["gpu"] or single["device_name"]
     rows = [_row("sdpa_gqa", S, 1, single["sdpa_gqa"], spec, None),
             _row("sdpa_mha", S, 1, single["sdpa_mha"], spec, None)]
-    runs = [("cpmoe_cp", "sdpa_gqa", cpmoe_task, ())] + \
+    # cpmoe on the model's GQA heads, and on MHA heads: the ring needs MHA, so only the
+    # second compares equal K/V bytes
+    runs = [("cpmoe_cp", "sdpa_gqa", cpmoe_task, ()),
+            ("cpmoe_cp_mha", "sdpa_mha", cpmoe_task, (spec.q_heads,))] + \
         [(f"torch_cp_{r}", "sdpa_mha", torch_cp_task, (r,)) for r in rotates]
     for engine, base, task, extra in runs:
         if engine.startswith("torch_cp") and pooled.device == "cpu":

@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("bench/results") / (f"dispatch-{args.device}"
                                                f"{'-smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    head = {"what": "dispatch+combine effective bandwidth vs NCCL all_to_all_single",
+    head = {**rp.provenance(None if argv is None else ["bench/dispatch.py", *argv]),
+            "what": "dispatch+combine effective bandwidth vs NCCL all_to_all_single",
             "ranks": args.gpus, "hidden": shape[0], "experts": shape[1], "top_k": shape[2],
-            "dtype": str(dtype), "device": args.device, "torch": torch.__version__,
+            "dtype": str(dtype), "device": args.device,
             "warmup": args.warmup, "iters": iters, "gpu": None,
             "bytes": "remote hidden-row bytes per rank (ids and weights not counted)"}
     rows: list[dict] = []

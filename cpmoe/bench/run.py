@@ -2,9 +2,10 @@
 
 Every layout runs in its own freshly spawned world (a `RankPool`, one rank per GPU, also for
 one rank on cuda, so device memory is given back when the pool closes); the HF baseline
-runs in one more. Lengths run shortest first; the shortest also carries the logit check
-against the first layout when that one is tp=1 (the random weights are the same on every
-layout). A rank failure is recorded in its row and the run goes on: after an out-of-memory
+runs in one more. Lengths run shortest first. When the first layout is tp=1, every other
+layout and HF (which get the same random weights) are checked against its last-token logits
+at every length: max |logit difference|, top-1 agreement, and the top-1/top-2 gaps that say
+whether a top-1 flip is a finding or a near tie. A rank failure is recorded in its row and the run goes on: after an out-of-memory
 the longer lengths of that layout are reported as not run, after any other failure a fresh
 world takes the next length.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,9 +37,50 @@ from cpmoe.bench.spec import (
 )
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype
+from cpmoe.models.registry import config_from_dict
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a 128K prefill's collectives wait at most for rank skew
-RESULTS_DIR = Path("bench/results")
+
+
+def results_dir() -> Path:
+    """Where a run without --out writes: `bench/` in cpmoe's cache folder ($CPMOE_CACHE_DIR,
+    else ~/.cache/cpmoe), never the current directory."""
+    root = os.environ.get("CPMOE_CACHE_DIR")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "cpmoe") / "bench"
+
+
+def check_memory(raw: dict, layouts: list, dtype: torch.dtype, device: str, where: str) -> None:
+    """Refuse, in one line, a run whose weights alone cannot fit: per GPU on CUDA, all ranks
+    together in this machine's available memory on CPU (every rank is a local process)."""
+    from cpmoe.engine.runner import memory_per_rank
+    cfg, model_cls = config_from_dict(raw, where)
+    for bl in layouts:
+        per_rank = [m["weight_bytes"] for m in memory_per_rank(cfg, model_cls, bl.layout,
+                                                                 dtype)]
+        if device == "cuda":
+            have = min(torch.cuda.get_device_properties(i).total_memory
+                       for i in range(bl.world_size))
+            need, what = max(per_rank), "the largest rank's weights"
+            place = f"a GPU has {have / 1e9:.1f} GB"
+        else:
+            have, need = _available_cpu_bytes(), sum(per_rank)
+            what = f"the weights of its {bl.world_size} rank(s)"
+            place = f"this machine has {have / 1e9:.1f} GB available"
+        if have and need > have:
+            raise BenchError(f"{where}, layout {bl.name} on {device}: {what} need "
+                             f"{need / 1e9:.1f} GB, {place}; use a smaller --config or "
+                             f"--shape tiny, more ranks, or --device cuda")
+
+
+def _available_cpu_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0  # unknown: no check
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON file (default: bench/results/<shape>-<UTC time>.json)")
+                   help="JSON file (default: <shape>-<UTC time>.json in $CPMOE_CACHE_DIR/bench, "
+                        "else ~/.cache/cpmoe/bench)")
     p.add_argument("--plot", action="store_true", help="PNG of tokens/s vs length next to --out")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize the random weights to 128x128-block FP8 at load")
@@ -90,8 +134,10 @@ class _Run:
         if args.compare_hf and self.raw["architectures"][0] not in hf_task._MODEL_TYPES:
             raise BenchError(f"--compare-hf: no HF baseline for "
                              f"{self.raw['architectures'][0]}")
+        check_memory(self.raw, self.layouts, self.dtype, self.device,
+                     str(args.config or f"--shape {self.shape}"))
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        self.out = args.out or RESULTS_DIR / f"{self.shape}-{stamp}.json"
+        self.out = args.out or results_dir() / f"{self.shape}-{stamp}.json"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.args = args
         self.head = rp.header(argv, self.shape, self.raw, active_params(self.cfg), dtype_name,
@@ -104,7 +150,7 @@ class _Run:
         self.rows: list[dict] = []
         first = self.layouts[0]
         self.tp1 = first.name if first.world_size == 1 else None
-        self.ref_logits: torch.Tensor | None = None
+        self.ref_logits: dict[int, torch.Tensor] = {}  # length -> tp=1 last-token logits
         self.ref_note = ("no logit check: the first layout is not tp=1" if self.tp1 is None
                          else "no logit check: the tp=1 reference failed at this length")
 
@@ -119,21 +165,25 @@ class _Run:
                 "length": length, "batch": batch, "tokens": batch * length}
 
     def check_logits(self, row: dict, logits: torch.Tensor | None, is_reference: bool) -> None:
-        if row["length"] != self.lengths[0]:
-            return
+        """Compare a row's last-token logits with the tp=1 layout's at the same length."""
+        length = row["length"]
+        if logits is not None:
+            row["top1_top2_gap"] = top2_gap(logits.float())
         if is_reference:
-            self.ref_logits = logits
+            if logits is not None:
+                self.ref_logits[length] = logits.float()
             row["check_note"] = "reference of the logit check"
-        elif logits is None or self.ref_logits is None:
+            return
+        ref = self.ref_logits.get(length)
+        if logits is None or ref is None:
             row["check_note"] = self.ref_note
-        else:
-            row["logits_max_abs_diff_vs_tp1"] = float((logits - self.ref_logits).abs().max())
-            row["top1_agrees_vs_tp1"] = bool(torch.equal(logits.argmax(-1),
-                                                         self.ref_logits.argmax(-1)))
-            # Random weights give near-tied top logits: a flip is only a finding when the
-            # reference's top-1/top-2 gap is larger than the logit difference.
-            top2 = self.ref_logits.topk(2, dim=-1).values
-            row["ref_top1_top2_gap"] = float((top2[:, 0] - top2[:, 1]).min())
+            return
+        got = logits.float()
+        row["logits_max_abs_diff_vs_tp1"] = float((got - ref).abs().max())
+        row["top1_agrees_vs_tp1"] = bool(torch.equal(got.argmax(-1), ref.argmax(-1)))
+        # Random weights give near-tied top logits: a flip is only a finding when the
+        # reference's top-1/top-2 gap is larger than the logit difference.
+        row["ref_top1_top2_gap"] = top2_gap(ref)
 
     # ---- engines -----------------------------------------------------------------------
     def run_layout(self, bl: BenchLayout) -> None:
@@ -248,8 +298,7 @@ def _run_engine(label: str, world: int, device: str, setup: Callable, measure: C
                 on_setup(info)
             rp.progress(f"{label}: length {length} x batch {spec.batch} "
                         f"({spec.warmup} warm-up, {spec.iters} timed)")
-            res, failed = pooled.run(f"length {length}", measure, spec, length,
-                                     keep_logits and i == 0)
+            res, failed = pooled.run(f"length {length}", measure, spec, length, keep_logits)
             if failed:
                 rp.progress(f"{label}: {failed.detail}")
                 emit(rp.error_row(base(length), failed.error, failed.detail))
@@ -260,8 +309,15 @@ def _run_engine(label: str, world: int, device: str, setup: Callable, measure: C
             rp.progress(_row_line(row))
 
 
+def top2_gap(logits_BV: torch.Tensor) -> float:
+    """Smallest top-1 minus top-2 logit over the batch's rows."""
+    top2 = logits_BV.topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
 def _row_line(row: dict) -> str:
-    mfu = f", MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+    mfu = (f", {rp.MFU_PEAK_LABEL} {100 * row['mfu']:.1f}% ({100 * row['mfu_vs_measured']:.1f}% "
+           f"vs measured)" if row.get("mfu") is not None else "")
     peak = (f", peak {'/'.join(f'{p:.1f}' for p in row['peak_gib_per_rank'])} GiB"
             if row.get("peak_gib_per_rank") else "")
     comm = (f", comm {'/'.join(f'{c:.3f}' for c in row['comm_s_per_rank'])} s"

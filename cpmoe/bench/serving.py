@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import random
@@ -34,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpmoe.bench.provenance import provenance
 from cpmoe.bench.spec import BenchError
 
 
@@ -282,8 +282,9 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     summary = summarize(results, wall)
     if long is not None:
         summary["long_prompt"] = interference(results, long, _chunk_size(args.launch or []))
-    head = {"command": " ".join(argv),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    head = {**provenance(argv),
+            "devices_note": ("this machine, where --launch ran the server" if server else
+                             "this client machine; the server at --base-url may differ"),
             "dataset": args.dataset, "num_prompts": args.num_prompts,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
             "random_input_len": args.random_input_len,

@@ -16,12 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpmoe.config import ARCHITECTURES, QwenMoeConfig, read_json_file
+from cpmoe.bench.v4_flops import v4_prefill_flops
 from cpmoe.engine.runner import check_model_fit
+from cpmoe.models.deepseek_v4_config import DeepseekV4Config
 from cpmoe.models.registry import config_from_dict
 from cpmoe.moe.dispatch.base import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
-H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul ceiling (shared/notes/gpu-envelope.md)
+# MFU's denominator is the datasheet peak, the field's convention (and what peers report);
+# the measured matmul ceiling is a second column, never the only one.
+H200_BF16_PEAK_FLOPS = 989e12  # H200 SXM dense bf16, NVIDIA datasheet (no sparsity)
+H200_BF16_MEASURED_FLOPS = 790e12  # measured dense bf16 matmul ceiling (notes/gpu-envelope.md)
 
 
 class BenchError(ValueError):
@@ -206,6 +211,8 @@ def active_params(cfg) -> int | None:
 
 def model_flops(cfg, seq_lens: list[int]) -> float | None:
     """Prefill FLOPs of a batch (the module docstring's formula); None if not a Qwen-MoE."""
+    if isinstance(cfg, DeepseekV4Config):  # V4 has its own formula: cpmoe/bench/v4_flops.py
+        return v4_prefill_flops(cfg, seq_lens)
     params = active_params(cfg)
     if params is None:
         return None
@@ -213,6 +220,15 @@ def model_flops(cfg, seq_lens: list[int]) -> float | None:
     return 2.0 * sum(seq_lens) * params + attn * float(sum(n * n for n in seq_lens))
 
 
-MFU_FORMULA = ("mfu = model_flops / seconds / (790e12 * GPUs of the layout); model_flops = "
-               "2*tokens*active_params + 2*layers*q_heads*head_dim*sum(L_i^2); active_params "
-               "excludes embedding and lm_head (logits of the last token only)")
+MFU_FORMULA = ("mfu = model_flops / seconds / (989e12 datasheet dense bf16 peak * GPUs of the "
+               "layout); mfu_vs_measured = the same over the measured 790e12 matmul ceiling; "
+               "model_flops = 2*tokens*active_params + 2*layers*q_heads*head_dim*sum(L_i^2); "
+               "active_params excludes embedding and lm_head (logits of the last token only)")
+
+
+def mfu(flops: float | None, seconds: float | None, gpus: int,
+        peak: float = H200_BF16_PEAK_FLOPS) -> float | None:
+    """Model FLOPs utilisation against `peak` FLOP/s per GPU (default: the datasheet peak)."""
+    if not flops or not seconds or seconds <= 0:
+        return None
+    return flops / seconds / (peak * gpus)

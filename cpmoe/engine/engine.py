@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
@@ -45,6 +46,13 @@ class EngineOptions:
     quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
 
 
+def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
+    """Prompt tokens per step: `--chunked-prefill-size`, except for models that keep their
+    own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
+    those prefill each prompt in one piece."""
+    return -1 if runner.own_cache else opts.chunked_prefill_size
+
+
 def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,
                    ) -> dict:
     """The KV cache (`max_total_tokens`, else on CUDA what `mem_fraction_static` leaves,
@@ -57,7 +65,7 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
         tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
         if tokens < opts.page_size:
-            raise ValueError(
+            raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
                 f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
                 f"GiB already allocated: raise it or set --max-total-tokens")
@@ -98,9 +106,19 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
-    """One token per row, each from its request's own sampling stream."""
-    return [sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
-            for i, req in enumerate(rows)]
+    """One token per row, each from its request's own sampling stream. The greedy rows take
+    one argmax and one copy to the host together (a step of 128 greedy streams would
+    otherwise wait on 128 copies); sampled rows go one by one through `sample`."""
+    greedy = [i for i, req in enumerate(rows) if req.params.greedy]
+    tokens = [0] * len(rows)
+    if greedy:
+        picked = logits if len(greedy) == len(rows) else logits[greedy]
+        for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
+            tokens[i] = t
+    for i, req in enumerate(rows):
+        if not req.params.greedy:
+            tokens[i] = sample(logits[i:i + 1], req.params, [req.stream], req.generated)[0]
+    return tokens
 
 
 class Frontend:
@@ -127,6 +145,8 @@ class Driver:
         self.runner, self.sched, self.frontend = runner, sched, frontend
         self.idle_tick_s, self.observe = idle_tick_s, observe
         self.stopping = False
+        layout = runner.layout
+        self._cp_coords = [layout.coords(r)["attn_cp"] for r in range(layout.world_size)]
 
     def next_plan(self) -> StepPlan:
         timeout = 0.0 if self.sched.has_work() else self.idle_tick_s
@@ -159,12 +179,10 @@ class Driver:
             tokens = choose_tokens(out.logits, rows)
         events = self.sched.record(plan, tokens)
         kv = self.runner.kv
-        coords = [self.runner.layout.coords(r)["attn_cp"]
-                  for r in range(self.runner.layout.world_size)]
         stats = {"kind": out.kind, "step_s": out.seconds, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
                  "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
-                             for c in coords],
+                             for c in self._cp_coords],
                  "preemptions": self.sched.preemptions,
                  "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend)}
         self.frontend.emit(events, stats)

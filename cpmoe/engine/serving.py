@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.engine import Driver, EngineOptions, Frontend, engine_loop, prepare_runner
+from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
+                                 prepare_runner)
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.scheduler import Scheduler, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
@@ -69,7 +70,7 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     driver = None
     if info.rank == 0:
         opts = spec.options
-        sched = Scheduler(runner.kv, spec.layout.cp_strategy, opts.chunked_prefill_size,
+        sched = Scheduler(runner.kv, spec.layout.cp_strategy, prefill_chunk(runner, opts),
                           opts.max_running_requests, spec.eos_ids)
         frontend = LinkFrontend(spec, pids, sizes)
         driver = Driver(runner, sched, frontend, spec.idle_tick_s)

@@ -44,14 +44,18 @@ _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
 class RankFailure(RuntimeError):
-    """A rank raised or died; ``str()`` is one summary line followed by the rank's traceback."""
+    """A rank raised or died; ``str()`` is one summary line followed by the rank's traceback.
+    ``error``: the exception the rank raised, when it could be pickled back (so a caller can
+    tell a user error, e.g. a bad checkpoint, from a bug by its type), else None."""
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str | None = None) -> None:
+    def __init__(self, rank: int, summary: str, remote_traceback: str | None = None,
+                 error: BaseException | None = None) -> None:
         super().__init__(f"{summary}\n{remote_traceback.rstrip()}" if remote_traceback else summary)
         self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
+        self.error = error
 
     def __reduce__(self) -> tuple[Any, ...]:  # default pickling replays args: wrong signature
-        return (RankFailure, (self.rank, self.summary, self.remote_traceback))
+        return (RankFailure, (self.rank, self.summary, self.remote_traceback, self.error))
 
 
 @dataclass(frozen=True)
@@ -76,15 +80,78 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
 
 def _fail(conn: Connection, err: BaseException) -> NoReturn:
     """Report err to the parent, then leave without interpreter teardown."""
-    lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
     try:
-        conn.send(("error", lines[0] if lines else type(err).__name__,
-                   "".join(traceback.format_exception(err)), time.monotonic()))
+        conn.send(("error", _headline(err), "".join(traceback.format_exception(err)),
+                   time.monotonic(), _pickled(err)))
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a broken stream must not mask the error
                 stream.flush()
         os._exit(1)  # destructors of a group whose peers are mid-collective could block
+
+
+def torchrun_rank() -> int | None:
+    """This process's global rank when torchrun (or any env:// launcher) started it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+# How a peer's death reads in this rank's collectives (gloo's tcp transport, NCCL's
+# DistBackendError): the peer's own log holds the root error, this one adds nothing.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Connection refused", "NCCL communicator was aborted")
+
+
+def peer_loss(err: BaseException | None) -> str | None:
+    """How a collective failed because another rank went away ("Connection reset by peer"),
+    or None when `err` is not that."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    if not isinstance(err, RuntimeError) or not (isinstance(err, backend_error)
+                                                 or "gloo" in str(err)):
+        return None
+    return next((text for text in _PEER_LOSS if text in str(err)), None)
+
+
+def _headline(err: BaseException) -> str:
+    lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _failure(rank: int, err: BaseException) -> RankFailure:
+    return RankFailure(rank, f"rank {rank} failed: {_headline(err)}",
+                       "".join(traceback.format_exception(err)), err)
+
+
+def _pickled(err: BaseException) -> bytes | None:
+    try:
+        return pickle.dumps(err, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001  (an unpicklable error still reports its traceback)
+        return None
+
+
+def _unpickled(raw: bytes | None) -> BaseException | None:
+    try:
+        return None if raw is None else pickle.loads(raw)
+    except Exception:  # noqa: BLE001  (e.g. a class the parent cannot import)
+        return None
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Start ranks with SIGINT ignored. Ctrl-C reaches the whole process group, and a rank
+    still starting up (importing, before `_worker_main` ignores it) would print a
+    KeyboardInterrupt traceback; an ignored signal stays ignored across exec, and Python then
+    installs no KeyboardInterrupt handler. The parent stops the ranks itself. (Only the main
+    thread may change signal handlers; a pool made elsewhere keeps the old behaviour.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -232,7 +299,8 @@ class RankPool:
                     target=_worker_main, name=f"cpmoe-rank{rank}", daemon=True,
                     args=(rank, world_size, self.device, state.store.port, collective_timeout_s,
                           dict(env or {}), os.getpid(), task_r, res_w))
-                proc.start()
+                with _sigint_ignored():
+                    proc.start()
                 task_r.close()  # drop the parent's copies of the child's ends so that
                 res_w.close()  # a dead rank reads as EOF
                 state.procs.append(proc)
@@ -272,7 +340,7 @@ class RankPool:
         while pending:
             wait([state.results[r] for r in pending] + [p.sentinel for p in state.procs],
                  timeout=_POLL_S)
-            errors: list[tuple[float, int, str, str]] = []
+            errors: list[tuple[float, int, str, str, bytes | None]] = []
             deaths: list[int] = []
             for rank, (proc, conn) in enumerate(zip(state.procs, state.results)):
                 # Judge the exit only after draining: a rank's traceback precedes its death.
@@ -281,7 +349,7 @@ class RankPool:
                     while conn.poll():
                         msg = conn.recv()
                         if msg[0] == "error":
-                            errors.append((msg[3], rank, msg[1], msg[2]))
+                            errors.append((msg[3], rank, msg[1], msg[2], msg[4]))
                         elif msg[0] == kind and msg[1] == task_id:
                             results[rank] = None if msg[2] is None else pickle.loads(msg[2])
                             pending.discard(rank)
@@ -295,8 +363,8 @@ class RankPool:
                 sig = {-s.value: f" ({s.name})" for s in signal.Signals}.get(code or 0, "")
                 raise RankFailure(deaths[0], f"rank {deaths[0]} died: exit code {code}{sig}")
             if errors:
-                _, rank, headline, tb = min(errors)  # earliest failure, by the ranks' own clocks
-                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb)
+                _, rank, headline, tb, err = min(errors, key=lambda e: e[:2])  # earliest
+                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb, _unpickled(err))
             if deadline is not None and time.monotonic() > deadline:
                 for rank in pending:  # a hang is a bug: faulthandler prints each rank's stacks
                     with contextlib.suppress(OSError, AttributeError):  # gone, or no SIGUSR1
@@ -323,9 +391,11 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
            collective_timeout_s: float = 600.0, **kwargs: Any) -> Any:
     """Run fn(info, *args, **kwargs) for a CLI command; return this rank's (or rank 0's) result.
     collective_timeout_s bounds how long a rank waits in one collective for its peers (a
-    rank that dies ends the job at once anyway; this only catches peers that stall)."""
+    rank that dies ends the job at once anyway; this only catches peers that stall).
+    Under torchrun this process is one rank: an exception of fn is raised as this rank's
+    RankFailure (`error` = the exception), as a pool raises it."""
     kind = _device_type(device)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join it
+    if torchrun_rank() is not None:  # started by torchrun: join it
         if (env_world := int(os.environ["WORLD_SIZE"])) != world_size:
             raise ValueError(f"launched with WORLD_SIZE={env_world} (torchrun) but the command "
                              f"asks for world_size={world_size}; make them match")
@@ -337,6 +407,8 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
                                 world_size=world_size)
         try:
             return fn(RankInfo(rank, world_size, _rank_device(kind, local_rank)), *args, **kwargs)
+        except Exception as err:  # noqa: BLE001  (re-raised as RankFailure, as from a pool)
+            raise _failure(rank, err) from None
         finally:
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups
     if world_size == 1:  # no process group: single-rank code paths must not need one

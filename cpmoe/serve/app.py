@@ -6,6 +6,11 @@ streamed as server-sent events (`data: {json}` chunks, then `data: [DONE]`) or c
 one JSON body. A client that disconnects has its request cancelled on the engine; a request
 cut by a stop string is cancelled there too. Every path that ends a request calls
 `EngineClient.release`, so none keeps KV on the engine.
+
+Nothing that grows with a request's size runs on the event loop: parsing, tokenizing and
+checking a request (`_prepare`) run on one worker thread (`ServeState.prepare_pool`; one,
+because a tokenizer is not safe to share between threads), so /health and running streams
+keep answering while a huge prompt is tokenized and refused.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -32,6 +38,8 @@ class ServeState:
     limits: api.Limits
     metrics: Metrics
     on_loop_ready: Callable[[asyncio.AbstractEventLoop], None]
+    prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="cpmoe-prepare"))
 
 
 class _Run:
@@ -93,6 +101,7 @@ def build_app(state: ServeState) -> FastAPI:
     async def lifespan(_: FastAPI):
         state.on_loop_ready(asyncio.get_running_loop())
         yield
+        state.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cpmoe", lifespan=lifespan)
     name = state.limits.model_name
@@ -129,15 +138,22 @@ def build_app(state: ServeState) -> FastAPI:
     return app
 
 
+def _prepare(state: ServeState, raw: bytes, chat: bool) -> api.Job:
+    """Request body -> Job, or ApiError. Blocking (JSON, schema, tokenizer): runs on
+    `state.prepare_pool`, never on the event loop."""
+    req = api.parse_body(raw, api.ChatRequest if chat else api.CompletionRequest)
+    if req.model not in (None, state.limits.model_name):
+        raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{state.limits.model_name!r}", "model", "model_not_found")
+    return (api.chat_job if chat else api.completion_job)(req, state.tokenizer, state.limits)
+
+
 async def _generate(state: ServeState, request: Request, endpoint: str) -> Response:
     chat = endpoint == "chat"
     try:
-        req = api.parse_body(await request.body(),
-                             api.ChatRequest if chat else api.CompletionRequest)
-        if req.model not in (None, state.limits.model_name):
-            raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves "
-                                    f"{state.limits.model_name!r}", "model", "model_not_found")
-        job = (api.chat_job if chat else api.completion_job)(req, state.tokenizer, state.limits)
+        raw = await request.body()
+        job = await asyncio.get_running_loop().run_in_executor(state.prepare_pool, _prepare,
+                                                               state, raw, chat)
         try:
             stream = state.client.submit(job)
         except QueueFull as e:

@@ -11,7 +11,7 @@ class BindError(RuntimeError):
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` clients name (default: the model folder's name)")

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cpmoe.context import over_context
 from cpmoe.engine.generate import kv_slots_needed
 from cpmoe.engine.sampling import SamplingParams
 
@@ -141,7 +142,7 @@ class Limits:
 
     model_name: str
     vocab_size: int
-    max_positions: int | None  # None: no limit but the KV cache
+    context_length: int  # prompt + max_tokens at most (cpmoe/context.py)
     kv_capacity: int
     cp_size: int
     cp_strategy: str
@@ -215,10 +216,9 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
     max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if limits.max_positions is not None and len(prompt_ids) + max_tokens > limits.max_positions:
-        raise bad_request(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds "
-                          f"the model's {limits.max_positions} positions", "max_tokens",
-                          "context_length_exceeded")
+    refusal = over_context(len(prompt_ids), max_tokens, limits.context_length)
+    if refusal:
+        raise bad_request(refusal, "max_tokens", "context_length_exceeded")
     need = kv_slots_needed([len(prompt_ids)], max_tokens, limits.cp_size, limits.cp_strategy,
                            limits.page_size, limits.chunked_prefill_size)
     if need > limits.kv_capacity:

@@ -72,7 +72,8 @@ class _Exit:
 
 
 def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, model_dir: Path,
-          cfg, device: str, dtype: torch.dtype, tokenizer) -> int:
+          cfg, context: int, device: str, dtype: torch.dtype, tokenizer) -> int:
+    """`context`: the context length every request must fit (prompt + max_tokens)."""
     sock = bind(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     name = opts.served_model_name or model_dir.name
@@ -83,7 +84,7 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
     client = EngineClient.start(spec, layout.world_size, device, opts.max_queue, metrics,
                                 exit_.on_failure)
     try:
-        limits = Limits(name, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
+        limits = Limits(name, cfg.vocab_size, context,
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
                         opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))

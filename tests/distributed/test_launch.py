@@ -80,6 +80,7 @@ def test_rank_raising_during_peer_all_reduce_fails_fast_with_traceback_and_kills
     err = caught.value
     assert err.rank == 1
     assert str(err).splitlines()[0] == "rank 1 failed: ValueError: boom from rank 1"
+    assert type(err.error) is ValueError and str(err.error) == "boom from rank 1"
     assert err.remote_traceback is not None and "Traceback" in err.remote_traceback
     assert "fail_in_collective" in str(err) and "raise ValueError" in str(err)
     assert not pool.alive

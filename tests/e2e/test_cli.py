@@ -32,6 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cpmoe.cli import escape_text
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
@@ -529,7 +530,7 @@ def test_generate_prompt_on_default_model(quick, default_model_dir):
     runner = runner_of(default_model_dir)
     new = generate(runner, [tok.encode("Hello")], 4, runner.config.eos_token_ids)[0]
     assert 1 <= len(new) <= 4
-    assert res.stdout == tok.decode(new) + "\n", res.describe()
+    assert res.stdout == escape_text(tok.decode(new)) + "\n", res.describe()
 
 
 def test_generate_tp2_cp2_ep2_equals_one_rank(quick, multi):

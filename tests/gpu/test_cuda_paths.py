@@ -97,8 +97,16 @@ def test_triton_ops_match_references_at_model_shapes():
     probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
     torch.testing.assert_close(w, (probs / probs.sum(-1, keepdim=True)).to(bf), rtol=2e-2,
                                atol=2e-2)
+    # against the torch reference, expert by expert, on the rows without a tie at the top-8
+    # cut (there both pick the same set; sums of renormalised weights are 1 on both sides
+    # and would prove nothing)
     ref_ids, ref_w = ops.softmax_topk_ref(logits, 8, True, bf)
-    torch.testing.assert_close(w.float().sum(-1), ref_w.float().sum(-1), rtol=2e-2, atol=2e-2)
+    ranked = torch.sort(logits.float(), dim=-1, descending=True).values
+    clear = ranked[:, 7] > ranked[:, 8]
+    assert clear.float().mean() > 0.5
+    dense = torch.zeros(5000, 128, device=dev).scatter_(1, ids.long(), w.float())
+    ref_dense = torch.zeros(5000, 128, device=dev).scatter_(1, ref_ids.long(), ref_w.float())
+    torch.testing.assert_close(dense[clear], ref_dense[clear], rtol=2e-2, atol=2e-2)
     o1, o2 = (torch.randn(3000, 32, 128, device=dev, dtype=bf) for _ in range(2))
     l1, l2 = torch.randn(3000, 32, device=dev), torch.randn(3000, 32, device=dev)
     out = torch.empty_like(o1)

@@ -65,6 +65,9 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
     head = json.loads(out.read_text())["header"]
     assert head["active_params"] == active_params(parse_config(SHAPES["tiny"], "tiny"))
     assert head["torch"] == torch.__version__ and head["date"] and "bench" in head["command"]
+    _assert_provenance(head)
+    assert head["gpu"]  # the device rank 0 ran on
+    assert head["peak_flops_per_gpu"] == 989e12 and head["measured_flops_per_gpu"] == 790e12
     got = [(r["engine"], r["layout"], r["length"]) for r in bench_rows]
     assert got == [("cpmoe", "tp=1", 64), ("cpmoe", "tp=1", 128),
                    ("cpmoe", "tp=2,cp=2,ep=2", 64), ("cpmoe", "tp=2,cp=2,ep=2", 128),
@@ -89,14 +92,23 @@ def test_bench_writes_a_row_per_layout_and_length(bench_run, bench_rows):
     assert "| tp=2,cp=2,ep=2 | 64 | 1 |" in proc.stdout  # the markdown table
 
 
-def test_bench_layout_logits_match_the_one_rank_layout(bench_rows):
-    cp_row, hf_row = bench_rows[2], bench_rows[6]
-    assert bench_rows[0]["check_note"].startswith("reference")
-    assert cp_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and cp_row["top1_agrees_vs_tp1"]
-    assert cp_row["ref_top1_top2_gap"] >= 0
-    # HF gets the same random weights, so its logits match too (float32 on CPU)
-    assert hf_row["logits_max_abs_diff_vs_tp1"] <= 1e-4 and hf_row["top1_agrees_vs_tp1"]
-    assert "logits_max_abs_diff_vs_tp1" not in bench_rows[3]  # checked at the shortest only
+def _assert_provenance(head: dict) -> None:
+    """The provenance every result file carries (values checked in test_bench_report)."""
+    from cpmoe.bench.provenance import PROVENANCE_KEYS
+    assert set(PROVENANCE_KEYS) <= set(head), set(PROVENANCE_KEYS) - set(head)
+    assert head["git_commit"] and isinstance(head["git_dirty"], bool)
+    assert len(head["source_sha256"]) == 64 and head["devices"]
+
+
+def test_bench_layout_logits_match_the_one_rank_layout_at_every_length(bench_run, bench_rows):
+    proc, _ = bench_run
+    assert [r["check_note"] for r in bench_rows[:2]] == ["reference of the logit check"] * 2
+    # every other layout and HF (same random weights, float32 on CPU), at both lengths
+    for r in bench_rows[2:]:
+        assert r["logits_max_abs_diff_vs_tp1"] <= 1e-4 and r["top1_agrees_vs_tp1"], r
+        assert r["ref_top1_top2_gap"] >= 0 and r["top1_top2_gap"] >= 0
+    assert bench_rows[0]["top1_top2_gap"] >= 0  # the reference's own gap too
+    assert "| hf | 128 | 1 |" in proc.stdout and "top-1/top-2 gap" in proc.stdout
 
 
 def test_bench_balanced_placement_evens_the_ep_ranks_and_keeps_the_logits(bench_run,
@@ -125,6 +137,30 @@ def test_bench_bad_layouts_exit_2_with_one_line(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("cpmoe: error: --layouts"), lines
         assert not (tmp_path / "bad.json").exists()
+
+
+def test_bench_whose_weights_cannot_fit_is_one_line_before_any_rank(tmp_path):
+    """The 30B shape on CPU: its weights alone (61 GB in float32 at tp 1) exceed any test
+    machine's memory; refused from the shapes on the meta device, nothing written."""
+    proc = _run(["-m", "cpmoe.cli", "bench", "--shape", "qwen3-30b-a3b", "--device", "cpu",
+                 "--out", str(tmp_path / "big.json")])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GB" in lines[0] and "qwen3-30b-a3b" in lines[0], lines
+    assert not (tmp_path / "big.json").exists()
+
+
+def test_bench_without_out_writes_to_the_cache_folder_not_the_cwd(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "cpmoe.cli", "bench", "--shape", "tiny",
+                           "--device", "cpu", "--iters", "1", "--warmup", "0", "--lengths",
+                           "32"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, "CPMOE_CACHE_DIR": str(cache),
+                                                  "PYTHONPATH": str(REPO_ROOT)}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = list((cache / "bench").glob("tiny-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["rows"]
+    assert not (tmp_path / "bench").exists()
 
 
 def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path):
@@ -201,10 +237,13 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
     data = json.loads(out.read_text())
     measured = [r for r in data["rows"] if r.get("error") is None]
     assert measured and data["header"]["device"] == "cpu"
+    _assert_provenance(data["header"])
+    assert f"bench/{script}.py --device cpu --smoke --out" in data["header"]["command"]
     if script == "attention_cp":
-        cp = [r for r in measured if r["engine"] == "cpmoe_cp"]
-        assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
-        assert all(r["speedup_vs_one_device"] > 0 for r in cp)
+        for engine, base in (("cpmoe_cp", "sdpa_gqa"), ("cpmoe_cp_mha", "sdpa_mha")):
+            cp = [r for r in measured if r["engine"] == engine]
+            assert len(cp) == 2 and all(r["max_abs_diff_vs_one_device"] < 1e-4 for r in cp)
+            assert all(r["speedup_vs_one_device"] > 0 and r["baseline"] == base for r in cp)
     else:
         assert {r["backend"] for r in measured} >= {"alltoall"}
         for r in measured:
@@ -246,3 +285,20 @@ def test_random_hash_tables_hold_distinct_expert_ids():
     t = source.get_slice("t")[:]
     assert t.dtype == torch.int64 and t.min() >= 0 and t.max() < 5
     assert all(len(set(row.tolist())) == 3 for row in t)
+
+
+@pytest.mark.parametrize("command", ["bench-one-batch", "bench-serving"])
+def test_decode_and_serving_benchmarks_write_provenance(tmp_path, command):
+    """The other two commands that write bench/results/ files, at tiny sizes on CPU."""
+    out = tmp_path / f"{command}.json"
+    if command == "bench-one-batch":
+        args = ["--shape", "tiny", "--batch-size", "1", "--input-len", "16", "--output-len",
+                "2", "--device", "cpu"]
+    else:
+        args = ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "3",
+                "--num-prompts", "2", "--launch", "--device", "cpu"]
+    proc = _run(["-m", "cpmoe.cli", command, "--out", str(out), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    head = json.loads(out.read_text())["header"]
+    _assert_provenance(head)
+    assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]

@@ -389,7 +389,7 @@ def test_check_model_fit_dense_intermediate():
             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
             mlp_only_layers=mlp_only, shared_expert_intermediate_size=0, qkv_bias=False,
             qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
-            eos_token_ids=())
+            eos_token_ids=(), max_position_embeddings=4096)
 
     lay = ParallelLayout(tp_size=4, ep_size=4)
     check_model_fit(lay, cfg(128, (1,)))

@@ -1,0 +1,104 @@
+"""bench/h200_*.sh hide no failure: every step's output is saved, every step runs, and a
+failing step (a test, a `cpmoe check`) fails the part and is named.
+
+The scripts run for real under bash with a stand-in `python3` first on PATH that records its
+arguments, prints a line, and fails when its command line contains $FAKE_FAIL; no GPU and
+no torch are involved.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("h200_suite.sh", "h200_engine.sh")
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+[ "${1:-}" = "-" ] && cat > /dev/null
+echo "fake output of: $*"
+if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then
+  echo "fake failure" >&2
+  exit 3
+fi
+exit 0
+"""
+
+
+def _run(tmp_path: Path, script: str, part: str, fail: str = "") -> tuple[int, Path, list[str]]:
+    bin_dir, out, log = tmp_path / "bin", tmp_path / "out", tmp_path / "calls.txt"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "FAKE_FAIL": fail}
+    proc = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), part, str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc.returncode, out, calls
+
+
+def _failed_lines(out: Path) -> list[str]:
+    files = list(out.glob("failed-*.txt"))
+    return [ln for f in files for ln in f.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_do_not_swallow_exit_statuses(script):
+    text = (REPO_ROOT / "bench" / script).read_text()
+    assert "|| true" not in text and "set +e" not in text
+
+
+def test_a_failing_check_fails_the_suite_and_the_later_checks_still_run(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_suite.sh", "peers", fail="alltoall_padded")
+    assert rc == 1
+    checks = [c for c in calls if "cpmoe.cli check" in c]
+    assert len(checks) == 4 and "float32" in checks[-1]  # the ones after the failure ran
+    failed = _failed_lines(out)
+    assert len(failed) == 1 and failed[0].startswith("check-ep2-padded-bf16-")
+    logs = {p.name.rsplit("-", 1)[0]: p.read_text() for p in out.glob("*.log")}
+    assert {"check-ep2-bf16", "check-ep2-padded-bf16", "check-dp2-bf16", "check-ep2-fp32",
+            "peers", "provenance-peers"} <= set(logs)
+    bad = logs["check-ep2-padded-bf16"]
+    assert "fake output of: -m cpmoe.cli check" in bad and "fake failure" in bad
+    assert bad.rstrip().endswith("exit status 3")
+    assert logs["check-ep2-fp32"].rstrip().endswith("exit status 0")
+    assert any(c.startswith("-m cpmoe.bench.provenance") for c in calls)
+
+
+def test_failing_gpu_tests_fail_the_profile_part_after_every_step_ran(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_suite.sh", "profile", fail="-m pytest -q")
+    assert rc == 1 and [ln.split(":")[0].rsplit("-", 1)[0] for ln in _failed_lines(out)] == \
+        ["gpu-tests"]
+    assert any("cpmoe.cli check" in c for c in calls)
+    assert sum("phase_times.py" in c for c in calls) == 2
+
+
+def test_a_part_whose_steps_pass_exits_0_and_lists_no_failure(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_suite.sh", "dispatch")
+    assert rc == 0 and not _failed_lines(out)
+    assert any("bench/dispatch.py" in c for c in calls)
+    assert list(out.glob("provenance-dispatch-*.json"))
+
+
+def test_engine_smoke_fails_on_failing_tests_and_still_takes_the_figures(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "smoke", fail="-m pytest -q")
+    assert rc == 1 and _failed_lines(out)[0].startswith("gpu-tests:")
+    assert any("bench-one-batch" in c for c in calls)
+    assert "fake failure" in (out / "gpu-tests.log").read_text()
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "serving", fail="long-prompt-len")
+    assert rc == 1 and _failed_lines(out)[0].startswith("serving-long-prompt:")
+    assert sum("bench-serving" in c for c in calls) == 2
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_unknown_part_is_refused(tmp_path, script):
+    rc, _, calls = _run(tmp_path, script, "nonsense")
+    assert rc == 2 and calls == []

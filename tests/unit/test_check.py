@@ -1,0 +1,100 @@
+"""`cpmoe check`: routing margins, the verdict, and what the command prints.
+
+Margins are checked on routers whose logits are written out by hand; the verdict on logits
+built so the answer is known; the command once on 2 CPU ranks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from cpmoe.check import CheckReport, RoutingMargins, _compare
+from cpmoe.moe.router import SoftmaxTopKRouter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = SoftmaxTopKRouter(4, 4, 2, True, torch.float32)
+        self.gate.weight.copy_(torch.eye(4))  # router logits = the row itself
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+
+
+def test_routing_margin_is_the_gap_at_the_top_k_cut_per_prompt():
+    model = _Model()
+    margins = RoutingMargins(model, near_tie=1e-4)
+    assert margins.routers == 2
+    # top-2 of 4: the margin is 2nd largest minus 3rd largest
+    rows = torch.tensor([[3.0, 2.0, 1.0, 0.0],      # prompt 0, position 0: margin 1
+                         [2.0, 1.0, 1.0 + 1e-6, 0.0],  # prompt 0, position 1: 1e-6, a tie
+                         [5.0, 0.0, 4.5, 4.0]])     # prompt 1, position 0: margin 0.5
+    margins.name_rows([(0, 0), (0, 1), (1, 0)])
+    model.layers[0].gate(rows)
+    second = rows.clone()
+    second[2] = torch.tensor([5.0, 0.0, 4.25, 4.0])  # prompt 1: margin 0.25 in layer 1
+    model.layers[1].gate(second)
+    margins.name_rows(None)
+    model.layers[1].gate(torch.tensor([[1.0, 1.0, 1.0, 1.0]]))  # unnamed rows: not recorded
+    m0, layer0, pos0, tie0 = margins.best[0]
+    assert abs(m0 - 1e-6) < 1e-7 and (layer0, pos0, tie0) == (0, 1, True)
+    m1, layer1, pos1, tie1 = margins.best[1]
+    assert abs(m1 - 0.25) < 1e-6 and (layer1, pos1, tie1) == (1, 0, False)
+
+
+def _report_for(got_last: list[float], want_last: list[float], tie: bool) -> CheckReport:
+    """One one-token prompt; reference logits want_last, layout logits got_last."""
+    class _Margins:
+        routers = 1
+        best = {0: [1e-6 if tie else 1.0, 0, 0, tie]}
+    report = CheckReport(decode_steps=1, near_tie=1e-4)
+    got, want = torch.tensor([got_last]), torch.tensor([want_last])
+    _compare(report, [[7]], got, want, [got], [want], _Margins(), 0)
+    return report
+
+
+def test_a_mismatch_fails_the_check_and_a_routing_tie_excuses_none():
+    same = _report_for([0.0, 2.0, 1.0], [0.0, 2.0, 1.0], tie=False)
+    assert same.matches == 1 and same.failures() == [] and same.max_abs_diff == 0.0
+    flipped = _report_for([0.0, 1.0, 2.0], [0.0, 2.0, 1.0], tie=False)
+    p = flipped.prompts[0]
+    assert not p.first_token_match and p.decode_top1_mismatches == 1
+    assert flipped.failures() == [0] and flipped.max_abs_diff == 1.0
+    tied = _report_for([0.0, 1.0, 2.0], [0.0, 2.0, 1.0], tie=True)
+    assert tied.prompts[0].near_tie and tied.failures() == [0]
+
+
+def test_decode_top1_differences_fail_in_float32_only():
+    report = _report_for([0.0, 2.0, 1.0], [0.0, 2.0, 1.0], tie=False)
+    report.prompts[0].decode_top1_mismatches = 2
+    assert report.failures() == [0]
+    report.strict_decode = False  # 16-bit: reported, not failed
+    assert report.failures() == []
+
+
+def test_check_reports_progress_decode_and_routing_margins_per_prompt():
+    proc = subprocess.run(
+        [sys.executable, "-m", "cpmoe.cli", "check", "--tp-size", "2", "--attn-cp-size", "2",
+         "--ep-size", "2", "--device", "cpu", "--prompts", "3", "--lengths", "17,40",
+         "--max-batch-tokens", "40", "--decode-steps", "3"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "[check] batch 1/3: prompts 1/3" in proc.stderr
+    assert "[check] batch 3/3: prompts 3/3" in proc.stderr
+    lines = [ln for ln in out.splitlines() if ln.startswith("prompt ")]
+    assert [ln.split(" (")[0] for ln in lines] == ["prompt 0", "prompt 1", "prompt 2"]
+    assert all("smallest top-k routing margin" in ln and "in 3 steps" in ln for ln in lines)
+    assert "first-token matches: 3/3" in out
+    assert "decode: 3 steps per prompt" in out and "top-1 matches 9/9" in out
+    assert "routing near-ties (margin <=" in out
