@@ -2,6 +2,7 @@
 
     python3 bench/profile_prefill.py --layout "tp=1" --length 4096 --layers 12
     python3 bench/profile_prefill.py --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
+    python3 bench/profile_prefill.py --config v4.json --length 16384 --layers 4   # DeepSeek-V4
 
 Builds a random-weight Qwen3-30B-A3B-shaped model (optionally fewer layers: per-layer costs
 are the same in every layer), warms up, profiles one prefill and prints a table per rank.
@@ -10,6 +11,7 @@ are the same in every layer), warms up, profiles one prefill and prints a table 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -50,8 +52,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", help="folder for a Chrome trace per rank")
+    p.add_argument("--config", help="an HF config.json to profile instead (e.g. DeepSeek-V4)")
     a = p.parse_args()
-    config = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=a.layers)
+    base = json.loads(Path(a.config).read_text()) if a.config else SHAPES["qwen3-30b-a3b"]
+    config = dict(base, num_hidden_layers=a.layers)
     layout = parse_layout(a.layout).layout
     with RankPool(layout.world_size, "cuda") as pool:
         print(f"== {a.layout} length {a.length} layers {a.layers}")

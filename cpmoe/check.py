@@ -163,7 +163,8 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
     reference = margins = None
     if info.rank == 0:
         reference = ModelRunner(spec.model_dir, ProcessGroups.single(info.device), spec.dtype,
-                                show_progress=False, load_format=spec.options.load_format)
+                                show_progress=False, load_format=spec.options.load_format,
+                                quantization=spec.options.quantization)
         margins = RoutingMargins(reference.model, tie)
     report = CheckReport(decode_steps, tie, strict_decode=spec.dtype == torch.float32)
     index, total = 0, sum(map(len, batches))

@@ -24,7 +24,7 @@ from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.context import context_length, over_context
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.kv_cache import CacheFullError
-from cpmoe.engine.runner import LOAD_FORMATS, check_model_fit
+from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, check_model_fit, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
 from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
@@ -117,6 +117,14 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights at the shape of --model's config.json (no "
                         "checkpoint read; the tokenizer still comes from --model)")
+    add_quantization_flag(g)
+
+
+def add_quantization_flag(g) -> None:
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: quantize 16-bit (or dummy) weights to 128x128-block FP8 at load "
+                        "(FP8 GEMMs on CUDA, FP8-rounded weights on CPU); FP8 checkpoints "
+                        "load as FP8 without it")
 
 
 def engine_options(args: argparse.Namespace):
@@ -140,7 +148,8 @@ def engine_options(args: argparse.Namespace):
                          cuda_graph_max_bs=args.cuda_graph_max_bs,
                          max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static,
-                         load_format=args.load_format, routing=args.routing)
+                         load_format=args.load_format, routing=args.routing,
+                         quantization=args.quantization)
 
 
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
@@ -190,10 +199,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in cm.plan_layers(layout, sparse)]
-    note = getattr(cfg, "decode_cache_note", None)
+    note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
+    cfg = with_quantization(cfg, args.quantization)
     out["memory_per_rank"] = memory_per_rank(cfg, load_model_config(model_dir)[1], layout, dtype)
     if args.json:
         print(json.dumps(out))
@@ -211,11 +221,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  layers {layers}: attention {attn}, mlp {mlp}")
     for m in out["memory_per_rank"]:
         kv = m["kv_bytes_per_token"]
-        kv_text = ("replicated per-sequence caches" if kv is None else
+        kv_text = ("the model's own decode cache (below)" if kv is None else
                    f"KV {kv} bytes per stored token ({kv / layout.attn_cp_size:.0f} per prompt "
                    f"token: the KV of a prompt is sharded over {layout.attn_cp_size} CP ranks)")
+        fp8 = m.get("fp8_on_cuda")
+        fp8_text = ("" if fp8 is None else
+                    f" ({fp8['weight_bytes'] / 2**30:.3f} GiB on CUDA with FP8 weights: "
+                    f"{fp8['fp8_bytes'] / 2**30:.3f} GiB FP8 weights + scales)")
         print(f"  rank {m['rank']}: weights {m['weight_bytes'] / 2**30:.3f} GiB "
-              f"({out['dtype']}), {kv_text}")
+              f"({out['dtype']}){fp8_text}, {kv_text}")
     if note:
         print(f"decode cache: {note}")
     return 0
@@ -336,7 +350,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(escape_text(shown) if len(prompts) == 1 else f"[{i}] {shown!r}")
     if args.verbose:
         for r, (w, kv) in enumerate(zip(res.weight_bytes, res.kv_bytes_per_token)):
-            print(f"rank {r}: weights {w / 2**20:.2f} MiB, KV {kv} bytes per stored token "
+            fp8 = res.fp8_bytes[r] if res.fp8_bytes else 0
+            fp8_text = f" ({fp8 / 2**20:.2f} MiB FP8 weights + scales)" if fp8 else ""
+            print(f"rank {r}: weights {w / 2**20:.2f} MiB{fp8_text}, KV {kv} bytes per stored "
+                  f"token "
                   f"({kv / layout.attn_cp_size:.0f} per prompt token with attn_cp "
                   f"{layout.attn_cp_size})", file=sys.stderr)
         print(f"KV capacity {res.kv_capacity} tokens per rank (pages of {opts.page_size}); "
@@ -512,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print sizes, groups and per-layer token layouts")
     add_layout_flags(p)
     add_model_flags(p)
+    add_quantization_flag(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("prefill", help="prefill a batch and dump all-position logits")

@@ -8,6 +8,7 @@ Both the hub's key names (`num_experts`, `rope_theta`) and transformers 5's rewr
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,63 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ConfigError(ValueError):
     """A checkpoint config cpmoe cannot serve; one line naming file and field."""
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Block-scaled FP8 weights (`quantization_config` of an FP8 checkpoint, or
+    `--quantization fp8`). W = q * s per [bn, bk] block of a [out, in] weight.
+
+    The scale next to `X.weight` is `X.weight_scale_inv` (HF) or `X.scale` (DeepSeek-V4),
+    float32 or ue8m0 (`scale_fmt`, read off each tensor's dtype by the loader).
+    expert_dtype "fp4": routed experts are MXFP4 (e2m1 two per byte, one ue8m0 scale per 32
+    inputs). online: quantized at load from 16-bit weights (`--quantization fp8`).
+    """
+
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"  # or "ue8m0"
+    expert_dtype: str = "fp8"  # or "fp4"
+    modules_to_not_convert: tuple[str, ...] = ()
+    online: bool = False
+
+    def converts(self, module_name: str) -> bool:
+        """Whether a Linear/experts module holds FP8 weights (transformers' matching of
+        `modules_to_not_convert`: a prefix up to a module boundary, a regex, or a suffix)."""
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return not any(re.match(rf"(?:{k}){boundary}", module_name) or module_name.endswith(k)
+                       for k in self.modules_to_not_convert)
+
+
+def parse_quantization(raw: dict, where: str = "config.json") -> Fp8Config | None:
+    """`quantization_config` of a config.json -> Fp8Config, None when absent; one line
+    naming the field for anything else."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where}: quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not "
+                          f"supported (only 'fp8')")
+    for key, allowed in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)),
+                         ("scale_fmt", ("ue8m0", "float")), ("expert_dtype", ("fp8", "fp4"))):
+        value = q.get(key, raw.get(key) if key == "expert_dtype" else None)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{where}: quantization_config.{key} {value!r} is not supported "
+                              f"(only {', '.join(map(repr, allowed))})")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size must be two positive "
+                          f"integers [bn, bk] (per-tensor FP8 is not supported), got {block!r}")
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or []
+    if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+        raise ConfigError(f"{where}: quantization_config.modules_to_not_convert must be a list "
+                          f"of module names, got {skip!r}")
+    return Fp8Config(block=(block[0], block[1]), scale_fmt=q.get("scale_fmt") or "float",
+                     expert_dtype=q.get("expert_dtype") or raw.get("expert_dtype") or "fp8",
+                     modules_to_not_convert=tuple(skip))
 
 
 @dataclass(frozen=True)
@@ -44,6 +102,7 @@ class QwenMoeConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int  # the context length the model was built for
+    quantization: Fp8Config | None = None
 
     def is_sparse_layer(self, layer: int) -> bool:
         return (layer not in self.mlp_only_layers and self.num_experts > 0
@@ -135,6 +194,7 @@ def parse_qwen_moe(raw: dict, where: str = "config.json") -> QwenMoeConfig:
         eos_token_ids=eos_ids,
         max_position_embeddings=positive_field(raw, "max_position_embeddings", where,
                                                QWEN_DEFAULT_MAX_POSITIONS),
+        quantization=parse_quantization(raw, where),
     )
 
 

@@ -59,8 +59,11 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 def weighted_row_sum_ref(y: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
                          ) -> torch.Tensor:
+    """out[m] = sum_k weight[m, k] * y[index[m, k]]; a zero weight reads nothing (its row may
+    be memory no GEMM wrote, NaN included), as in the kernel."""
     M, K = index.shape
-    rows = y[index.flatten()].float() * weight.flatten().float()[:, None]
+    w = weight.flatten().float()[:, None]
+    rows = torch.where(w != 0, y[index.flatten()].float() * w, 0.0)
     return rows.view(M, K, -1).sum(dim=1).to(y.dtype)
 
 

@@ -31,6 +31,7 @@ class ModelSpec:
     warmup: int
     iters: int
     placement: str = "static"  # or "balanced": experts placed by a calibration prefill
+    quantization: str | None = None  # "fp8": weights quantized to FP8 blocks at load
 
 
 INJECT_OOM = "CPMOE_BENCH_INJECT_OOM"  # a length at which length_task fails as out-of-memory
@@ -48,7 +49,8 @@ def prompts(vocab_size: int, length: int, batch: int, seed: int) -> list[list[in
 def setup_task(info: RankInfo, spec: ModelSpec) -> dict | None:
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     t0 = time.perf_counter()
-    runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed)
+    runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed,
+                                     quantization=spec.quantization)
     sync(info.device)
     build_s = time.perf_counter() - t0
     _STATE["runner"] = runner

@@ -64,9 +64,11 @@ def setup_task(info: RankInfo, spec: OneBatchSpec) -> dict | None:
     t0 = time.perf_counter()
     if spec.model_dir is not None:
         runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
-                             load_format=spec.engine.load_format, seed=spec.seed)
+                             load_format=spec.engine.load_format, seed=spec.seed,
+                             quantization=spec.engine.quantization)
     else:
-        runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed)
+        runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed,
+                                         quantization=spec.engine.quantization)
     layout = spec.layout
     # + 3: the routing step and --profile's two steps decode past the timed ones
     need = kv_slots_needed([spec.max_input] * spec.max_batch, spec.output_len + 3,

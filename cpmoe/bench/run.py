@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,9 +37,50 @@ from cpmoe.bench.spec import (
 )
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype
+from cpmoe.models.registry import config_from_dict
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a 128K prefill's collectives wait at most for rank skew
-RESULTS_DIR = Path("bench/results")
+
+
+def results_dir() -> Path:
+    """Where a run without --out writes: `bench/` in cpmoe's cache folder ($CPMOE_CACHE_DIR,
+    else ~/.cache/cpmoe), never the current directory."""
+    root = os.environ.get("CPMOE_CACHE_DIR")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "cpmoe") / "bench"
+
+
+def check_memory(raw: dict, layouts: list, dtype: torch.dtype, device: str, where: str) -> None:
+    """Refuse, in one line, a run whose weights alone cannot fit: per GPU on CUDA, all ranks
+    together in this machine's available memory on CPU (every rank is a local process)."""
+    from cpmoe.engine.runner import memory_per_rank
+    cfg, model_cls = config_from_dict(raw, where)
+    for bl in layouts:
+        per_rank = [m["weight_bytes"] for m in memory_per_rank(cfg, model_cls, bl.layout,
+                                                                 dtype)]
+        if device == "cuda":
+            have = min(torch.cuda.get_device_properties(i).total_memory
+                       for i in range(bl.world_size))
+            need, what = max(per_rank), "the largest rank's weights"
+            place = f"a GPU has {have / 1e9:.1f} GB"
+        else:
+            have, need = _available_cpu_bytes(), sum(per_rank)
+            what = f"the weights of its {bl.world_size} rank(s)"
+            place = f"this machine has {have / 1e9:.1f} GB available"
+        if have and need > have:
+            raise BenchError(f"{where}, layout {bl.name} on {device}: {what} need "
+                             f"{need / 1e9:.1f} GB, {place}; use a smaller --config or "
+                             f"--shape tiny, more ranks, or --device cuda")
+
+
+def _available_cpu_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0  # unknown: no check
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,8 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON file (default: bench/results/<shape>-<UTC time>.json)")
+                   help="JSON file (default: <shape>-<UTC time>.json in $CPMOE_CACHE_DIR/bench, "
+                        "else ~/.cache/cpmoe/bench)")
     p.add_argument("--plot", action="store_true", help="PNG of tokens/s vs length next to --out")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: quantize the random weights to 128x128-block FP8 at load")
 
 
 class _Run:
@@ -89,8 +134,10 @@ class _Run:
         if args.compare_hf and self.raw["architectures"][0] not in hf_task._MODEL_TYPES:
             raise BenchError(f"--compare-hf: no HF baseline for "
                              f"{self.raw['architectures'][0]}")
+        check_memory(self.raw, self.layouts, self.dtype, self.device,
+                     str(args.config or f"--shape {self.shape}"))
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        self.out = args.out or RESULTS_DIR / f"{self.shape}-{stamp}.json"
+        self.out = args.out or results_dir() / f"{self.shape}-{stamp}.json"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.args = args
         self.head = rp.header(argv, self.shape, self.raw, active_params(self.cfg), dtype_name,
@@ -98,7 +145,8 @@ class _Run:
                                             "warmup": args.warmup, "iters": args.iters,
                                             "seed": args.seed,
                                             "layouts": [bl.name for bl in self.layouts],
-                                            "compare_hf": args.compare_hf})
+                                            "compare_hf": args.compare_hf,
+                                            "quantization": args.quantization})
         self.rows: list[dict] = []
         first = self.layouts[0]
         self.tp1 = first.name if first.world_size == 1 else None
@@ -141,7 +189,7 @@ class _Run:
     def run_layout(self, bl: BenchLayout) -> None:
         a = self.args
         spec = model_task.ModelSpec(self.raw, bl.layout, self.dtype, a.seed, a.batch, a.warmup,
-                                    a.iters, bl.placement)
+                                    a.iters, bl.placement, a.quantization)
         is_ref = bl is self.layouts[0] and self.tp1 is not None
         sizes = bl.sizes()
 

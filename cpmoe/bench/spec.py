@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpmoe.config import ARCHITECTURES, QwenMoeConfig, read_json_file
+from cpmoe.bench.v4_flops import v4_prefill_flops
 from cpmoe.engine.runner import check_model_fit
+from cpmoe.models.deepseek_v4_config import DeepseekV4Config
 from cpmoe.models.registry import config_from_dict
 from cpmoe.moe.dispatch.base import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
@@ -209,6 +211,8 @@ def active_params(cfg) -> int | None:
 
 def model_flops(cfg, seq_lens: list[int]) -> float | None:
     """Prefill FLOPs of a batch (the module docstring's formula); None if not a Qwen-MoE."""
+    if isinstance(cfg, DeepseekV4Config):  # V4 has its own formula: cpmoe/bench/v4_flops.py
+        return v4_prefill_flops(cfg, seq_lens)
     params = active_params(cfg)
     if params is None:
         return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.logits import adjust_logits, token_logprobs
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample
@@ -48,6 +49,14 @@ class EngineOptions:
     mem_fraction_static: float = 0.85  # CUDA, no max_total_tokens: weights + KV share
     load_format: str = "auto"
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
+    quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
+
+
+def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
+    """Prompt tokens per step: `--chunked-prefill-size`, except for models that keep their
+    own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
+    those prefill each prompt in one piece."""
+    return -1 if runner.own_cache else opts.chunked_prefill_size
 
 
 def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,
@@ -62,7 +71,7 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
         tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
         if tokens < opts.page_size:
-            raise ValueError(
+            raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
                 f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
                 f"GiB already allocated: raise it or set --max-total-tokens")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpmoe.engine.engine import BatchFrontend, Driver, EngineOptions, engine_loop
+from cpmoe.engine.engine import BatchFrontend, Driver, EngineOptions, engine_loop, prefill_chunk
 from cpmoe.engine.kv_cache import CacheFullError, pages_for, request_rank_tokens
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
@@ -37,7 +37,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     layout = runner.layout
-    chunk = options.chunked_prefill_size
+    chunk = prefill_chunk(runner, options)
     if runner.kv is None:
         runner.allocate_kv(kv_slots_needed([len(p) for p in prompts], max_new_tokens,
                                            layout.attn_cp_size, layout.cp_strategy,

@@ -27,6 +27,20 @@ from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 DEFAULT_PAGE_SIZE = 16
+QUANTIZATIONS = ("fp8",)
+
+
+def with_quantization(config, quantization: str | None):
+    """The config with `--quantization fp8` applied: 16-bit weights are quantized to
+    [128, 128] FP8 blocks at load; a checkpoint that is FP8 already stays as it is."""
+    if quantization is None or getattr(config, "quantization", None) is not None:
+        return config
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r}: only fp8 is supported")
+    import dataclasses
+
+    from cpmoe.config import Fp8Config
+    return dataclasses.replace(config, quantization=Fp8Config(online=True))
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -42,6 +56,11 @@ def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
     if dense and cfg.intermediate_size % layout.attn_tp_size:
         raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
                           f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
+    quant = getattr(cfg, "quantization", None)
+    if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
+        from cpmoe.models.registry import model_class
+        from cpmoe.quant.layout import check_fp8_layout
+        check_fp8_layout(layout, cfg, model_class(cfg.architecture))
 
 
 def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
@@ -54,12 +73,19 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
         with torch.device("meta"):
             model = model_cls(config, ProcessGroups.offline(layout, rank), dtype)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        quant = getattr(config, "quantization", None)
+        fp8 = None
+        if quant is not None:  # what the shard holds on CUDA, FP8 weights kept FP8
+            from cpmoe.quant.modules import planned_weight_bytes
+            fp8 = dict(zip(("weight_bytes", "fp8_bytes"),
+                           planned_weight_bytes(model, quant, dtype)))
         kv = None
         if getattr(model, "make_kv_cache", None) is None:
             attn = model.model.layers[0].self_attn
             kv = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
                   * torch.empty((), dtype=dtype).element_size())
-        out.append({"rank": rank, "weight_bytes": weights, "kv_bytes_per_token": kv})
+        out.append({"rank": rank, "weight_bytes": weights, "kv_bytes_per_token": kv,
+                    **({"fp8_on_cuda": fp8} if fp8 else {})})
     return out
 
 
@@ -81,33 +107,62 @@ class StepTimes:
 
 class ModelRunner:
     def __init__(self, model_dir: Path, groups: ProcessGroups, dtype: torch.dtype,
-                 show_progress: bool = True, load_format: str = "auto", seed: int = 0) -> None:
+                 show_progress: bool = True, load_format: str = "auto", seed: int = 0,
+                 quantization: str | None = None, fp8_compute: bool = True) -> None:
+        """quantization "fp8": quantize 16-bit weights to FP8 blocks at load (a no-op for
+        an FP8 checkpoint); FP8 checkpoints load as FP8 without it. fp8_compute False:
+        FP8 weights are dequantized at load on CUDA too (the reference FP8 is checked
+        against)."""
+        self.fp8_compute = fp8_compute
         if load_format == "dummy":  # random weights at the checkpoint's shape (SGLang's name)
-            self._init_random(read_config_json(model_dir), groups, dtype, seed)
+            self._init_random(read_config_json(model_dir), groups, dtype, seed, quantization)
             return
         config, model_cls = load_model_config(model_dir)
+        config = with_quantization(config, quantization)
         self._build(config, model_cls, groups, dtype)
+        quant = getattr(config, "quantization", None)
+        if quant is not None and not quant.online and self._keep_fp8():
+            from cpmoe.loader import quantized_weight_names
+            from cpmoe.quant.modules import prepare_fp8
+            prepare_fp8(self.model, quantized_weight_names(model_dir), quant)
         self.load_stats = load_checkpoint(self.model, model_dir,
                                           show_progress=show_progress and groups.rank == 0,
-                                          tied_embeddings=self.config.tie_word_embeddings)
+                                          tied_embeddings=self.config.tie_word_embeddings,
+                                          quantization=quant)
+        self._quantize_online()
+
+    def _quantize_online(self) -> None:
+        quant = getattr(self.config, "quantization", None)
+        if quant is not None and quant.online:
+            from cpmoe.quant.modules import quantize_loaded
+            quantize_loaded(self.model, quant, keep_fp8=self._keep_fp8())
+
+    def _keep_fp8(self) -> bool:
+        """FP8 weights stay FP8 (FP8 GEMMs) on CUDA; elsewhere they are dequantized."""
+        return self.device.type == "cuda" and getattr(self, "fp8_compute", True)
 
     @classmethod
     def from_config(cls, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,
-                    seed: int = 0) -> "ModelRunner":
+                    seed: int = 0, quantization: str | None = None) -> "ModelRunner":
         """A runner with seeded random weights at the shape of an HF config.json's contents;
         the weights are the same on every layout (see models/random_weights.py)."""
         self = cls.__new__(cls)
-        self._init_random(config_json, groups, dtype, seed)
+        self._init_random(config_json, groups, dtype, seed, quantization)
         return self
 
     def _init_random(self, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,
-                     seed: int) -> None:
-        config, model_cls = config_from_dict(config_json)
+                     seed: int, quantization: str | None = None) -> None:
+        config, model_cls = config_from_dict(
+            {k: v for k, v in config_json.items() if k != "quantization_config"})
+        # random weights are 16-bit: an FP8 checkpoint's shape is quantized online
+        fp8 = quantization or ("fp8" if "quantization_config" in config_json else None)
+        config = with_quantization(config, fp8)
         self._build(config, model_cls, groups, dtype)
         source = RandomCheckpoint.of(model_cls, config, seed, groups.device, dtype)
         self.load_stats = fill_parameters(self.model, [(Path("<random weights>"), source)],
                                           "<random weights>", show_progress=False,
                                           tied_embeddings=config.tie_word_embeddings)
+        self._quantize_online()
 
     def _build(self, config, model_cls: type, groups: ProcessGroups, dtype: torch.dtype) -> None:
         self.groups = groups

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.engine import Driver, EngineOptions, Frontend, engine_loop, prepare_runner
+from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
+                                 prepare_runner)
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.scheduler import Scheduler, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
@@ -63,14 +64,15 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     runner = ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=False,
-                         load_format=spec.options.load_format)
+                         load_format=spec.options.load_format,
+                         quantization=spec.options.quantization)
     sizes = prepare_runner(runner, spec.options, spec.default_kv_tokens)
     pid = torch.tensor([os.getpid()], dtype=torch.int64, device=runner.device)
     pids = [int(p) for p in runner.gather_from_ranks(pid)]
     driver = None
     if info.rank == 0:
         opts = spec.options
-        sched = Scheduler(runner.kv, spec.layout.cp_strategy, opts.chunked_prefill_size,
+        sched = Scheduler(runner.kv, spec.layout.cp_strategy, prefill_chunk(runner, opts),
                           opts.max_running_requests, spec.eos_ids)
         frontend = LinkFrontend(spec, pids, sizes)
         driver = Driver(runner, sched, frontend, spec.idle_tick_s)

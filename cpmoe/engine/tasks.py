@@ -6,7 +6,7 @@ rank 0 only (None elsewhere), so nothing large travels back from other ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,7 +32,8 @@ class RunSpec:
 def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress,
-                       load_format=spec.options.load_format)
+                       load_format=spec.options.load_format,
+                       quantization=spec.options.quantization)
 
 
 def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]
@@ -55,6 +56,7 @@ class GenerateResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    fp8_bytes: list[int] = field(default_factory=list)  # per rank: FP8 weights + scales
 
 
 def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
@@ -66,11 +68,13 @@ def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
                            layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
     sizes = prepare_runner(runner, opts, need)
     out = generate(runner, prompts, max_new_tokens, eos_ids, sampling, options=opts)
-    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token()], device=info.device)
+    from cpmoe.quant.modules import fp8_weight_bytes
+    mem = torch.tensor([runner.weight_bytes(), runner.kv.bytes_per_token(),
+                        fp8_weight_bytes(runner.model)], device=info.device)
     per_rank = runner.gather_from_ranks(mem)
     if info.rank != 0:
         return None
     t = runner.times
     return GenerateResult(out, [int(m[0]) for m in per_rank], [int(m[1]) for m in per_rank],
                           sizes["kv_capacity"], sizes["graph_bytes"], t.prefill_s, t.decode_s,
-                          t.decode_steps)
+                          t.decode_steps, [int(m[2]) for m in per_rank])

@@ -14,9 +14,10 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
   communicator call, so ids stay aligned with rows (rank-major after a CP gather, own rows
   for rank-local dispatch). The shared expert runs on CP-local rows and is added after every
   SUM collective, so once.
-- Decode: every CP rank keeps the FULL cache of every sequence (sliding window, compressed
-  KV, indexer keys, open-window rows), replicated, and runs attention for every row
-  (`DECODE_CACHE_NOTE`); the MoE stays distributed.
+- Decode: each CP rank keeps its share of every sequence's compressed KV and indexer keys
+  (round-robin by entry; the sliding window and open-window rows replicated), attends its
+  share for every row and merges by LSE over ATTN_CP (`deepseek_v4_decode.py`,
+  `DECODE_CACHE_NOTE`); the MoE stays distributed.
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
@@ -34,15 +35,10 @@ import torch.nn.functional as F
 
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
-from cpmoe.engine.kv_cache import PagedKVCache
-from cpmoe.models.deepseek_v4_attention import (
-    DeepseekV4Attention,
-    Fp32RMSNorm,
-    Rope,
-    RopeTable,
-    SeqState,
-)
-from cpmoe.models.deepseek_v4_config import CSA, DECODE_CACHE_NOTE, HASH_MOE, HCA, DeepseekV4Config
+from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
+from cpmoe.models.deepseek_v4_cache import V4Cache
+from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher
@@ -264,10 +260,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn_hc = DeepseekV4HyperConnection(cfg)
         self.ffn_hc = DeepseekV4HyperConnection(cfg)
 
-    def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
+                plan: PrefillPlan | None) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch),
+        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
         post, comb, x = self.ffn_hc(h)
         out = self.mlp(self.post_attention_layernorm(x), self.comm, batch)
@@ -277,7 +273,7 @@ class DeepseekV4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hc_mult = cfg.hc_mult
+        self.hc_mult, self.config, self.cp_rank = cfg.hc_mult, cfg, groups.attn_cp.rank
         self.plans = cm.plan_layers(groups.layout, [True] * cfg.num_hidden_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
@@ -295,53 +291,10 @@ class DeepseekV4Model(nn.Module):
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
         h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
+        plan = None if batch.is_decode else PrefillPlan.build(batch, self.cp_rank, self.config)
         for layer in self.layers:
-            h = layer(h, ropes, batch)
+            h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
-
-
-class V4Cache(PagedKVCache):
-    """The runner's token accounting (capacity, per-sequence lengths; one-token pages and no
-    K/V pools, replicated on every CP rank) plus, per sequence key, one replicated
-    `SeqState` per layer."""
-
-    def __init__(self, cfg: DeepseekV4Config, capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(0, capacity, 1, 1, 1, dtype, device)
-        self.cfg, self.dtype = cfg, dtype
-        self.states: dict[int, list[SeqState | None]] = {}
-
-    def state(self, key: int, layer: int) -> SeqState:
-        st = self.states[key][layer]
-        assert st is not None, f"sequence {key} has no V4 state at layer {layer}"
-        return st
-
-    def put(self, key: int, layer: int, st: SeqState) -> None:
-        self.states.setdefault(key, [None] * self.cfg.num_hidden_layers)[layer] = st
-
-    def free(self, seq_id: int) -> None:
-        super().free(seq_id)
-        self.states.pop(seq_id, None)
-
-    def bytes_per_token(self) -> int:
-        """Growth per stored token (compressed entries, amortised); the sliding window and
-        open-window rows are a constant per sequence on top."""
-        c, per = self.cfg, 0.0
-        for kind in c.layer_types:
-            if kind == CSA:
-                per += (c.head_dim + c.index_head_dim) / c.compress_rate_csa
-            elif kind == HCA:
-                per += c.head_dim / c.compress_rate_hca
-        return int(per * torch.empty((), dtype=self.dtype).element_size())
-
-    def nbytes_used(self) -> int:
-        total = 0
-        for layers in self.states.values():
-            for st in filter(None, layers):
-                parts = [st.window] + [p for s in (st.comp, st.index) if s is not None
-                                       for p in (s.entries, s.rows)]
-                total += sum(p.numel() * p.element_size() for p in parts)
-        return total
 
 
 class DeepseekV4ForCausalLM(CausalLMHead):
@@ -367,6 +320,9 @@ class DeepseekV4ForCausalLM(CausalLMHead):
                 for i, kind in enumerate(cfg.mlp_layer_types) if kind == HASH_MOE}
 
     def make_kv_cache(self, capacity: int) -> V4Cache:
-        """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots."""
-        return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device)
+        """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots; this
+        CP rank holds its share of the compressed entries."""
+        cp = self.groups.attn_cp
+        return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device,
+                       (cp.rank, cp.size))
 

@@ -3,19 +3,22 @@ and value), partial interleaved RoPE, a per-head attention sink, a sliding windo
 layer, compressed KV (CSA: rate 4 chosen by the lightning indexer's top-k; HCA: rate 128,
 all causal entries), and the grouped low-rank output projection. HF parameter names.
 
-CP prefill (exact for any split strategy). Queries stay CP-local. The K side of a layer
-(sliding-window KV rows, compressor and indexer projections of every token) is what
-crosses chunk boundaries, so each rank projects its own rows and ONE all-gather over
-ATTN_CP (`communicator.gather_output`, flat order) replicates those per-token rows on every
-rank; every rank then pools the compressed KV and indexer keys of whole sequences itself
-(replicated compute) and its local queries attend by their global positions.
+CP prefill (exact for any split strategy; `deepseek_v4_prefill.py`). Queries stay CP-local.
+The K side of a layer (sliding-window KV rows, compressor and indexer projections of every
+token) is what crosses chunk boundaries, so each rank projects its own rows and ONE
+all-gather over ATTN_CP (`communicator.gather_output`, flat order) replicates those
+per-token rows on every rank; every rank then pools the compressed KV and indexer keys of
+every sequence of the batch in one gather (replicated compute) and its local queries attend
+by their global positions, all sequences at once.
 
-Decode. Every rank holds the full state of each sequence (replicated, `SeqState`): the last
-W-1 KV rows, the compressed entries and the projected rows of the still-open window(s).
-A step appends the new token's rows and closes a window when the token completes one.
+Decode (`deepseek_v4_decode.py`). Each rank holds, per sequence (`SeqState`), the last W-1
+KV rows and the projected rows of the still-open window(s) (replicated, bounded) and its
+share of the compressed entries (entry c on CP rank c % attn_cp). A step appends the new
+token's rows, pools a window when the token completes one (its owner keeps the entry), and
+merges every rank's partial attention by LSE.
 
 Attention never shards heads (attn_cp == tp, see `check_v4_layout`), so nothing here sums
-partial outputs.
+partial outputs over heads.
 
 Legend: T = query rows, N = K-side rows, H = hidden, D = head dim, R = rope dim,
 Hq = query heads, W = sliding window, m = compress rate, C = compressed entries,
@@ -34,12 +37,11 @@ import torch.nn.functional as F
 from cpmoe import communicator as cm
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
+from cpmoe.models.deepseek_v4_decode import decode_attention
+from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
 from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
-
-# Query rows attended at once: bounds the [rows, W + K, D] gathered-key buffer.
-_QUERY_CHUNK = 128
-
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -131,15 +133,6 @@ class Rope:
 
 # ---- compressed KV ---------------------------------------------------------------------------
 
-@dataclass
-class CompressorState:
-    """What a compressor knows of one sequence: its C pooled entries [C, d] and the projected
-    rows [r, 2F] it still needs, from the start of window C-1 (overlap) or C onwards."""
-
-    entries: torch.Tensor
-    rows: torch.Tensor
-
-
 class DeepseekV4Compressor(nn.Module):
     """Pools every m source tokens into one KV entry. Entry w is the softmax(gate +
     position_bias)-weighted sum of its window's projected rows. With `overlap` (CSA) each row
@@ -162,24 +155,23 @@ class DeepseekV4Compressor(nn.Module):
         """-> [T, 2F]: kv then gate projections, the per-token input of `extend`."""
         return torch.cat([self.kv_proj(x_TH), self.gate_proj(x_TH)], dim=-1)
 
-    def empty(self, like: torch.Tensor) -> CompressorState:
-        return CompressorState(like.new_zeros((0, self.dim)), like.new_zeros((0, 2 * self.width)))
-
     def _rows_start(self, entries: int) -> int:
         return max(entries - 1, 0) * self.rate if self.overlap else entries * self.rate
 
     def extend(self, state: CompressorState, new_rows: torch.Tensor, end_pos: int,
-               rope: RopeTable) -> CompressorState:
+               rope: RopeTable, shard: tuple[int, int] = (0, 1)) -> CompressorState:
         """Append the rows of positions [end_pos - len(new_rows), end_pos); pool every window
-        they complete."""
+        they complete and keep the new entries of CP rank shard[0] of shard[1]."""
         rows = torch.cat([state.rows, new_rows])
-        done, total = state.entries.shape[0], end_pos // self.rate
+        done, total = state.total, end_pos // self.rate
         start = self._rows_start(done)
         entries = state.entries
         if total > done:
             fresh = self._pool(rows[:total * self.rate - start], done, rope)
-            entries = torch.cat([entries, fresh.to(entries.dtype)])
-        return CompressorState(entries, rows[self._rows_start(total) - start:])
+            cp_rank, cp_size = shard
+            mine = fresh[(cp_rank - done) % cp_size::cp_size]
+            entries = torch.cat([entries, mine.to(entries.dtype)])
+        return CompressorState(entries, rows[self._rows_start(total) - start:], total)
 
     def _pool(self, rows: torch.Tensor, first: int, rope: RopeTable) -> torch.Tensor:
         """rows of windows [first - p, first + n), p = 1 if overlap and first > 0 else 0
@@ -202,6 +194,28 @@ class DeepseekV4Compressor(nn.Module):
         return apply_rope(pooled, *rope(positions, pooled.dtype))
 
 
+    def pool_flat(self, rows_N2F: torch.Tensor, start_E: torch.Tensor, window_E: torch.Tensor,
+                  rope: RopeTable) -> torch.Tensor:
+        """Entries of many sequences at once -> [E, d]: entry e pools window window_E[e] of
+        its sequence, whose rows start at flat row start_E[e] of rows_N2F (with overlap
+        also the m rows before it, none for window 0); `_pool`'s math entry by entry."""
+        m, d, Fw = self.rate, self.dim, self.width
+        idx = start_E[:, None] + torch.arange(m, device=start_E.device)  # [E, m]
+        win = rows_N2F[idx]
+        kv, gate = win[..., :Fw], win[..., Fw:] + self.position_bias
+        if self.overlap:
+            prev = rows_N2F[(idx - m).clamp(min=0)]
+            first = (window_E == 0)[:, None, None]
+            prev_kv = prev[..., :d].masked_fill(first, 0.0)
+            prev_gate = (prev[..., Fw:Fw + d] + self.position_bias[:, :d]).masked_fill(
+                first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.kv_norm((kv * weights).sum(dim=1))
+        return apply_rope(pooled, *rope(window_E * m, pooled.dtype))
+
+
 class DeepseekV4IndexerScorer(nn.Module):
     """score[t, c] = sum_h w[t, h] * relu(q[t, h] . k[c]) / sqrt(dI), w = weights_proj(x)."""
 
@@ -211,9 +225,19 @@ class DeepseekV4IndexerScorer(nn.Module):
         self.weights_proj = Linear(hidden, heads, bias=False, dtype=dtype)
 
     def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale
-        weights = self.weights_proj(x_TH).float() * self.weights_scaling
-        return (scores * weights[..., None]).sum(dim=1)
+        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row).
+        For fp32 inputs the math is fp64, rounded to fp32 at the end: a score then does not
+        depend on how many rows and entries share the kernels (batch composition, CP shard;
+        fp32 reductions order by shape), so near-tied top-k picks do not flip between
+        layouts; fp32 for 16-bit inputs."""
+        acc = torch.float64 if q.dtype == torch.float32 else torch.float32
+        if keys.dim() == 3:
+            dots = torch.einsum("thd,tcd->thc", q.to(acc), keys.to(acc))
+        else:
+            dots = torch.matmul(q.to(acc), keys.to(acc).T)
+        scores = F.relu(dots) * self.softmax_scale
+        weights = self.weights_proj(x_TH).to(acc) * self.weights_scaling
+        return (scores * weights[..., None]).sum(dim=1).float()
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -227,29 +251,29 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         self.q_b_proj = Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False, dtype=dtype)
         self.scorer = DeepseekV4IndexerScorer(cfg.hidden_size, self.heads, self.dim, dtype)
 
-    def select(self, q_res: torch.Tensor, x_TH: torch.Tensor, pos: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """-> [T, min(topk, C)] entry ids, best first; -1 where the pick is not yet causal.
-        The top-k size comes from the sequence's entry count, as in the reference."""
+    def row_scores(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
+        """Scores [T, C] of each row's own keys [T, C, dI] (decode over a cache shard)."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_rope(q, cos, sin), keys, x_TH)
-        ready = ((pos + 1) // self.rate)[:, None]
-        scores = scores.masked_fill(torch.arange(keys.shape[0], device=pos.device) >= ready,
-                                    float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.where(picks < ready, picks, -1)
+        return self.scorer(apply_rope(q, cos, sin), keys_TCd, x_TH)
+
+    def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
+                       ) -> torch.Tensor:
+        """-> [T, min(topk, E)] indices into keys_Ed, best first; -1 where the pick is not
+        visible to the row (another sequence's entry, or its window not yet closed).
+        Equal scores go to the lower entry (a stable sort; `topk`'s choice among ties
+        depends on the row's length, so it would differ between batch compositions and CP
+        layouts). Exact ties are scores of 0: every head's q.k negative."""
+        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
+        scores = self.scorer(apply_rope(q, cos, sin), keys_Ed, x_TH)
+        scores = scores.masked_fill(~visible_TE, float("-inf"))
+        k = min(self.topk, keys_Ed.shape[0])
+        picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        return torch.where(visible_TE.gather(1, picks), picks, -1)
 
 
 # ---- attention -------------------------------------------------------------------------------
-
-@dataclass
-class SeqState:
-    """One sequence at one layer: KV rows of the last W-1 positions and compressor states."""
-
-    window: torch.Tensor  # [<= W-1, D]
-    comp: CompressorState | None
-    index: CompressorState | None
-
 
 @dataclass
 class Queries:
@@ -261,18 +285,6 @@ class Queries:
     pos: torch.Tensor  # [T] absolute positions
     cos: torch.Tensor  # [T, R/2] of the layer's RoPE table
     sin: torch.Tensor
-
-
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
-                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
-    softmax also holds its sink logit, whose probability mass is dropped. fp32 math."""
-    kvf = kv.float()
-    scores = torch.einsum("thd,tnd->thn", q.float(), kvf) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thn,tnd->thd", probs, kvf).to(q.dtype)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -310,67 +322,25 @@ class DeepseekV4Attention(nn.Module):
                 parts.append(self.compressor.indexer.project(x_TH))
         return torch.cat(parts, dim=-1)
 
-    def empty_state(self, like: torch.Tensor) -> SeqState:
-        c = self.compressor
-        return SeqState(like.new_zeros((0, self.head_dim)), None if c is None else c.empty(like),
-                        None if c is None or c.indexer is None else c.indexer.empty(like))
-
-    def _extend(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable
-                ) -> tuple[torch.Tensor, SeqState]:
-        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos)."""
+    def extend_state(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
+                shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, SeqState]:
+        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos, whose
+        new compressed entries are CP rank shard[0] of shard[1]'s)."""
         D, c = self.head_dim, self.compressor
         keys = torch.cat([st.window, rows[:, :D]])
         comp = index = None
         if c is not None:
-            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope)
+            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope, shard)
             if c.indexer is not None:
-                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope)
+                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope,
+                                         shard)
         keep = max(0, keys.shape[0] - (self.window - 1))
         return keys, SeqState(keys[keep:], comp, index)
 
-    # -- queries --------------------------------------------------------------------------
-    def _attend(self, qs: Queries, r: torch.Tensor, keys: torch.Tensor, first: int,
-                st: SeqState) -> torch.Tensor:
-        """Query rows r of one sequence: window keys from `keys` (positions `first` on) plus
-        the compressed entries of `st` -> [len(r), Hq, D]."""
-        W, c, pos = self.window, self.compressor, qs.pos[r]
-        kpos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)  # [T, W]
-        kv, valid = keys[(kpos - first).clamp(min=0)], kpos >= 0
-        if c is not None and st.comp is not None:
-            entries = st.comp.entries
-            if c.indexer is not None:
-                assert st.index is not None
-                picks = c.indexer.select(qs.q_res[r], qs.x[r], pos, qs.cos[r], qs.sin[r],
-                                         st.index.entries)
-                ckv, cvalid = entries[picks.clamp(min=0)], picks >= 0
-            else:  # HCA: every entry whose window has closed
-                ckv = entries.expand(r.numel(), -1, -1)
-                cvalid = (torch.arange(entries.shape[0], device=pos.device)[None, :]
-                          < ((pos + 1) // c.rate)[:, None])
-            kv, valid = torch.cat([kv, ckv], dim=1), torch.cat([valid, cvalid], dim=1)
-        return sink_attention(qs.q[r], kv, valid, self.sinks, self.scale)
-
-    def _segments(self, batch: ForwardBatch, k_side: torch.Tensor, like: torch.Tensor):
-        """(query rows, K-side rows, end position, state before them, cache key) per piece:
-        each whole sequence in prefill, each row in decode."""
-        keys = batch.seq_keys if batch.kv is not None else None
-        if batch.is_decode:
-            assert keys is not None, "V4 decode needs the per-sequence cache"
-            for i, key in enumerate(keys):
-                rows = torch.tensor([i], device=like.device)
-                yield (rows, k_side[i:i + 1], int(batch.positions[i]) + 1,
-                       batch.kv.state(key, self.layer), key)
-            return
-        assert batch.split is not None
-        cu = batch.split.cu_seqlens
-        for s in range(len(cu) - 1):
-            rows = (batch.seq_ids == s).nonzero().flatten()
-            yield (rows, k_side[cu[s]:cu[s + 1]], cu[s + 1] - cu[s], self.empty_state(like),
-                   None if keys is None else keys[s])
-
-    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch
-                ) -> torch.Tensor:
-        """This rank's rows [T, H] -> attention output [T, H], complete (no partial sums)."""
+    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
+                plan: PrefillPlan | None = None) -> torch.Tensor:
+        """`plan`: the forward's `PrefillPlan` (extend steps; None in decode)."""
+        # This rank's rows [T, H] -> attention output [T, H], complete (no partial sums).
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
@@ -379,14 +349,11 @@ class DeepseekV4Attention(nn.Module):
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
-        out = torch.zeros_like(q)
-        for rows, k_rows, end, st, key in self._segments(batch, k_side, x_TH):
-            keys, new_st = self._extend(st, k_rows, end, rope.table)
-            for i in range(0, rows.numel(), _QUERY_CHUNK):
-                r = rows[i:i + _QUERY_CHUNK]
-                out[r] = self._attend(qs, r, keys, end - keys.shape[0], new_st)
-            if key is not None:
-                batch.kv.put(key, self.layer, new_st)
+        if batch.is_decode:
+            out = decode_attention(self, qs, k_side, batch, rope.table)
+        else:
+            assert plan is not None, "V4 prefill needs the forward's PrefillPlan"
+            out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
         o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])

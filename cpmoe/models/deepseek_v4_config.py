@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from cpmoe.config import ConfigError, architecture_of, positive_field
+from cpmoe.config import (ConfigError, Fp8Config, architecture_of, parse_quantization,
+                          positive_field)
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -23,9 +24,10 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _SCORING = ("sqrtsoftplus", "sigmoid")
 DEFAULT_MAX_POSITIONS = 1048576  # transformers' DeepseekV4Config value when config.json has none
 
-DECODE_CACHE_NOTE = ("DeepSeek-V4 decode: every CP rank keeps the full (replicated) cache of "
-                     "each sequence (sliding window, compressed KV, indexer keys) and runs "
-                     "attention for every decode row; the MoE stays distributed.")
+DECODE_CACHE_NOTE = ("DeepSeek-V4 decode: each CP rank keeps its share of every sequence's "
+                     "compressed KV and indexer keys (entry c on CP rank c % attn_cp); the "
+                     "bounded sliding window and open compressor windows are replicated; "
+                     "partial attention of every rank is merged by LSE.")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class DeepseekV4Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int  # the context length the model was built for
+    quantization: Fp8Config | None = None
 
     # The names the engine's generic checks (`check_model_fit`, `cpmoe plan`) read.
     num_key_value_heads = 1  # one shared KV head, read as both key and value
@@ -97,6 +100,11 @@ class DeepseekV4Config:
 
     def check_layout(self, layout: ParallelLayout) -> None:
         check_v4_layout(layout)
+
+    def decode_cache_for(self, layout: ParallelLayout, dtype) -> str:
+        """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
+        from cpmoe.models.deepseek_v4_cache import cache_summary
+        return cache_summary(self, layout.attn_cp_size, dtype)
 
 
 def check_v4_layout(layout: ParallelLayout) -> None:
@@ -240,4 +248,5 @@ def parse_deepseek_v4(raw: dict, where: str = "config.json") -> DeepseekV4Config
                                                                   else (int(eos),)),
         max_position_embeddings=positive_field(raw, "max_position_embeddings", where,
                                                DEFAULT_MAX_POSITIONS),
+        quantization=parse_quantization(raw, where),
     )

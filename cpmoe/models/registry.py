@@ -39,3 +39,8 @@ def config_from_dict(raw: dict, where: str = "config.json") -> tuple[Any, type]:
                           f"{', '.join(sorted(_REGISTRY))}")
     parse, model_cls = _REGISTRY[arch]()
     return parse(raw, where), model_cls
+
+
+def model_class(architecture: str) -> type:
+    """The model class of a (registered) architecture name."""
+    return _REGISTRY[architecture]()[1]

@@ -36,6 +36,9 @@ class LocalExperts(nn.Module):
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
+        if self.gate_up_proj.dtype == torch.float8_e4m3fn:  # FP8 weights (cpmoe/quant)
+            from cpmoe.quant.experts import fp8_experts
+            return fp8_experts(self, x_MH, local_ids_MK, weights_MK)
         if (x_MH.is_cuda and type(self).activation is LocalExperts.activation
                 and fused_moe.usable(x_MH, local_ids_MK.numel())):  # decode: few rows
             return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,

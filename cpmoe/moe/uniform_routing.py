@@ -84,7 +84,10 @@ def calibrate_uniform_routing(model, groups: ProcessGroups, run_forward, seed: i
     from cpmoe.moe.router import SoftmaxTopKRouter
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if residual_scaled(name):
+            if residual_scaled(name) and param.dtype == torch.float8_e4m3fn:
+                from cpmoe.quant.modules import block_scales_of  # FP8: scale the scales
+                block_scales_of(model, name).mul_(RESIDUAL_SCALE)
+            elif residual_scaled(name):
                 param.mul_(RESIDUAL_SCALE)
     routers = [m for m in model.modules() if isinstance(m, SoftmaxTopKRouter)]
     for layer, router in enumerate(routers):

@@ -137,6 +137,23 @@ def _unpickled(raw: bytes | None) -> BaseException | None:
         return None
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Start ranks with SIGINT ignored. Ctrl-C reaches the whole process group, and a rank
+    still starting up (importing, before `_worker_main` ignores it) would print a
+    KeyboardInterrupt traceback; an ignored signal stays ignored across exec, and Python then
+    installs no KeyboardInterrupt handler. The parent stops the ranks itself. (Only the main
+    thread may change signal handlers; a pool made elsewhere keeps the old behaviour.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _watch_parent(parent_pid: int) -> None:
     # A rank busy in a task does not read its task pipe, so only reparenting tells it.
     while os.getppid() == parent_pid:
@@ -282,7 +299,8 @@ class RankPool:
                     target=_worker_main, name=f"cpmoe-rank{rank}", daemon=True,
                     args=(rank, world_size, self.device, state.store.port, collective_timeout_s,
                           dict(env or {}), os.getpid(), task_r, res_w))
-                proc.start()
+                with _sigint_ignored():
+                    proc.start()
                 task_r.close()  # drop the parent's copies of the child's ends so that
                 res_w.close()  # a dead rank reads as EOF
                 state.procs.append(proc)

@@ -7,6 +7,11 @@ hash tables) gets random values, so a loader that drops or swaps one is caught b
 Routers are scaled so top-k routing is decisive (no near-ties a different layout's fp32
 rounding could flip). The sizes put 600 tokens past the HCA rate (128) four times and the
 CSA entry count (150) well past the indexer's top-k (32), with a 16-token sliding window.
+The indexer has 32 heads: a score is exactly 0 when every head's q.k is negative (relu),
+which with 8 heads happens for 1 in 256 (query, entry) pairs and makes the top-k choice
+among tied zeros arbitrary (HF's `topk` picks by the row's length); with 32 heads exact ties
+are ~2^-32, so the tests compare model math, not tie-breaking (cpmoe breaks ties by the
+lower entry id, the same in every batch and layout).
 
 Variants (same seed, so they differ only where named):
     base         every branch random
@@ -30,7 +35,7 @@ V4_CONFIG = dict(
     vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
     n_routed_experts=8, num_experts_per_tok=2, sliding_window=16, o_groups=2, o_lora_rank=16,
-    index_n_heads=8, index_head_dim=16, index_topk=32, hc_mult=4, hc_sinkhorn_iters=20,
+    index_n_heads=32, index_head_dim=16, index_topk=32, hc_mult=4, hc_sinkhorn_iters=20,
     layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
                  "sliding_attention", "compressed_sparse_attention"],
     mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
@@ -117,3 +122,25 @@ def v4_task(info: RankInfo, layout: ParallelLayout, model_dirs: dict[str, Path],
     out = {kind: greedy_run(groups, d, seqs, new_tokens, calibration)
            for kind, d in model_dirs.items()}
     return out if info.rank == 0 else None
+
+
+def cache_bytes_run(groups: ProcessGroups, model_dir: Path, seq: list[int],
+                    new_tokens: int) -> dict:
+    """One prompt prefilled into the cache, then greedy decode steps: this rank's cache
+    bytes after the prefill and after the decode, the tokens and every step's logits."""
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    runner.allocate_kv(len(seq) + new_tokens)
+    logits = runner.prefill([seq], [0], last_only=True)
+    after_prefill = runner.kv.nbytes_used()
+    steps, tokens = [logits], [int(logits[0].argmax())]
+    for _ in range(new_tokens - 1):
+        steps.append(runner.decode([0], [tokens[-1]]))
+        tokens.append(int(steps[-1][0].argmax()))
+    return {"prefill_bytes": after_prefill, "decode_bytes": runner.kv.nbytes_used(),
+            "tokens": tokens, "steps": torch.cat(steps)}
+
+
+def cache_bytes_task(info: RankInfo, layout: ParallelLayout, model_dir: Path, seq: list[int],
+                     new_tokens: int) -> dict:
+    return cache_bytes_run(ProcessGroups.build(layout, info.rank, info.device), model_dir, seq,
+                           new_tokens)

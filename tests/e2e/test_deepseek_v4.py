@@ -85,7 +85,18 @@ def test_greedy_generation_matches_hf(v4, runner):
         assert generate(runner, [prompt], NEW_TOKENS)[0] == expected, f"prompt {len(prompt)}"
     runner.kv = None
     assert generate(runner, prompts, NEW_TOKENS) == want, "batched prompts"
-    assert "replicated" in DECODE_CACHE_NOTE
+    assert "share" in DECODE_CACHE_NOTE and "LSE" in DECODE_CACHE_NOTE
+
+
+def test_prompts_longer_than_a_prefill_chunk_match_hf(v4, runner):
+    """V4's extend cannot continue a cached prompt yet, so the engine prefills its prompts in
+    one piece whatever --chunked-prefill-size says (chunks of 8 here)."""
+    from cpmoe.engine.engine import EngineOptions
+    hf_model, _ = v4
+    prompts = random_ids([37, 20], seed=13)
+    want = [hf_greedy(hf_model, p, 4) for p in prompts]
+    runner.kv = None
+    assert generate(runner, prompts, 4, options=EngineOptions(chunked_prefill_size=8)) == want
 
 
 def test_checkpoint_names_map_onto_hf_parameters(v4, runner):

@@ -139,6 +139,30 @@ def test_bench_bad_layouts_exit_2_with_one_line(tmp_path):
         assert not (tmp_path / "bad.json").exists()
 
 
+def test_bench_whose_weights_cannot_fit_is_one_line_before_any_rank(tmp_path):
+    """The 30B shape on CPU: its weights alone (61 GB in float32 at tp 1) exceed any test
+    machine's memory; refused from the shapes on the meta device, nothing written."""
+    proc = _run(["-m", "cpmoe.cli", "bench", "--shape", "qwen3-30b-a3b", "--device", "cpu",
+                 "--out", str(tmp_path / "big.json")])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GB" in lines[0] and "qwen3-30b-a3b" in lines[0], lines
+    assert not (tmp_path / "big.json").exists()
+
+
+def test_bench_without_out_writes_to_the_cache_folder_not_the_cwd(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "cpmoe.cli", "bench", "--shape", "tiny",
+                           "--device", "cpu", "--iters", "1", "--warmup", "0", "--lengths",
+                           "32"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, "CPMOE_CACHE_DIR": str(cache),
+                                                  "PYTHONPATH": str(REPO_ROOT)}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = list((cache / "bench").glob("tiny-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["rows"]
+    assert not (tmp_path / "bench").exists()
+
+
 def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path):
     out = tmp_path / "oom.json"
     proc = _bench(out, "--lengths", "32,64,96", "--layouts", "tp=1",

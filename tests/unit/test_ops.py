@@ -23,6 +23,14 @@ def test_references_match_the_plain_expressions() -> None:
     y, idx, w = torch.randn(7, 6), torch.randint(0, 7, (4, 3)), torch.rand(4, 3)
     want = torch.stack([sum(w[m, k] * y[idx[m, k]] for k in range(3)) for m in range(4)])
     torch.testing.assert_close(ops.weighted_row_sum_ref(y, idx, w), want)
+    # rows 0-2 are read only by zero-weight slots (another rank's experts): memory no GEMM
+    # wrote, NaN here, must not reach the sum
+    idx0 = torch.tensor([[0, 3, 4], [1, 5, 6], [2, 3, 5], [0, 4, 6]])
+    y_nan, w0 = y.clone(), w.clone()
+    y_nan[:3] = float("nan")
+    w0[:, 0] = 0
+    want0 = torch.stack([w0[m, 1] * y[idx0[m, 1]] + w0[m, 2] * y[idx0[m, 2]] for m in range(4)])
+    torch.testing.assert_close(ops.weighted_row_sum_ref(y_nan, idx0, w0), want0)
 
     x, weight = torch.randn(3, 2, 8), torch.rand(8)
     cos, sin = torch.rand(3, 4).repeat(1, 2), torch.rand(3, 4).repeat(1, 2)

@@ -1,0 +1,174 @@
+"""DeepSeek-V4 prefill attention for every sequence of a batch at once.
+
+`PrefillPlan` is built once per forward from what every rank shares (the CP split, host
+side): where each sequence's rows lie in the flat K side, where each of its compressed
+entries starts, and blocks of local query rows sized by a memory budget. A layer then runs
+without per-sequence work:
+- the compressor and the indexer pool the entries of every sequence in one gather (entry w
+  of a sequence mixes its window w, and with overlap window w-1; the first has none);
+- per block of query rows (several sequences, one block for any prompt that fits the
+  budget): each row's keys are an index list into [K-side KV rows ; pooled entries] -- the
+  W window positions, then its HCA entries (every closed entry of its sequence) or its CSA
+  picks (the indexer's top-k over the closed entries of its sequence, scored against the
+  block's entry range with other sequences masked) -- gathered once and attended with the
+  sink (`sink_attention`).
+Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
+absolute positions. The budgeted block loop is the torch path; a CUDA kernel that walks the
+index lists without gathering would replace it.
+
+Legend: T = local query rows, N = flat K-side rows, E = entries of the batch, W = window,
+S = compressed keys per row, B = sequences, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpmoe.engine.forward import ForwardBatch
+from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
+from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
+
+if TYPE_CHECKING:
+    from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries, RopeTable
+
+# Elements of the largest per-block temporary (scores or gathered keys): ~256 MB in fp32.
+_BLOCK_ELEMS = 1 << 26
+
+
+@dataclass
+class EntryIndex:
+    """The compressed entries of every sequence at one rate m, in flat order."""
+
+    counts: list[int]  # entries per sequence (host)
+    offsets: list[int]  # first entry of each sequence (host), plus the total
+    start_row: torch.Tensor  # [E] flat K-side row where the entry's window starts
+    window: torch.Tensor  # [E] window index w within its sequence
+    seq: torch.Tensor  # [E] sequence of the entry
+    seq_offset: torch.Tensor  # [B] first entry of each sequence
+
+    @classmethod
+    def build(cls, cu: list[int], rate: int, device: torch.device) -> "EntryIndex":
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        counts = [n // rate for n in lens]
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+        window = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1], dtype=torch.int64)[seq]
+        start = torch.tensor(cu[:-1], dtype=torch.int64)[seq] + window * rate
+        return cls(counts, offsets, start.to(device), window.to(device), seq.to(device),
+                   torch.tensor(offsets[:-1], dtype=torch.int64, device=device))
+
+
+@dataclass
+class PrefillPlan:
+    cu: list[int]  # flat K-side row offsets of the sequences (host)
+    row_seq: torch.Tensor  # [T] sequence of each local query row
+    row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0
+    blocks: list[tuple[int, int, int, int]]  # (row0, row1, first seq, last seq + 1)
+    entries: dict[int, EntryIndex]  # by compress rate
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cp_rank: int, cfg: DeepseekV4Config) -> "PrefillPlan":
+        split = batch.split
+        assert split is not None
+        cu, device = list(split.cu_seqlens), batch.positions.device
+        rates = {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}
+        entries = {m: EntryIndex.build(cu, m, device) for m in rates}
+        seqs = split.local_seq_ids(cp_rank)  # host copy of batch.seq_ids
+        T, W = seqs.numel(), cfg.sliding_window
+        csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
+        hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
+        # Per row: gathered keys (W + CSA picks or HCA entries) with their scores, and the
+        # indexer's scores against the CSA entries of the block (at most all of them).
+        keys = W + max(cfg.index_topk if csa else 0, hca.offsets[-1] if hca else 0)
+        per_row = max(keys * (cfg.num_attention_heads + cfg.head_dim),
+                      cfg.index_n_heads * csa.offsets[-1] if csa else 0)
+        step = max(1, _BLOCK_ELEMS // per_row)
+        blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
+                  for r0 in range(0, T, step)]
+        cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
+        return cls(cu, batch.seq_ids, cu_t[batch.seq_ids], blocks, entries)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
+    softmax also holds its sink logit, whose probability mass is dropped. fp32 math."""
+    kvf = kv.float()
+    scores = torch.einsum("thd,tnd->thn", q.float(), kvf) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", probs, kvf).to(q.dtype)
+
+
+def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tensor,
+                      plan: PrefillPlan, rope: RopeTable, batch: ForwardBatch) -> torch.Tensor:
+    """Layer `attn` for every local query row -> [T, Hq, D] (before the inverse RoPE and the
+    output projection); with a cache, stores this CP rank's share of every sequence."""
+    D, W, c = attn.head_dim, attn.window, attn.compressor
+    kv_N = k_side[:, :D]
+    pool, N = kv_N, kv_N.shape[0]
+    ent = index_keys = ei = None
+    if c is not None:
+        ei = plan.entries[c.rate]
+        ent = c.pool_flat(k_side[:, D:D + 2 * c.width], ei.start_row, ei.window, rope)
+        pool = torch.cat([kv_N, ent.to(kv_N.dtype)])
+        if c.indexer is not None:
+            index_keys = c.indexer.pool_flat(k_side[:, D + 2 * c.width:], ei.start_row,
+                                             ei.window, rope)
+    out = torch.empty_like(qs.q)
+    arange_w = torch.arange(W, device=kv_N.device)
+    for r0, r1, s0, s1 in plan.blocks:
+        r = slice(r0, r1)
+        pos = qs.pos[r]
+        kpos = pos[:, None] - (W - 1) + arange_w  # [rows, W]
+        idx, valid = plan.row_base[r][:, None] + kpos.clamp(min=0), kpos >= 0
+        if c is not None and ei.offsets[s1] > ei.offsets[s0]:
+            e0, e1 = ei.offsets[s0], ei.offsets[s1]
+            visible = ((ei.seq[e0:e1][None, :] == plan.row_seq[r][:, None])
+                       & (ei.window[e0:e1][None, :] < ((pos + 1) // c.rate)[:, None]))
+            if c.indexer is not None:
+                assert index_keys is not None
+                picks = c.indexer.select_visible(qs.q_res[r], qs.x[r], qs.cos[r], qs.sin[r],
+                                                 index_keys[e0:e1], visible)
+                cidx, cvalid = N + e0 + picks.clamp(min=0), picks >= 0
+            else:  # HCA: every closed entry of the row's sequence
+                cidx = (N + e0 + torch.arange(e1 - e0, device=pos.device)).expand(
+                    r1 - r0, -1)
+                cvalid = visible
+            idx, valid = torch.cat([idx, cidx], dim=1), torch.cat([valid, cvalid], dim=1)
+        out[r] = sink_attention(qs.q[r], pool[idx], valid, attn.sinks, attn.scale)
+    if batch.kv is not None:
+        _store(attn, plan, k_side, ent, index_keys, batch)
+    return out
+
+
+def _store(attn: DeepseekV4Attention, plan: PrefillPlan, k_side: torch.Tensor,
+           ent: torch.Tensor | None, index_keys: torch.Tensor | None,
+           batch: ForwardBatch) -> None:
+    """Each sequence's state after its prompt, this CP rank's share, compact copies."""
+    cp, D, W, c = attn.groups.attn_cp, attn.head_dim, attn.window, attn.compressor
+    assert batch.seq_keys is not None
+    for s, key in enumerate(batch.seq_keys):
+        a, b = plan.cu[s], plan.cu[s + 1]
+        window = k_side[max(a, b - (W - 1)):b, :D].clone()
+        comp = index = None
+        if c is not None:
+            ei = plan.entries[c.rate]
+            total, (e0, e1) = ei.counts[s], (ei.offsets[s], ei.offsets[s + 1])
+            assert ent is not None
+            comp = CompressorState(ent[e0:e1][cp.rank::cp.size].clone(),
+                                   k_side[a + c._rows_start(total):b, D:D + 2 * c.width].clone(),
+                                   total)
+            if c.indexer is not None:
+                assert index_keys is not None
+                start = a + c.indexer._rows_start(total)
+                index = CompressorState(index_keys[e0:e1][cp.rank::cp.size].clone(),
+                                        k_side[start:b, D + 2 * c.width:].clone(), total)
+        batch.kv.put(key, attn.layer, SeqState(window, comp, index))

@@ -1,0 +1,218 @@
+"""FP8 compute: dynamic per-token-group activation quantization and block-scaled GEMMs.
+
+- `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
+  s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
+- `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
+  block. On CUDA with [128, 128] blocks it is `F.scaled_mm` with the BlockWise1x128 /
+  BlockWise128x128 recipes (checked on the H200); other blocks use the Triton grouped
+  kernel below with one group.
+- `grouped_fp8_gemm(a, a_scale, w, w_scale, offs, block)`: rows [P, K] sorted by expert
+  (expert e owns rows [offs[e-1], offs[e])), experts' weights w [E, N, K] with scales
+  [E, N/bn, K/bk] -> [P, N] in bfloat16 (rows past offs[-1] are zero). Triton, one
+  program per (row tile of one expert, column tile); the tile -> expert map is computed on
+  the device (no host sync, so CUDA graphs can capture it). `torch._scaled_grouped_mm` is
+  row-wise only, hence this kernel.
+
+Kernels accumulate in float32: per K-block, the FP8 dot product is scaled by the row's
+activation scale and the weight block's scale. `*_ref` are the torch expressions the
+kernels are tested against. Requires bk == activation group size, and K a multiple of bk.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from cpmoe.quant.formats import FP8, FP8_MAX, dequantize
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or _INTERPRET)
+
+
+# ---- activation quantization ------------------------------------------------------------
+
+def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    g = x.float().view(M, K // group, group)
+    s = (g.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(M, K), s
+
+
+def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
+    scaled_mm's BlockWise1x128 recipe reads; values are the same either way."""
+    M, K = x.shape
+    if K % group:
+        raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
+    if not _use_triton(x) or M == 0:
+        q, s = quantize_act_ref(x, group)
+        return q, s.t().contiguous().t()
+    x = x.contiguous()
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s_t = torch.empty(K // group, M, dtype=torch.float32, device=x.device)
+    _quantize_act_kernel[(M, K // group)](x, q, s_t, M, K, GROUP=group)
+    return q, s_t.t()
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP: tl.constexpr):
+        row = tl.program_id(0)
+        g = tl.program_id(1)
+        cols = g * GROUP + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + row * K + cols).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        q = tl.clamp(x / s, -448.0, 448.0)
+        tl.store(q_ptr + row * K + cols,
+                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+        tl.store(s_ptr + g * M + row, s)  # scales stored [K/group, M]: column-major [M, ..]
+
+
+# ---- block-scaled grouped GEMM ----------------------------------------------------------
+
+def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+                         w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantize both sides and multiply in float32, expert by expert."""
+    P, K = a.shape
+    x = dequantize(a, a_scale, (1, block[1]))
+    out = torch.zeros(P, w.shape[1], dtype=torch.float32, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ dequantize(w[e], w_scale[e], block).t()
+        start = end
+    return out.to(out_dtype)
+
+
+def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+                     w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    P, K = a.shape
+    E, N, _ = w.shape
+    bn, bk = block
+    if K % bk or bk < 16 or bk & (bk - 1):
+        raise ValueError(f"grouped FP8 GEMM: K {K} must be a multiple of the block {bk}, a "
+                         f"power of two >= 16")
+    out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
+    if P == 0:
+        return out
+    BM = 16 if P <= 256 * E else 64
+    BN = 64  # weight scales are read per column, so tiles need not align with bn
+    BK = bk
+    # tiles of each expert, and for every tile slot its expert (E: an empty slot)
+    offs = offs.to(torch.int64)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    tiles = (offs - starts + BM - 1) // BM
+    tile_end = tiles.cumsum(0)
+    bound = (P + BM - 1) // BM + E  # at most one partial tile per expert
+    tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
+                                     right=True)
+    grid = (bound, triton.cdiv(N, BN))
+    _grouped_fp8_kernel[grid](
+        a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
+        N, K, a_scale.stride(0), a_scale.stride(1),
+        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
+                            tile_end_ptr, tiles_ptr, tile_expert_ptr, N, K,
+                            as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
+                            BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, UPCAST: tl.constexpr):
+        t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(tile_expert_ptr + t)
+        if e >= E:
+            return
+        local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
+        start = tl.load(starts_ptr + e)
+        end = tl.load(ends_ptr + e)
+        rows = start + local * BM + tl.arange(0, BM)
+        row_ok = rows < end
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        ks = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_base = w_ptr + e.to(tl.int64) * N * K
+        for kb in range(0, K // BK):
+            k = kb * BK + ks
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_base + cols[None, :].to(tl.int64) * K + k[:, None],
+                        mask=col_ok[None, :], other=0.0)  # [BK, BN]
+            if UPCAST:  # the interpreter has no FP8 dot
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32))
+            else:
+                part = tl.dot(a, b)
+            a_s = tl.load(as_ptr + rows * as_s0 + kb * as_s1, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1 + kb * ws_s2,
+                          mask=col_ok, other=0.0)
+            acc += part * a_s[:, None] * w_s[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---- dense FP8 linear -------------------------------------------------------------------
+
+def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations quantized per 1 x bk group, both sides dequantized, float32 matmul."""
+    q, s = quantize_act_ref(x.reshape(-1, x.shape[-1]), block[1])
+    y = dequantize(q, s, (1, block[1])) @ dequantize(w, w_scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+SCALED_MM_ERROR: str | None = None  # set once if scaled_mm refuses; the GPU tests read it
+
+
+def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int]) -> bool:
+    import torch.nn.functional as F
+    return (x.is_cuda and tuple(block) == (128, 128) and hasattr(F, "scaled_mm")
+            and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]."""
+    if not _use_triton(x):
+        return fp8_linear_ref(x, w, w_scale, block, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    q, s = quantize_act(x2, block[1])
+    global SCALED_MM_ERROR
+    y = None
+    if SCALED_MM_ERROR is None and _scaled_mm_fits(x, w, block):
+        import torch.nn.functional as F
+        try:
+            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
+                            F.ScalingType.BlockWise128x128,
+                            output_dtype=torch.bfloat16).to(x.dtype)  # as checked on H200
+        except RuntimeError as e:  # a torch build without the block-wise kernel: say so once
+            SCALED_MM_ERROR = str(e).splitlines()[0]
+            warnings.warn(f"FP8 linear: F.scaled_mm refused block-wise scales "
+                          f"({SCALED_MM_ERROR}); using the Triton GEMM", stacklevel=2)
+    if y is None:
+        offs = torch.full((1,), x2.shape[0], dtype=torch.int64, device=x.device)
+        y = grouped_fp8_gemm(q, s, w[None], w_scale[None], offs, block, out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], w.shape[0])

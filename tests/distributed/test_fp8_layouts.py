@@ -1,0 +1,82 @@
+"""FP8 checkpoints load on every layout of the matrix and equal the one-rank run (gloo, fp32).
+
+The checkpoints are the tiny Qwen3-MoE and Qwen2-MoE FP8 variants "aligned" (blocks that
+divide every dim) and "partial" (tests/e2e/_fp8_helpers.py: [16, 8] and [8, 8] blocks,
+hidden rows or shared-expert rows ending in a half block); every layout of the matrix cuts
+both on block boundaries. Each rank
+reads its slices of the FP8 weights with the slices of their scale grids and dequantizes
+them. The one-rank logits equal HF transformers holding the independently dequantized
+weights within 1e-4; every layout's prefill logits and decode-step logits equal the one-rank
+run within 1e-5, and its greedy tokens are the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankPool
+from tests.distributed._model_tasks import layout_task, run_model
+from tests.distributed.test_layouts import LENGTHS, MATRIX, SEQS_SEED, layout_id
+from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
+
+NEW_TOKENS = 4
+TOL = 1e-5
+HF_TOL = 1e-4
+KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    live: dict[int, RankPool] = {}
+
+    def get(world: int) -> RankPool:
+        if world not in live or not live[world].alive:
+            live[world] = RankPool(world, "cpu", collective_timeout_s=120)
+        return live[world]
+
+    yield get
+    for pool in live.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def seqs() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(SEQS_SEED)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory):
+    return {f"{k}-{v}": make_fp8_checkpoint(k, v, tmp_path_factory.mktemp(f"fp8-{k}-{v}"))
+            for k, v in KINDS}
+
+
+@pytest.fixture(scope="module")
+def dirs(fp8_models):
+    return {k: d for k, (_, d) in fp8_models.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(fp8_models, dirs, seqs):
+    return {k: run_model(ProcessGroups.single(), d, seqs, NEW_TOKENS) for k, d in dirs.items()}
+
+
+def test_fp8_one_rank_matches_dequantized_hf(fp8_models, reference, seqs):
+    for kind, (hf_model, _) in fp8_models.items():
+        diff = (reference[kind]["prefill"] - hf_logits(hf_model, seqs)).abs().max().item()
+        assert diff <= HF_TOL, f"{kind}: one-rank FP8 logits differ from HF by {diff:.3e}"
+
+
+@pytest.mark.parametrize("layout", MATRIX, ids=layout_id)
+def test_fp8_layout_matches_single_rank(layout, pools, reference, dirs, seqs):
+    got = pools(layout.world_size).run(layout_task, layout, dirs, seqs, NEW_TOKENS)[0]
+    for kind, ref in reference.items():
+        out = got[kind]
+        diff = (out["prefill"] - ref["prefill"]).abs().max().item()
+        assert diff <= TOL, f"{kind}: prefill logits differ by {diff:.3e}"
+        assert out["tokens"] == ref["tokens"], f"{kind}: greedy tokens differ"
+        for i, (a, b) in enumerate(zip(out["steps"], ref["steps"])):
+            d = (a - b).abs().max().item()
+            assert d <= TOL, f"{kind}: decode step {i} logits differ by {d:.3e}"
