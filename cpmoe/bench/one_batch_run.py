@@ -208,12 +208,9 @@ def _line(r: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+    plt = rp.pyplot()
+    if plt is None:
+        return rp.NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:

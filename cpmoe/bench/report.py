@@ -141,14 +141,25 @@ def _length_label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> str | None:
-    """tokens/s vs length, one line per layout, HF dashed; -> a warning, or None if drawn."""
+def pyplot():
+    """matplotlib.pyplot on the file-only backend, or None where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no plot"
+        return None
+    return plt
+
+
+NO_MATPLOTLIB = "matplotlib is not installed: no plot"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> str | None:
+    """tokens/s vs length, one line per layout, HF dashed; -> a warning, or None if drawn."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:

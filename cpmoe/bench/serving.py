@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpmoe.bench import report as rp
 from cpmoe.bench.provenance import provenance
 from cpmoe.bench.spec import BenchError
 
@@ -372,12 +373,9 @@ def report(s: dict) -> str:
 
 
 def plot(results: list[Outcome], path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+    plt = rp.pyplot()
+    if plt is None:
+        return rp.NO_MATPLOTLIB
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].hist([r.ttft * 1e3 for r in ok], bins=40)

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from cpmoe.engine.generate import generate
@@ -160,3 +161,31 @@ def marked_processes(marker: str) -> list[tuple[int, str, str]]:
         if needle in env.split(b"\0"):
             found.append((int(entry), state, cmd.replace(b"\0", b" ").decode(errors="replace")))
     return found
+
+
+# ---- module fixtures the serve tests share (import them into the test module) -------------
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cpmoe-cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_dir) -> Path:
+    from cpmoe.default_model import ensure_default_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(cache_dir))
+        return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Reference:
+    from cpmoe.models.registry import load_model_config
+    cfg, _ = load_model_config(model_dir)
+    return Reference(model_dir, cfg.eos_token_ids)

@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from cpmoe.serve.detokenize import TextStream
-from tests.e2e._serve_helpers import REPO_ROOT, Reference, Server
+from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
+    REPO_ROOT, Reference, Server, cache_dir, model_dir, reference, tokenizer)
 
 TP4 = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}
@@ -52,32 +52,6 @@ def test_text_stream_cuts_at_stop_and_never_splits_a_character(tokenizer):
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cpmoe-cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_dir) -> Path:
-    from cpmoe.default_model import ensure_default_model
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache_dir))
-        return ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> Reference:
-    from cpmoe.models.registry import load_model_config
-    cfg, _ = load_model_config(model_dir)
-    return Reference(model_dir, cfg.eos_token_ids)
-
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, cache_dir, model_dir):

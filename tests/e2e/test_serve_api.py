@@ -10,7 +10,6 @@ logits of a plain prefill, step by step.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import httpx
 import openai
@@ -18,36 +17,11 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.e2e._serve_helpers import Reference, Server
+from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
+    Reference, Server, cache_dir, model_dir, reference, tokenizer)
 
 PROMPT = "Context parallel prefill"
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cpmoe-cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_dir) -> Path:
-    from cpmoe.default_model import ensure_default_model
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache_dir))
-        return ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> Reference:
-    from cpmoe.models.registry import load_model_config
-    cfg, _ = load_model_config(model_dir)
-    return Reference(model_dir, cfg.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
