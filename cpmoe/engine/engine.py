@@ -86,7 +86,8 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
 class StepOutput:
     logits: torch.Tensor | None  # float32 [rows, V]: `Scheduler.sample_rows(plan)` order
     kind: str  # "prefill", "decode", "mixed" or "idle"
-    seconds: float
+    started: float  # time.perf_counter() when the step began; the step ends once its tokens
+    # are on the host (rank 0's `Driver.finish_step`), as the forward alone only queues work
 
 
 def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> StepOutput:
@@ -108,7 +109,7 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     kind = ("mixed" if plan.decode and plan.extend else "decode" if plan.decode else
             "prefill" if plan.extend else "idle")
     out = torch.cat(parts) if parts and sched is not None else None
-    return StepOutput(out, kind, time.perf_counter() - start)
+    return StepOutput(out, kind, start)
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request],
@@ -204,7 +205,8 @@ class Driver:
             logprobs = row_logprobs(out.logits, rows, tokens)
         events = self.sched.record(plan, tokens, logprobs)
         kv = self.runner.kv
-        stats = {"kind": out.kind, "step_s": out.seconds, "running": len(self.sched.running),
+        step_s = time.perf_counter() - out.started  # tokens are on the host by now
+        stats = {"kind": out.kind, "step_s": step_s, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
                  "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
                              for c in self._cp_coords],
