@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from tests.distributed._model_tasks import layout_task, run_model
-from tests.distributed.test_layouts import LENGTHS, MATRIX, SEQS_SEED, layout_id
+from tests.distributed.test_layouts import (  # noqa: F401 -- shared module fixtures
+    MATRIX, layout_id, pools, seqs)
 from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 
 NEW_TOKENS = 4
@@ -38,26 +37,6 @@ LAYOUTS = (MATRIX if os.environ.get("CPMOE_FP8_FULL_MATRIX") == "1"
 TOL = 1e-5
 HF_TOL = 1e-4
 KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]
-
-
-@pytest.fixture(scope="module")
-def pools():
-    live: dict[int, RankPool] = {}
-
-    def get(world: int) -> RankPool:
-        if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=120)
-        return live[world]
-
-    yield get
-    for pool in live.values():
-        pool.close()
-
-
-@pytest.fixture(scope="module")
-def seqs() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(SEQS_SEED)
-    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")
