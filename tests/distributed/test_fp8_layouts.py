@@ -20,7 +20,7 @@ import pytest
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._model_tasks import layout_task, run_model
 from tests.distributed.test_layouts import (  # noqa: F401 -- shared module fixtures
-    MATRIX, layout_id, pools, seqs)
+    MATRIX, assert_matches_reference, layout_id, pools, seqs)
 from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 
 NEW_TOKENS = 4
@@ -34,7 +34,6 @@ FP8_LAYOUTS = {"tp2-cp1-dp1-ep1-none-zigzag", "tp2-cp2-dp1-ep2-none-interleave",
                "tp8-cp8-dp1-ep8-none-zigzag"}
 LAYOUTS = (MATRIX if os.environ.get("CPMOE_FP8_FULL_MATRIX") == "1"
            else [lay for lay in MATRIX if layout_id(lay) in FP8_LAYOUTS])
-TOL = 1e-5
 HF_TOL = 1e-4
 KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]
 
@@ -64,14 +63,7 @@ def test_fp8_one_rank_matches_dequantized_hf(fp8_models, reference, seqs):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_fp8_layout_matches_single_rank(layout, pools, reference, dirs, seqs):
     got = pools(layout.world_size).run(layout_task, layout, dirs, seqs, NEW_TOKENS)[0]
-    for kind, ref in reference.items():
-        out = got[kind]
-        diff = (out["prefill"] - ref["prefill"]).abs().max().item()
-        assert diff <= TOL, f"{kind}: prefill logits differ by {diff:.3e}"
-        assert out["tokens"] == ref["tokens"], f"{kind}: greedy tokens differ"
-        for i, (a, b) in enumerate(zip(out["steps"], ref["steps"])):
-            d = (a - b).abs().max().item()
-            assert d <= TOL, f"{kind}: decode step {i} logits differ by {d:.3e}"
+    assert_matches_reference(got, reference)
 
 
 def test_fp8_subset_names_layouts_of_the_matrix():

@@ -128,6 +128,11 @@ def test_layout_matches_single_rank(layout, pools, reference, qwen3_moe_dir, qwe
                                     seqs):
     dirs = {"qwen3_moe": qwen3_moe_dir, "qwen2_moe": qwen2_moe_dir}
     got = pools(layout.world_size).run(layout_task, layout, dirs, seqs, NEW_TOKENS)[0]
+    assert_matches_reference(got, reference)
+
+
+def assert_matches_reference(got: dict, reference: dict) -> None:
+    """Each model's prefill logits, greedy tokens and decode-step logits against one rank's."""
     for kind, ref in reference.items():
         out = got[kind]
         diff = (out["prefill"] - ref["prefill"]).abs().max().item()

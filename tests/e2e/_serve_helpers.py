@@ -189,3 +189,14 @@ def reference(model_dir) -> Reference:
     from cpmoe.models.registry import load_model_config
     cfg, _ = load_model_config(model_dir)
     return Reference(model_dir, cfg.eos_token_ids)
+
+
+def ready_servers(servers: dict[str, "Server"]):
+    """Wait until every server is ready, yield them, stop them all (a fixture's body)."""
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()

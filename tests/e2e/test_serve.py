@@ -29,7 +29,7 @@ from openai import OpenAI
 
 from cpmoe.serve.detokenize import TextStream
 from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
-    REPO_ROOT, Reference, Server, cache_dir, model_dir, reference, tokenizer)
+    REPO_ROOT, Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
 
 TP4 = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}
@@ -60,13 +60,7 @@ def servers(tmp_path_factory, cache_dir, model_dir):
     started = {"tp4": Server(work, cache_dir, *TP4, "--max-total-tokens", "2048"),
                "tp1": Server(work, cache_dir, "--max-running", "1", "--max-queue",
                              str(TP1_MAX_QUEUE), "--max-total-tokens", "600")}
-    try:
-        for s in started.values():
-            s.wait_ready()
-        yield started
-    finally:
-        for s in started.values():
-            s.stop()
+    yield from ready_servers(started)
 
 
 def _client(server: Server) -> OpenAI:

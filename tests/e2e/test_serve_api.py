@@ -18,7 +18,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
-    Reference, Server, cache_dir, model_dir, reference, tokenizer)
+    Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
 
 PROMPT = "Context parallel prefill"
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
@@ -30,13 +30,7 @@ def servers(tmp_path_factory, cache_dir, model_dir):
     started = {"text": Server(work, cache_dir, "--max-total-tokens", "4096"),
                "ids": Server(work, cache_dir, "--max-total-tokens", "1024",
                              "--skip-tokenizer-init")}
-    try:
-        for s in started.values():
-            s.wait_ready()
-        yield started
-    finally:
-        for s in started.values():
-            s.stop()
+    yield from ready_servers(started)
 
 
 @pytest.fixture(scope="module")
