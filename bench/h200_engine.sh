@@ -4,6 +4,8 @@
 #   bash bench/h200_engine.sh smoke   OUT_DIR   # CUDA tests + cpmoe decode rows at 1K
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
+#   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests, FP8 vs bf16 prefill and decode
+#   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, 4-layer V4 prefill + profile
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
 # if any failed (a failing test included), listed in OUT_DIR/failed-engine-<part>.txt.
@@ -18,10 +20,10 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving)
+  smoke|decode|serving|fp8|v4)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | fp8 | v4)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -61,6 +63,27 @@ PY
     step serving-long-prompt python3 -m cpmoe.cli bench-serving --dataset random \
       --random-input-len 256 --random-output-len 1200 --num-prompts 32 \
       --long-prompt-len 65536 --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
+    ;;
+  fp8)
+    step fp8-tests python3 -m pytest -q -s tests/gpu/test_fp8_cuda.py
+    for q in bf16 fp8; do
+      quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
+      step "fp8-decode-$q" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
+        --input-len 1024 --output-len 32 "${quant[@]}" --out "$out/fp8-decode-$q.json"
+      step "fp8-prefill-$q" python3 -m cpmoe.cli bench --shape qwen3-30b-a3b \
+        --lengths 16384,65536 --layouts tp=1 "${quant[@]}" --out "$out/fp8-prefill-$q.json"
+    done
+    ;;
+  v4)
+    step v4-tests python3 -m pytest -q tests/gpu/test_deepseek_v4_cuda.py
+    v4=$(mktemp -d)/v4-4l.json
+    python3 -c "from transformers import DeepseekV4Config as C; import json, sys; \
+      d = C(num_hidden_layers=4).to_dict(); d['architectures'] = ['DeepseekV4ForCausalLM']; \
+      json.dump(d, open(sys.argv[1], 'w'))" "$v4"
+    step v4-prefill python3 -m cpmoe.cli bench --config "$v4" --device cuda --dtype bfloat16 \
+      --lengths 4096,16384,65536 --layouts tp=1 --out "$out/v4-4l-1gpu.json"
+    step v4-profile python3 bench/profile_prefill.py --config "$v4" --layout tp=1 \
+      --length 16384 --layers 4
     ;;
 esac
 finish
