@@ -1,8 +1,9 @@
-"""Tile sweeps of the decode step's GEMM kernels on the GPU: the experts'
-(cpmoe/moe/fused_moe.py) and the dense skinny GEMM against cuBLAS (`ops.skinny_linear`).
+"""Tile sweep of the decode experts' GEMM kernel (cpmoe/moe/fused_moe.py) on the GPU.
 
-    python3 bench/decode_kernels.py --out bench/results/decode-kernels.json
-    python3 bench/decode_kernels.py --part dense --out bench/results/decode-dense.json
+    PYTHONPATH=. python3 bench/decode_kernels.py --out bench/results/decode-kernels.json
+
+(A Triton skinny GEMM for the dense projections was swept against cuBLAS the same way and
+lost: bench/results/decode-dense-20261202.json, code at commit 23687c9.)
 
 At Qwen3-30B-A3B's expert shape (128 experts, hidden 2048, intermediate 768, top-8) and
 uniform routing, for 1, 16, 64 and 256 rows: the gate/up and down GEMMs under every tile
@@ -16,9 +17,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 
+from cpmoe.bench.provenance import provenance
 from cpmoe.moe import fused_moe
 
 E, H, I, TOP_K = 128, 2048, 768, 8
@@ -57,10 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,64")
-    ap.add_argument("--part", choices=("experts", "dense"), default="experts")
     args = ap.parse_args()
-    if args.part == "dense":
-        return dense(args)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -110,50 +110,7 @@ def main() -> None:
             results.append({"gemm": name, "rows": rows, "us": base, "default": True,
                             "hbm_floor_us": ideal, **default})
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-
-
-# (name, N, K) of Qwen3-30B-A3B's dense decode GEMMs: fused QKV, o_proj, router, LM head
-DENSE = (("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("router", 128, 2048),
-         ("lm_head", 151936, 2048))
-
-
-def dense(args) -> None:
-    from cpmoe import ops
-    rows_list = [int(r) for r in args.rows.split(",")]
-    grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (16, 32, 64, 128), (128, 256), ((4, 3), (4, 5), (8, 4)))]
-    results = []
-    for name, N, K in DENSE:
-        copies = 2 if name == "lm_head" else 8  # rotated: no call finds its weight in L2
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(copies)]
-        for rows in rows_list:
-            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-            cublas = time_us(lambda i: torch.nn.functional.linear(x, ws[i % copies]))
-            default = ops.skinny_config(rows, N)
-            base = time_us(lambda i: ops.skinny_linear(x, ws[i % copies], config=default))
-            best = (base, default)
-            for bn, bk, warps, stages in grid:
-                cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                           num_stages=stages)
-                try:
-                    t = time_us(lambda i, c=cfg: ops.skinny_linear(x, ws[i % copies], config=c))
-                except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
-                    print(f"{name} rows {rows} {cfg}: {type(e).__name__}")
-                    continue
-                results.append({"gemm": name, "rows": rows, "us": t, **cfg})
-                if t < best[0]:
-                    best = (t, cfg)
-            floor = N * K * 2 / 4.8e12 * 1e6
-            print(f"{name:8s} rows {rows:4d}: cuBLAS {cublas:7.1f} us | default {base:7.1f} us "
-                  f"{default} | best {best[0]:7.1f} us {best[1]} | HBM floor {floor:6.1f} us",
-                  flush=True)
-            results.append({"gemm": name, "rows": rows, "us": base, "default": True,
-                            "cublas_us": cublas, "hbm_floor_us": floor, **default})
-        del ws
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

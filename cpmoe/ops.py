@@ -11,8 +11,6 @@ expression (the reference the kernels are tested against) everywhere else.
   their slots -> q.
 - `add_rms_norm(x, residual, weight, eps)`: the residual add and the RMSNorm after it
   -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops).
-- `skinny_linear(x, weight, bias, config)`: F.linear for the few rows of a decode step, a
-  Triton GEMM streaming the weight once (tiles swept in bench/decode_kernels.py).
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
   renormalised -> (ids int64, weights in dtype).
@@ -182,39 +180,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, hidden, eps,
                                BLOCK=triton.next_power_of_2(hidden))
     return out, summed
-
-
-# ---- skinny GEMM (decode) --------------------------------------------------------------
-
-SKINNY_MAX_ROWS = 128
-
-
-def skinny_config(rows: int, n: int) -> dict:
-    """Tiles of skinny_linear: every row in one tile of BLOCK_M (16..128), BLOCK_N output
-    columns (fewer when the grid would not fill the GPU), 128 of K."""
-    block_n = 64
-    while block_n > 16 and -(-n // block_n) < 264:
-        block_n //= 2
-    return {"BLOCK_M": max(16, triton.next_power_of_2(rows)), "BLOCK_N": block_n,
-            "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: dict | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= SKINNY_MAX_ROWS, K] on CUDA in 16 bits (the
-    Triton kernel, fp32 accumulation, rounded once); F.linear everywhere else."""
-    if (not _use_triton(x) or x.dim() != 2 or not 0 < x.shape[0] <= SKINNY_MAX_ROWS
-            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or weight.stride(1) != 1 or x.stride(1) != 1):
-        return F.linear(x, weight, bias)
-    M, K = x.shape
-    N = weight.shape[0]
-    cfg = config or skinny_config(M, N)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))](
-        x, weight, bias if bias is not None else x, y, M, N, K, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, **cfg)
-    return y
 
 
 # ---- router: softmax + top-k ---------------------------------------------------------
@@ -441,24 +406,3 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty),
                  mask=mask)
-
-    @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = offs_m < M, offs_n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
-                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
