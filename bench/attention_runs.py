@@ -1,7 +1,7 @@
 """One GPU, no communication: each CP rank's share of prefill attention at one length, with
 the kernel variants side by side, to find per-rank imbalance and the fastest GQA path.
 
-    python3 bench/attention_runs.py --lengths 65536,131072 --cp 2
+    python3 -m bench.attention_runs --lengths 65536,131072 --cp 2
 
 Rows: `runs` = cpmoe's prefill_attention on that rank's query runs (K/V as after the
 all-gather); `ideal` = 1-GPU causal SDPA time / cp. Variants of the per-run kernel call:
@@ -11,17 +11,13 @@ cuDNN on repeated K/V heads, cuDNN on the raw GQA heads, flash on repeated heads
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from cpmoe.bench.timing import cuda_ms  # noqa: E402
-from cpmoe.cp import attention as A  # noqa: E402
-from cpmoe.cp.split import CPSplit  # noqa: E402
+from cpmoe.bench.timing import cuda_ms
+from cpmoe.cp import attention as A
+from cpmoe.cp.split import CPSplit
 
 
 CURRENT = A.attention_with_lse

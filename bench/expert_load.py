@@ -10,24 +10,20 @@ simulates, on the measured prompt's counts, the busiest EP rank's load over the 
                   slots of them split so the ranks' loads even out (water-filling); the
                   others placed by the calibration load
 
-    python3 bench/expert_load.py --lengths 16384,65536 --ep 2
+    python3 -m bench.expert_load --lengths 16384,65536 --ep 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from cpmoe.bench.model_task import prompts  # noqa: E402
-from cpmoe.bench.spec import SHAPES  # noqa: E402
-from cpmoe.engine.runner import ModelRunner  # noqa: E402
-from cpmoe.moe import placement as pl  # noqa: E402
-from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
+from cpmoe.bench.model_task import prompts
+from cpmoe.bench.spec import SHAPES
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.moe import placement as pl
+from cpmoe.parallel.groups import ProcessGroups
 
 
 def layer_loads(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor:

@@ -82,7 +82,7 @@ PY
       json.dump(d, open(sys.argv[1], 'w'))" "$v4"
     step v4-prefill python3 -m cpmoe.cli bench --config "$v4" --device cuda --dtype bfloat16 \
       --lengths 4096,16384,65536 --layouts tp=1 --out "$out/v4-4l-1gpu.json"
-    step v4-profile python3 bench/profile_prefill.py --config "$v4" --layout tp=1 \
+    step v4-profile python3 -m bench.profile_prefill --config "$v4" --layout tp=1 \
       --length 16384 --layers 4
     ;;
 esac

@@ -35,10 +35,10 @@ case "$part" in
     ;;
   profile)
     step "gpu-tests-$stamp" python3 -m pytest -q tests/gpu
-    step "attention-cp-$stamp" python3 bench/attention_cp.py --out "$out/attention_cp-$stamp.json"
-    step "expert-load-$stamp" python3 bench/expert_load.py --lengths 16384,65536 --ep 2
+    step "attention-cp-$stamp" python3 -m cpmoe.bench.attention_cp --out "$out/attention_cp-$stamp.json"
+    step "expert-load-$stamp" python3 -m bench.expert_load --lengths 16384,65536 --ep 2
     for length in 65536 131072; do
-      step "phase-times-$length-$stamp" python3 bench/phase_times.py \
+      step "phase-times-$length-$stamp" python3 -m bench.phase_times \
         --layout "tp=2,cp=2,ep=2;tp=2,cp=2,dp=2" --length $length --layers 4 --timeline 2
     done
     step "check-ep2-bf16-$stamp" python3 -m cpmoe.cli check --tp-size 2 --attn-cp-size 2 \
@@ -59,7 +59,7 @@ case "$part" in
       --dtype float32 "${checks[@]}"
     ;;
   dispatch)
-    step "dispatch-$stamp" python3 bench/dispatch.py --out "$out/dispatch-$stamp.json"
+    step "dispatch-$stamp" python3 -m cpmoe.bench.dispatch --out "$out/dispatch-$stamp.json"
     ;;
 esac
 finish

@@ -2,21 +2,18 @@
 row gather + sum over [M, K, H], one `embedding_bag`, and cpmoe's Triton kernel
 (`ops.weighted_row_sum`), dense (EP 1) and sparse (EP 2).
 
-    python3 bench/moe_combine.py --tokens 4096,32768,65536
+    python3 -m bench.moe_combine --tokens 4096,32768,65536
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cpmoe import ops  # noqa: E402
-from cpmoe.bench.timing import cuda_ms  # noqa: E402
+from cpmoe import ops
+from cpmoe.bench.timing import cuda_ms
 
 
 def gather_sum(y, rank_MK, w_MK, n):

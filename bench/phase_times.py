@@ -1,7 +1,7 @@
 """Per-rank time by phase of one prefill (CUDA events around attention, MoE, collectives):
 shows which phase differs between ranks when a multi-GPU layout scales less than expected.
 
-    python3 bench/phase_times.py --layout "tp=2,cp=2,dp=2" --length 65536 --layers 12
+    python3 -m bench.phase_times --layout "tp=2,cp=2,dp=2" --length 65536 --layers 12
 
 --timeline N prints layer N's phases as start/end times on every rank, measured from one
 instant the ranks share (a GPU all-reduce just before the prefill), so waits show where
@@ -18,22 +18,18 @@ import argparse
 import cProfile
 import gc
 import pstats
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
-from cpmoe import communicator as cm  # noqa: E402
-from cpmoe.engine.runner import ModelRunner  # noqa: E402
-from cpmoe.models import qwen_moe  # noqa: E402
-from cpmoe.parallel import comm  # noqa: E402
-from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
-from cpmoe.parallel.launch import RankInfo, RankPool  # noqa: E402
+from cpmoe.bench.spec import SHAPES, parse_layout
+from cpmoe import communicator as cm
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.models import qwen_moe
+from cpmoe.parallel import comm
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankInfo, RankPool
 
 SPANS: dict[str, list] = defaultdict(list)
 LAYER = [-1]  # index of the layer being run, for the timeline

@@ -1,8 +1,8 @@
 """Where prefill time goes: torch.profiler over one prefill, top CUDA kernels by self time.
 
-    python3 bench/profile_prefill.py --layout "tp=1" --length 4096 --layers 12
-    python3 bench/profile_prefill.py --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
-    python3 bench/profile_prefill.py --config v4.json --length 16384 --layers 4   # DeepSeek-V4
+    python3 -m bench.profile_prefill --layout "tp=1" --length 4096 --layers 12
+    python3 -m bench.profile_prefill --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
+    python3 -m bench.profile_prefill --config v4.json --length 16384 --layers 4   # DeepSeek-V4
 
 Builds a random-weight Qwen3-30B-A3B-shaped model (optionally fewer layers: per-layer costs
 are the same in every layer), warms up, profiles one prefill and prints a table per rank.
@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from cpmoe.bench.model_task import prompts  # noqa: E402
-from cpmoe.bench.spec import SHAPES, parse_layout  # noqa: E402
-from cpmoe.engine.runner import ModelRunner  # noqa: E402
-from cpmoe.parallel.groups import ProcessGroups  # noqa: E402
-from cpmoe.parallel.launch import RankInfo, RankPool  # noqa: E402
+from cpmoe.bench.model_task import prompts
+from cpmoe.bench.spec import SHAPES, parse_layout
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.launch import RankInfo, RankPool
 
 
 def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int,

@@ -1,22 +1,18 @@
 """Host-side cost of one prefill's CP metadata (CPSplit.build + query runs) per CPU thread
 count, on a process that has initialised CUDA (what a GPU rank does before its first kernel).
 
-    python3 bench/split_cost.py --length 65536 --cp 2
+    python3 -m bench.split_cost --length 65536 --cp 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from cpmoe.cp.attention import query_runs  # noqa: E402
-from cpmoe.cp.split import CPSplit  # noqa: E402
+from cpmoe.cp.attention import query_runs
+from cpmoe.cp.split import CPSplit
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """CP attention alone: cpmoe's CP path and PyTorch's ring `context_parallel`, each against
-one-device SDPA measured in the same run (`bench/attention_cp.py` is the script).
+one-device SDPA measured in the same run (`python3 -m cpmoe.bench.attention_cp` is the script).
 
 - cpmoe: the functions the model calls, `communicator.gather_kv` (one all-gather of the
   K/V chunks over ATTN_CP) and `cp.attention.prefill_attention`, on a zigzag `CPSplit`,
@@ -19,6 +19,7 @@ Legend: S = sequence length, H = q heads, Hkv = KV heads, D = head dim, T = loca
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def torch_cp_task(info: RankInfo, spec: AttnSpec, rotate: str) -> dict | None:
 # ---- the script ------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/attention_cp.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.attention_cp", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, default=2, help="CP ranks (one GPU each)")
     p.add_argument("--lengths", default="65536,131072")
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                                f"{'-smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    head = {**rp.provenance(None if argv is None else ["bench/attention_cp.py", *argv]),
+    head = {**rp.provenance(None if argv is None else ["-m", "cpmoe.bench.attention_cp", *argv]),
             "what": "CP attention alone, causal, one sequence", "gpus": args.gpus,
             "q_heads": heads[0], "kv_heads": heads[1], "head_dim": dim, "dtype": str(dtype),
             "device": args.device, "warmup": args.warmup, "iters": iters, "gpu": None}
@@ -284,3 +285,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"| {r['engine']} | {r['length']} | {r.get('ranks', 1)} | {ms} | {tf} | "
                      f"{sp} | {df} | {err} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Dispatch + combine effective bandwidth of every rank-local cpmoe dispatch backend, against
 NCCL `all_to_all_single` bus bandwidth for the same bytes measured in the same run
-(`bench/dispatch.py` is the script).
+(`python3 -m cpmoe.bench.dispatch` is the script).
 
 Routing is Qwen3-30B-A3B-like: hidden 2048 bf16, 128 experts, top-8 distinct random experts
 per token, N tokens per rank. Bytes counted are the useful ones: every token's hidden row to
@@ -21,6 +21,7 @@ Legend: N = tokens per rank, H = hidden, E = experts, K = top-k, M = received ro
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def nccl_task(info: RankInfo, spec: DispatchSpec, remote_bytes_per_rank: int) ->
 # ---- the script ------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/dispatch.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.dispatch", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, default=2, help="EP ranks (one GPU each)")
     p.add_argument("--tokens", default="4096,8192,16384,32768,65536", help="tokens per rank")
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("bench/results") / (f"dispatch-{args.device}"
                                                f"{'-smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    head = {**rp.provenance(None if argv is None else ["bench/dispatch.py", *argv]),
+    head = {**rp.provenance(None if argv is None else ["-m", "cpmoe.bench.dispatch", *argv]),
             "what": "dispatch+combine effective bandwidth vs NCCL all_to_all_single",
             "ranks": args.gpus, "hidden": shape[0], "experts": shape[1], "top_k": shape[2],
             "dtype": str(dtype), "device": args.device,
@@ -272,3 +273,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"| {r['backend']} | {r['tokens_per_rank']} | " + " | ".join(cells) +
                      f" | {err} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

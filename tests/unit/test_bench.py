@@ -227,18 +227,18 @@ def test_model_flops_add_causal_attention_per_sequence():
     assert model_flops(cfg, [2048, 2048]) == dense + attn / 2
 
 
-# ---- bench/ scripts ------------------------------------------------------------------------
+# ---- python3 -m cpmoe.bench.attention_cp / .dispatch ----------------------------------------
 
 @pytest.mark.parametrize("script", ["attention_cp", "dispatch"])
 def test_bench_script_smoke_writes_json(tmp_path, script):
     out = tmp_path / f"{script}.json"
-    proc = _run([f"bench/{script}.py", "--device", "cpu", "--smoke", "--out", str(out)])
+    proc = _run(["-m", f"cpmoe.bench.{script}", "--device", "cpu", "--smoke", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     measured = [r for r in data["rows"] if r.get("error") is None]
     assert measured and data["header"]["device"] == "cpu"
     _assert_provenance(data["header"])
-    assert f"bench/{script}.py --device cpu --smoke --out" in data["header"]["command"]
+    assert f"-m cpmoe.bench.{script} --device cpu --smoke --out" in data["header"]["command"]
     if script == "attention_cp":
         for engine, base in (("cpmoe_cp", "sdpa_gqa"), ("cpmoe_cp_mha", "sdpa_mha")):
             cp = [r for r in measured if r["engine"] == engine]

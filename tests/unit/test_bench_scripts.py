@@ -78,13 +78,13 @@ def test_failing_gpu_tests_fail_the_profile_part_after_every_step_ran(tmp_path):
     assert rc == 1 and [ln.split(":")[0].rsplit("-", 1)[0] for ln in _failed_lines(out)] == \
         ["gpu-tests"]
     assert any("cpmoe.cli check" in c for c in calls)
-    assert sum("phase_times.py" in c for c in calls) == 2
+    assert sum("bench.phase_times" in c for c in calls) == 2
 
 
 def test_a_part_whose_steps_pass_exits_0_and_lists_no_failure(tmp_path):
     rc, out, calls = _run(tmp_path, "h200_suite.sh", "dispatch")
     assert rc == 0 and not _failed_lines(out)
-    assert any("bench/dispatch.py" in c for c in calls)
+    assert any("cpmoe.bench.dispatch" in c for c in calls)
     assert list(out.glob("provenance-dispatch-*.json"))
 
 

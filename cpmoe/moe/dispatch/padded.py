@@ -7,7 +7,7 @@ that sums each source row's partial outputs inside NCCL. Nothing about counts re
 host, so the GPU stream never stalls; the price is that a row also travels to EP ranks that
 own none of its experts. With top-8 of 128 experts over 2 ranks almost every row needs both
 ranks anyway (1 - 2^-8), so the bytes match `alltoall`; with wide EP they do not (choose by
-measurement: bench/dispatch.py).
+measurement: python3 -m cpmoe.bench.dispatch).
 """
 
 from __future__ import annotations
