@@ -12,8 +12,6 @@ Legend: T = tokens of this rank (its CP chunk), H = hidden, D = head dim.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -207,18 +205,12 @@ class QwenMoeModel(nn.Module):
                                     for p in self.plans)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        # Fault injection for the launcher's fail-fast tests: "rank:layer".
-        self._fault = os.environ.get("CPMOE_INJECT_FAULT")
-        self._rank = groups.rank
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, h.dtype)
         residual = None
         for layer in self.layers:
-            if self._fault == f"{self._rank}:{layer.layer}":
-                raise RuntimeError(f"injected fault at layer {layer.layer} "
-                                   f"(CPMOE_INJECT_FAULT={self._fault})")
             h, residual = layer(h, residual, rope, batch)
         return self.norm.add_forward(h, residual)[0]
 

@@ -8,6 +8,8 @@ Every call gets `--device cpu`, a timeout, `CPMOE_CACHE_DIR` pointing at a tempo
 - `CPMOE_E2E_SPAWN_LOG=<folder>` with a `sitecustomize.py` on PYTHONPATH that writes one file
   per Python interpreter started: the CLI itself, and each rank / resource tracker it spawns.
   "No rank was spawned" is then a fact read from that folder, not a timing guess.
+  The same file is the fault injection of the fail-fast tests: with `CPMOE_E2E_FAULT=r:l`,
+  rank r's Qwen decoder layer l raises (the product code has no test hook).
 
 Each subprocess costs an interpreter + torch import (and each multi-rank call one per rank),
 so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture,
@@ -57,6 +59,19 @@ if _log:
             _f.write(_cmd)
     except OSError:
         pass
+_fault = os.environ.get("CPMOE_E2E_FAULT")  # "rank:layer": that rank's Qwen layer raises
+with open("/proc/self/cmdline", "rb") as _f:
+    _helper = b"resource_tracker" in _f.read()  # it never runs a model: no torch import
+if _fault and not _helper:
+    from cpmoe.models import qwen_moe as _qwen
+    _rank, _layer = map(int, _fault.split(":"))
+    _forward = _qwen.QwenMoeDecoderLayer.forward
+
+    def _failing(self, *args, **kwargs):
+        if self.layer == _layer and self.comm.groups.rank == _rank:
+            raise RuntimeError(f"injected fault at layer {_layer} (CPMOE_E2E_FAULT={_fault})")
+        return _forward(self, *args, **kwargs)
+    _qwen.QwenMoeDecoderLayer.forward = _failing
 '''
 
 
@@ -583,7 +598,7 @@ def test_check_long_prompts_4k_to_16k(cli, qwen2_moe_dir, request):
 def test_injected_fault_fails_fast_and_leaves_no_rank(cli, workdir, ids_file, qwen3_moe_dir):
     out = workdir / "fault.safetensors"
     res = cli("prefill", "--model", qwen3_moe_dir, *TP4_CP2_EP4, "--input-ids-file", ids_file,
-              "--dump-logits", out, env={"CPMOE_INJECT_FAULT": "1:1"}, timeout=120)
+              "--dump-logits", out, env={"CPMOE_E2E_FAULT": "1:1"}, timeout=120)
     ranks_left = [p for p in marked_processes(res.marker) if "spawn_main" in p[2]]
     assert res.returncode == 1, res.describe()
     assert res.elapsed_s < 30, f"took {res.elapsed_s:.1f} s\n{res.describe()}"

@@ -248,7 +248,7 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0_only(cli, qwen3_moe_di
 def test_a_failing_torchrun_rank_shows_its_error_and_its_peer_one_line(cli, qwen3_moe_dir):
     ranks = _torchrun_world(cli, 2, "generate", "--model", qwen3_moe_dir, "--tp-size", "2",
                             "--attn-cp-size", "2", "--input-ids", "1,2,3",
-                            env={"CPMOE_INJECT_FAULT": "1:1"})
+                            env={"CPMOE_E2E_FAULT": "1:1"})
     root, peer = ranks[1], ranks[0]
     assert root.returncode == 1, root.describe()
     assert shown_lines(root.stderr)[0].startswith("cpmoe: rank 1 failed: RuntimeError: "
