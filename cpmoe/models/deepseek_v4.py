@@ -39,6 +39,7 @@ from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm,
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
+from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher
@@ -261,7 +262,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = DeepseekV4HyperConnection(cfg)
 
     def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
-                plan: PrefillPlan | None) -> torch.Tensor:
+                plan: PrefillPlan | DecodeStep) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
         h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
@@ -285,13 +286,23 @@ class DeepseekV4Model(nn.Module):
                                           "compress": RopeTable(cfg.rope_compress,
                                                                 cfg.rope_dim)})
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> final-normed rows of this rank's tokens [T, H]."""
+    def forward(self, batch: ForwardBatch, step: DecodeStep | None = None) -> torch.Tensor:
+        """-> final-normed rows of this rank's tokens [T, H]. A decode step's cache indices:
+        `step` (static buffers of a captured graph), else taken from the cache's books for
+        batch.seq_keys."""
         x = self.embed_tokens(batch.input_ids)
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
         h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
-        plan = None if batch.is_decode else PrefillPlan.build(batch, self.cp_rank, self.config)
+        plan: PrefillPlan | DecodeStep
+        if not batch.is_decode:
+            plan = PrefillPlan.build(batch, self.cp_rank, self.config)
+        elif step is not None:
+            plan = step
+        else:
+            assert isinstance(batch.kv, V4Cache) and batch.seq_keys is not None, \
+                "V4 decode needs the cache"
+            plan = batch.kv.decode_step(batch.seq_keys)
         for layer in self.layers:
             h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
