@@ -38,6 +38,7 @@ from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.layers import CausalLMHead, Linear
@@ -337,3 +338,7 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device,
                        (cp.rank, cp.size))
 
+    def decode_graphs(self, runner, max_bs: int, max_context: int) -> V4DecodeGraphs:
+        """The runner's `capture_decode_graphs` hook: CUDA graphs of the decode step over
+        this model's own cache (captured on first use per batch and context bucket)."""
+        return V4DecodeGraphs(runner, max_bs, min(max_context, runner.kv.capacity))
