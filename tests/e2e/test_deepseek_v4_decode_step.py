@@ -9,7 +9,9 @@
   page columns, each step run twice (the warm-up before a capture, then the replay), give
   the eager step's greedy tokens and logits within 1e-5 while contexts cross HCA and CSA
   windows;
-- a sequence's slots and pages go back to the cache when it is freed.
+- a sequence's slots and pages go back to the cache when it is freed;
+- `bench-one-batch`'s roofline bytes for V4 count V4's own cache reads (a hand count for
+  one row: window rows, HCA entries, CSA indexer keys and top-k entries).
 """
 
 from __future__ import annotations
@@ -151,3 +153,15 @@ def test_v4_freed_sequence_returns_its_slot_and_pages():
         kv.free(k)
     assert len(kv._free_slots) == free_slots and kv.nbytes_used() == 0
     assert {m: len(p) for m, p in kv._free_entry_pages.items()} == free_pages
+
+
+def test_v4_roofline_counts_its_own_cache_reads(monkeypatch):
+    from cpmoe.bench.one_batch import _step_bytes
+    runner = _runner()
+    kv = runner.kv
+    # Row of 61 tokens, step 62: per layer 16 window rows of 32; HCA (m 16) 3 entries of
+    # 32; each CSA (m 4) 15 indexer keys of 16 and its top 8 entries of 32; float32.
+    assert kv.step_read_bytes([61]) == 4 * (4 * 16 * 32 + 3 * 32 + 2 * (15 * 16 + 8 * 32))
+    base = _step_bytes(runner, [1] * 4, [61])
+    monkeypatch.setattr(type(kv), "step_read_bytes", lambda self, lengths: 10**9)
+    assert _step_bytes(runner, [1] * 4, [61]) - base == 10**9 - 4 * 3136

@@ -14,6 +14,12 @@ rate 128 five times and gives 175 CSA entries against top-64).
 The tolerance is bf16's ~3 significant digits through 4 layers of low-rank projections,
 hyper-connections and MoE (measured errors sit near 1e-2); indexer picks may differ where
 scores nearly tie, which the whole-matrix norm absorbs.
+
+- CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
+  replayed from graphs (3 rows in batch bucket 4, context bucket 1024) gives the eager
+  step's tokens, token for token, and every step's logits within a relative Frobenius error
+  of GRAPH_TOL[dtype] (bf16 1e-2, float32 1e-5: the same math, only the padded row count
+  and page columns change the kernels' shapes and so their rounding).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ SMALL_V4 = {
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 LENGTHS, STEPS, TOL = (700, 33, 1), 8, 5e-2
+GRAPH_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -75,3 +82,38 @@ def test_v4_bf16_prefill_and_decode_match_float32():
         assert _rel(a, b) <= TOL, f"prefill of {n} tokens: bf16 vs float32 {_rel(a, b):.3e}"
     for s, (a, b) in enumerate(zip(dec16, dec32)):
         assert _rel(a, b) <= TOL, f"decode step {s}: bf16 vs float32 {_rel(a, b):.3e}"
+
+
+def greedy_decode(dtype: torch.dtype, graphs: bool, device: str = "cuda",
+                  config: dict = SMALL_V4, lengths=LENGTHS, steps: int = STEPS):
+    """(greedy tokens per step, logits per step) of the prompts' decode, the step replayed
+    from CUDA graphs or run eagerly."""
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, config["vocab_size"], (n,), generator=gen).tolist()
+            for n in lengths]
+    keys = list(range(len(seqs)))
+    runner = ModelRunner.from_config(config, ProcessGroups.single(device), dtype, seed=0)
+    runner.allocate_kv(sum(lengths) + len(lengths) * (steps + 1))
+    if graphs:
+        runner.capture_decode_graphs(8)
+    tokens = [runner.prefill(seqs, keys, last_only=True).argmax(-1).tolist()]
+    logits = []
+    for _ in range(steps):
+        logits.append(runner.decode(keys, tokens[-1]).float().cpu())
+        tokens.append(logits[-1].argmax(-1).tolist())
+    if graphs:
+        assert set(runner.graphs.graphs) == {(4, 1024)}, sorted(runner.graphs.graphs)
+    return tokens, logits
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_v4_cuda_graph_decode_matches_eager(dtype):
+    want_tokens, want = greedy_decode(dtype, graphs=False)
+    got_tokens, got = greedy_decode(dtype, graphs=True)
+    for s, (a, b) in enumerate(zip(got, want)):
+        assert _rel(a, b) <= GRAPH_TOL[dtype], f"step {s}: graph vs eager {_rel(a, b):.3e}"
+    assert got_tokens == want_tokens
