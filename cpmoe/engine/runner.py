@@ -215,10 +215,10 @@ class ModelRunner:
 
     def can_capture_graphs(self) -> bool:
         """Decode graphs need CUDA, a model whose decode never syncs with the host (a model
-        with its own cache brings its own graphs: `decode_graphs`), and no host-side count
-        exchange in the MoE dispatch."""
-        return (self.device.type == "cuda"
-                and (not self.own_cache or hasattr(self.model, "decode_graphs"))
+        with its own cache says so and brings its own graphs: `can_capture_decode`,
+        `decode_graphs`), and no host-side count exchange in the MoE dispatch."""
+        own = getattr(self.model, "can_capture_decode", None)
+        return (self.device.type == "cuda" and (own() if own else not self.own_cache)
                 and self.layout.moe_a2a_backend != "alltoall")
 
     def capture_decode_graphs(self, max_bs: int, max_context: int | None = None) -> int:

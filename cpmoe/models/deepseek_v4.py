@@ -338,6 +338,12 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device,
                        (cp.rank, cp.size))
 
+    def can_capture_decode(self) -> bool:
+        """The decode step is capture-safe in bf16: V4's clamped SwiGLU experts take the
+        grouped-GEMM path there, which reads no counts to the host for decode-sized batches
+        (moe/experts.py); other dtypes run the per-expert reference loop."""
+        return self.dtype == torch.bfloat16
+
     def decode_graphs(self, runner, max_bs: int, max_context: int) -> V4DecodeGraphs:
         """The runner's `capture_decode_graphs` hook: CUDA graphs of the decode step over
         this model's own cache (captured on first use per batch and context bucket)."""

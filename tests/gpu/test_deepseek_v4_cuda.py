@@ -16,10 +16,12 @@ hyper-connections and MoE (measured errors sit near 1e-2); indexer picks may dif
 scores nearly tie, which the whole-matrix norm absorbs.
 
 - CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
-  replayed from graphs (3 rows in batch bucket 4, context bucket 1024) gives the eager
-  step's tokens, token for token, and every step's logits within a relative Frobenius error
-  of GRAPH_TOL[dtype] (bf16 1e-2, float32 1e-5: the same math, only the padded row count
-  and page columns change the kernels' shapes and so their rounding).
+  replayed from graphs (bf16; 3 rows in batch bucket 4, context bucket 1024) gives the
+  eager step's tokens, token for token, and every step's logits within a relative
+  Frobenius error of GRAPH_TOL = 1e-2 (the same math: only the padded row count and page
+  columns change the kernels' shapes and so their rounding; measured errors should sit far
+  below it). float32 is not captured (its experts run the reference loop, which reads
+  counts to the host).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SMALL_V4 = {
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 LENGTHS, STEPS, TOL = (700, 33, 1), 8, 5e-2
-GRAPH_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+GRAPH_TOL = 1e-2
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -98,6 +100,7 @@ def greedy_decode(dtype: torch.dtype, graphs: bool, device: str = "cuda",
     runner = ModelRunner.from_config(config, ProcessGroups.single(device), dtype, seed=0)
     runner.allocate_kv(sum(lengths) + len(lengths) * (steps + 1))
     if graphs:
+        assert runner.can_capture_graphs()
         runner.capture_decode_graphs(8)
     tokens = [runner.prefill(seqs, keys, last_only=True).argmax(-1).tolist()]
     logits = []
@@ -110,10 +113,10 @@ def greedy_decode(dtype: torch.dtype, graphs: bool, device: str = "cuda",
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_v4_cuda_graph_decode_matches_eager(dtype):
-    want_tokens, want = greedy_decode(dtype, graphs=False)
-    got_tokens, got = greedy_decode(dtype, graphs=True)
-    for s, (a, b) in enumerate(zip(got, want)):
-        assert _rel(a, b) <= GRAPH_TOL[dtype], f"step {s}: graph vs eager {_rel(a, b):.3e}"
+def test_v4_cuda_graph_decode_matches_eager():
+    want_tokens, want = greedy_decode(torch.bfloat16, graphs=False)
+    got_tokens, got = greedy_decode(torch.bfloat16, graphs=True)
+    errors = [_rel(a, b) for a, b in zip(got, want)]
+    print(f"V4 graph vs eager, bf16, relative errors per step: {errors}")
+    assert max(errors) <= GRAPH_TOL, f"graph vs eager: {errors}"
     assert got_tokens == want_tokens
