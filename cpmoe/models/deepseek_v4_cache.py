@@ -95,30 +95,20 @@ class DecodeMeta:
 
     seq_slot: list[int]
     write: dict[int, list[int]]  # rate -> entry slot per row
-    pages: dict[int, list[list[int]]]  # rate -> page ids per row
     count: dict[int, list[int]]  # rate -> local entries per row
+    widths: dict[int, int]  # rate -> most pages of a row
 
     def tensors(self, rows: int, widths: dict[int, int], trash_seq: int,
                 trash_entry: dict[int, int]) -> DecodeStep:
-        """CPU tensors of `rows` rows (the rows past this step's pad: trash slot, count 0)
-        and widths[m] page columns (the columns past a row's pages: page 0, never read)."""
+        """CPU tensors of `rows` rows (the rows past this step's: trash slot, count 0)."""
         pad = rows - len(self.seq_slot)
 
         def col(values: list[int], fill: int) -> torch.Tensor:
             return torch.tensor(values + [fill] * pad, dtype=torch.int64)
 
-        pages = {}
-        for m, per_row in self.pages.items():
-            t = torch.zeros(rows, widths[m], dtype=torch.int64)
-            for i, p in enumerate(per_row):
-                t[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
-            pages[m] = t
         return DecodeStep(col(self.seq_slot, trash_seq),
-                          {m: col(w, trash_entry[m]) for m, w in self.write.items()}, pages,
-                          {m: col(c, 0) for m, c in self.count.items()})
-
-    def widths(self) -> dict[int, int]:
-        return {m: max(1, max(map(len, p), default=1)) for m, p in self.pages.items()}
+                          {m: col(w, trash_entry[m]) for m, w in self.write.items()},
+                          {m: col(c, 0) for m, c in self.count.items()}, widths)
 
 
 class V4Cache(PagedKVCache):
@@ -142,6 +132,14 @@ class V4Cache(PagedKVCache):
             for m in self.rates}
         self.trash_entry = {m: n * ENTRY_PAGE for m, n in self.num_entry_pages.items()}
         self.layers = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
+        # Page ids of every slot's local entries (column j: entries j*ENTRY_PAGE ..), on the
+        # device, so a step reads its rows' pages there; written when a page is taken.
+        cols = {m: min(n, max(1, -(-_owned(cfg.max_position_embeddings // m, 0, cp_size)
+                                    // ENTRY_PAGE)))
+                for m, n in self.num_entry_pages.items()}
+        self.page_table = {m: torch.zeros(self.max_seqs + 1, c, dtype=torch.int64,
+                                          device=device) for m, c in cols.items()}
+        self._new_pages: list[tuple[int, int, int, int]] = []  # (rate, slot, column, page)
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self._free_entry_pages = {m: list(range(n - 1, -1, -1))
                                   for m, n in self.num_entry_pages.items()}
@@ -200,6 +198,7 @@ class V4Cache(PagedKVCache):
                     raise CacheFullError(f"DeepSeek-V4 cache: no free page of rate-{rate} "
                                          f"entries (--max-total-tokens)")
                 pages.append(self._free_entry_pages[rate].pop())
+                self._new_pages.append((rate, self.slot[key], len(pages) - 1, pages[-1]))
         self.local_entries[key][rate] = held = max(have, want)
         return held
 
@@ -209,35 +208,46 @@ class V4Cache(PagedKVCache):
 
     def prepare_decode(self, keys: list[int]) -> DecodeMeta:
         """The books of one decode step (each row's token already counted by
-        `append_decode`): entries the new tokens close are taken on their owner rank."""
+        `append_decode`): entries the new tokens close are taken on their owner rank, and
+        the pages taken since the last step are written to the device page table."""
         meta = DecodeMeta([], {m: [] for m in self.rates}, {m: [] for m in self.rates},
-                          {m: [] for m in self.rates})
+                          {m: 1 for m in self.rates})
         for key in keys:
             end = self.seqs[key].length  # the new token's position + 1
             meta.seq_slot.append(self.seq_slot(key))
             for m in self.rates:
                 before = self.local_entries[key][m]
                 held = self._take(key, m, end // m)
-                meta.write[m].append(self._entry_slot(self.entry_pages[key][m], held - 1)
-                                     if held > before else self.trash_entry[m])
-                meta.pages[m].append(self.entry_pages[key][m])
-                meta.count[m].append(self.local_entries[key][m])
+                pages = self.entry_pages[key][m]
+                meta.write[m].append(self._entry_slot(pages, held - 1) if held > before
+                                     else self.trash_entry[m])
+                meta.count[m].append(held)
+                meta.widths[m] = max(meta.widths[m], len(pages))
+        self._write_new_pages()
         return meta
 
+    def _write_new_pages(self) -> None:
+        for m in self.rates:
+            new = [(s, c, p) for r, s, c, p in self._new_pages if r == m]
+            if new:
+                idx = torch.tensor(new, dtype=torch.int64).T.to(self.device)
+                self.page_table[m][idx[0], idx[1]] = idx[2]
+        self._new_pages.clear()
+
     def decode_step(self, keys: list[int]) -> DecodeStep:
-        """`prepare_decode` as device tensors of exactly the rows' widths (eager steps)."""
+        """`prepare_decode` as device tensors (eager steps: the rows' own page widths)."""
         meta = self.prepare_decode(keys)
-        step = meta.tensors(len(keys), meta.widths(), self.trash_seq, self.trash_entry)
+        step = meta.tensors(len(keys), meta.widths, self.trash_seq, self.trash_entry)
         return DecodeStep(step.seq_slot.to(self.device),
                           {m: t.to(self.device) for m, t in step.write.items()},
-                          {m: t.to(self.device) for m, t in step.pages.items()},
-                          {m: t.to(self.device) for m, t in step.count.items()})
+                          {m: t.to(self.device) for m, t in step.count.items()}, step.widths)
 
     def free(self, seq_id: int) -> None:
         super().free(seq_id)
         slot = self.slot.pop(seq_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+            self._new_pages = [e for e in self._new_pages if e[1] != slot]
             for m, pages in self.entry_pages.pop(seq_id).items():
                 self._free_entry_pages[m].extend(reversed(pages))
             self.local_entries.pop(seq_id)

@@ -105,7 +105,7 @@ def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tenso
         m = c.rate
         _close_windows(c, lc.comp, k_side[:, D:D + 2 * c.width], pos, slot, step.write[m],
                        rope)
-        ent_BC = _entry_slots(step.pages[m])
+        ent_BC = _entry_slots(kv.page_table[m][slot, :step.widths[m]])
         ent_valid = (torch.arange(ent_BC.shape[1], device=pos.device)[None, :]
                      < step.count[m][:, None])
         if c.indexer is not None:

@@ -6,10 +6,10 @@ work of a step grows with the longest row's context: a graph is captured per (ba
 context bucket), the context buckets powers of two from 512 tokens up to the cache's limit,
 each on first use (a server sees few of them; capturing every pair up front would take
 minutes at a 1M-token limit). Inputs live in static buffers sized for the largest pair:
-token ids, positions and the `DecodeStep` indices; a step takes its books from the cache
+token ids, positions and the `DecodeStep` indices (the rows' entry pages are read from the
+cache's device page table); a step takes its books from the cache
 (`V4Cache.prepare_decode`, host), copies them into the buffers (padded rows: trash slot,
-no entries; page columns past a row's pages: masked by its count), replays and returns the
-logits (valid until the next replay).
+no entries), replays and returns the logits (valid until the next replay).
 
 Capturing on first use is safe because a step is idempotent: the warm-up run before the
 capture executes the step for real, and running it again (the replay) writes the same
@@ -42,12 +42,10 @@ class V4DecodeGraphs:
         def full(value: int, *shape: int) -> torch.Tensor:
             return torch.full(shape, value, dtype=torch.int64, device=dev)
 
-        widths = self._widths(self._context_bucket(self.max_context))
         self.ids, self.positions = full(0, max_bs), full(0, max_bs)
         self.step = DecodeStep(full(kv.trash_seq, max_bs),
                                {m: full(kv.trash_entry[m], max_bs) for m in kv.rates},
-                               {m: full(0, max_bs, widths[m]) for m in kv.rates},
-                               {m: full(0, max_bs) for m in kv.rates})
+                               {m: full(0, max_bs) for m in kv.rates}, {})
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.memory_bytes = 0  # graphs are captured on first use
@@ -61,8 +59,9 @@ class V4DecodeGraphs:
     def _widths(self, context: int) -> dict[int, int]:
         """Page columns a row of `context` tokens can need at each rate (on CP rank 0, which
         holds the most entries)."""
-        cp_size = self.kv.shard[1]
-        return {m: max(1, -(-_owned(context // m, 0, cp_size) // ENTRY_PAGE))
+        cp_size, table = self.kv.shard[1], self.kv.page_table
+        return {m: min(table[m].shape[1],
+                       max(1, -(-_owned(context // m, 0, cp_size) // ENTRY_PAGE)))
                 for m in self.kv.rates}
 
     def fits(self, batch_size: int) -> bool:
@@ -91,8 +90,6 @@ class V4DecodeGraphs:
                            + [host.count[m] for m in kv.rates])
         for dst, src in zip(dsts, self._upload(cols)):
             dst.copy_(src)
-        for m in kv.rates:
-            step.pages[m].copy_(self._upload(host.pages[m]))
         graph = self.graphs.get((bs, context))
         if graph is None:
             graph = self.graphs[(bs, context)] = self._capture(bs, step)

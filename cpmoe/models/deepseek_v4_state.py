@@ -8,7 +8,7 @@ compressed entries live in pages of `ENTRY_PAGE` entries of one pool per layer.
 
 Legend: S = sequence slots (+1 trash), W = sliding window, R = ring rows (2m with overlap,
 else m), F2 = a compressor's projected row width (kv and gate), P = entry pages (+1 trash),
-d = entry width, B = decode rows, Pm = page columns of a row at rate m.
+d = entry width, B = decode rows.
 """
 
 from __future__ import annotations
@@ -41,18 +41,18 @@ class LayerCache:
 class DecodeStep:
     """Where each row of one decode step reads and writes (device tensors, int64). Per
     compress rate m: `write` the entry slot its new entry goes to (the trash slot when the
-    token closes no window or another CP rank owns the entry), `pages` its pages of local
-    entries (column j holds local entries j*ENTRY_PAGE ..), `count` its local entries after
-    the step. Padded rows use the trash sequence slot, count 0."""
+    token closes no window or another CP rank owns the entry), `count` its local entries
+    after the step, and `widths[m]` the page columns of the cache's page table the step
+    reads (a Python int: fixed per captured graph; columns past a row's pages are masked
+    by its count). Padded rows use the trash sequence slot, count 0."""
 
     seq_slot: torch.Tensor  # [B]
     write: dict[int, torch.Tensor]  # rate -> [B]
-    pages: dict[int, torch.Tensor]  # rate -> [B, Pm]
     count: dict[int, torch.Tensor]  # rate -> [B]
+    widths: dict[int, int]  # rate -> page columns read
 
     def rows(self, n: int, widths: dict[int, int]) -> "DecodeStep":
-        """The first n rows and the first widths[m] page columns (views: a static buffer's
-        slices stay where a captured graph reads them)."""
+        """The first n rows, reading `widths` page columns (views: a static buffer's slices
+        stay where a captured graph reads them)."""
         return DecodeStep(self.seq_slot[:n], {m: w[:n] for m, w in self.write.items()},
-                          {m: p[:n, :widths[m]] for m, p in self.pages.items()},
-                          {m: c[:n] for m, c in self.count.items()})
+                          {m: c[:n] for m, c in self.count.items()}, dict(widths))
