@@ -88,7 +88,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-
 @dataclass
 class DecodeMeta:
     """A decode step's indices on the host (what `DecodeStep` holds on the device)."""
@@ -182,8 +181,9 @@ class V4Cache(PagedKVCache):
     def own_entries(self, key: int, rate: int, total: int) -> list[int]:
         """The sequence has `total` entries at `rate`: slots of every one of them this rank
         owns (entry c on rank c % cp_size), in entry order."""
-        pages = self.entry_pages[key][rate] if self._take(key, rate, total) else []
-        return [self._entry_slot(pages, j) for j in range(self.local_entries[key][rate])]
+        held = self._take(key, rate, total)
+        pages = self.entry_pages[key][rate]
+        return [self._entry_slot(pages, j) for j in range(held)]
 
     def _take(self, key: int, rate: int, total: int) -> int:
         """Take slots for the entries of `total` this rank owns and does not hold yet ->
@@ -291,8 +291,7 @@ class V4Cache(PagedKVCache):
         (before the step): per layer the window's W rows; HCA every entry this rank holds;
         CSA every indexer key it holds and its share (1/cp) of the top-k entries."""
         cfg, (cp_rank, cp_size) = self.cfg, self.shard
-        elem, D, dI = torch.empty((), dtype=self.dtype).element_size(), cfg.head_dim, \
-            cfg.index_head_dim
+        D, dI = cfg.head_dim, cfg.index_head_dim
         rows = 0
         for n in lengths:
             for layer, kind in enumerate(cfg.layer_types):
@@ -305,4 +304,4 @@ class V4Cache(PagedKVCache):
                     rows += held * D
                 else:
                     rows += held * dI + -(-min(cfg.index_topk, total) // cp_size) * D
-        return rows * elem
+        return rows * torch.empty((), dtype=self.dtype).element_size()
