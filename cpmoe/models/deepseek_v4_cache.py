@@ -132,9 +132,9 @@ class V4Cache(PagedKVCache):
         self.trash_entry = {m: n * ENTRY_PAGE for m, n in self.num_entry_pages.items()}
         self.layers = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
         # Page ids of every slot's local entries (column j: entries j*ENTRY_PAGE ..), on the
-        # device, so a step reads its rows' pages there; written when a page is taken.
-        cols = {m: min(n, max(1, -(-_owned(cfg.max_position_embeddings // m, 0, cp_size)
-                                    // ENTRY_PAGE)))
+        # device, so a step reads its rows' pages there; written when a page is taken. A
+        # sequence holds at most `capacity` tokens.
+        cols = {m: min(n, -(-_owned(capacity // m, 0, cp_size) // ENTRY_PAGE) + 1)
                 for m, n in self.num_entry_pages.items()}
         self.page_table = {m: torch.zeros(self.max_seqs + 1, c, dtype=torch.int64,
                                           device=device) for m, c in cols.items()}
