@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -78,6 +78,15 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
+class ResidualNorm(Protocol):
+    """A norm that also takes the residual add before it (models/layers.RMSNorm)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class LayerCommunicator:
     """The three transitions of one decoder layer."""
 
@@ -86,15 +95,17 @@ class LayerCommunicator:
         self.groups = groups
 
     def prepare_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                     norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden if residual is None else residual + hidden
-        return norm(residual), residual
+                     norm: ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return norm(hidden), hidden
+        return norm.add_forward(hidden, residual)
 
-    def prepare_mlp(self, attn_partial: torch.Tensor, residual: torch.Tensor, norm: Callable,
+    def prepare_mlp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
+                    norm: ResidualNorm,
                     batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (rows for the MLP in its layout, CP-local rows for shared experts, residual)."""
-        residual = residual + comm.all_reduce(attn_partial, self.groups.attn_tp)
-        x = norm(residual)
+        x, residual = norm.add_forward(comm.all_reduce(attn_partial, self.groups.attn_tp),
+                                       residual)
         return self.to_mlp_layout(x, batch), self.local_rows(x, batch), residual
 
     def to_mlp_layout(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

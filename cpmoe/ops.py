@@ -6,6 +6,11 @@ expression (the reference the kernels are tested against) everywhere else.
   (the MoE combine: every row's weighted sum of its top-k expert outputs).
 - `norm_rope(x, weight, eps, cos, sin)`: per-head RMSNorm (optional) then rotary embedding
   of x [T, heads, D] (the Qwen3 q/k path).
+- `qkv_norm_rope_store(qkv, ...)`: the decode step's q/k/v in one pass over the fused QKV
+  projection's rows: q and k through `norm_rope`, k and v written into the paged cache at
+  their slots -> q.
+- `add_rms_norm(x, residual, weight, eps)`: the residual add and the RMSNorm after it
+  -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops).
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
   renormalised -> (ids int64, weights in dtype).
@@ -108,6 +113,73 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
                             x.stride(0), eps, heads, HAS_NORM=weight is not None,
                             HEADS=triton.next_power_of_2(heads), HALF=D // 2)
     return out
+
+
+def qkv_norm_rope_store_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
+                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                            ) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) * D]; caches [pages, page, kv_heads, D]; slots [T] flat
+    slot ids. -> q [T, heads, D] after norm_rope; k (norm_rope'd) and v land in the caches."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q = norm_rope_ref(q.reshape(T, heads, D), q_weight, eps, cos, sin)
+    k = norm_rope_ref(k.reshape(T, kv_heads, D), k_weight, eps, cos, sin)
+    k_cache.view(-1, kv_heads, D)[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, kv_heads, D)[slots] = v.reshape(T, kv_heads, D).to(v_cache.dtype)
+    return q
+
+
+def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
+                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                        eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                        ) -> torch.Tensor:
+    """See qkv_norm_rope_store_ref; one Triton program per row on CUDA."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    if (not _use_triton(qkv) or T == 0 or (q_weight is None) != (k_weight is None)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos,
+                                       sin, k_cache, v_cache, slots)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty((T, heads, D), dtype=qkv.dtype, device=qkv.device)
+    _qkv_norm_rope_store_kernel[(T,)](
+        qkv, q, q_weight if q_weight is not None else qkv,
+        k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
+        qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
+        HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
+        HALF=D // 2)
+    return q
+
+
+# ---- residual add + RMSNorm ----------------------------------------------------------
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weight * normalized(x + residual), x + residual); the sum in x's dtype."""
+    r = residual + x
+    rf = r.float()
+    rf = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * rf.to(x.dtype), r
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA."""
+    if not _use_triton(x) or x.shape[0] == 0 or x.dim() != 2:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    x, residual = x.contiguous(), residual.contiguous()
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, hidden, eps,
+                               BLOCK=triton.next_power_of_2(hidden))
+    return out, summed
 
 
 # ---- router: softmax + top-k ---------------------------------------------------------
@@ -268,3 +340,69 @@ if triton is not None:
         dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
         tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_heads(src, w_ptr, cos_ptr, sin_ptr, t, eps, h, d, mask,
+                    HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+        """Heads at src + h * 2 HALF + d (h [heads, 1], d [1, HALF]) -> rotated halves."""
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+            r = (1.0 / tl.sqrt(ms + eps))[:, None]
+            x1 = x1 * r * tl.load(w_ptr + d).to(tl.float32)
+            x2 = x2 * r * tl.load(w_ptr + HALF + d).to(tl.float32)
+        c = tl.load(cos_ptr + t * (2 * HALF) + d).to(tl.float32)
+        s = tl.load(sin_ptr + t * (2 * HALF) + d).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+                                    k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
+                                    heads, kv_heads, HAS_NORM: tl.constexpr,
+                                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                                    HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF)[None, :]
+        row = qkv_ptr + t * row_stride
+        # q: norm + rope -> q_ptr [T, heads, D]
+        h = tl.arange(0, HEADS)[:, None]
+        mask = h < heads
+        a, b = _rope_heads(row + h * (2 * HALF) + d, qw_ptr, cos_ptr, sin_ptr, t, eps, h, d,
+                           mask, HAS_NORM, HALF)
+        dst = q_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=mask)
+        # k: norm + rope -> the cache slot; v: copied to its slot
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        g = tl.arange(0, KV_HEADS)[:, None]
+        kv_mask = g < kv_heads
+        k_src = row + heads * (2 * HALF) + g * (2 * HALF) + d
+        a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, g, d, kv_mask, HAS_NORM,
+                           HALF)
+        k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
+        tl.store(k_dst, a.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst + HALF, b.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v_src = k_src + kv_heads * (2 * HALF)
+        v_dst = v_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
+        tl.store(v_dst, tl.load(v_src, mask=kv_mask, other=0.0).to(
+            v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(
+            v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (r + x).to(sum_ptr.dtype.element_ty)  # rounded as the separate add rounds it
+        tl.store(sum_ptr + row * hidden + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
+        y = (sf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty),
+                 mask=mask)

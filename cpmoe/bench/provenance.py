@@ -8,8 +8,9 @@ The code is named three ways, because a GPU run may happen in a copy of the tree
 - `git_commit` / `git_dirty` from git when the tree is a checkout; there, dirty means a
   tracked file differs from the commit or a file git does not ignore is untracked (results
   being written under bench/results/ do not count);
-- otherwise from the environment (`CPMOE_GIT_COMMIT`, `CPMOE_GIT_DIRTY=0|1`), said so in
-  `git_source`, or null when neither is there (never guessed);
+- from the environment (`CPMOE_GIT_COMMIT`, `CPMOE_GIT_DIRTY=0|1`) when it is set, said so
+  in `git_source` (it wins over git: a copy of the tree may carry a stale `.git`), or null
+  when neither is there (never guessed);
 - always `source_sha256`, a hash of every .py/.sh file under cpmoe/ and bench/ (path and
   bytes, sorted by path), which `python3 -m cpmoe.bench.provenance --check FILE` recomputes
   for a checkout to say whether a result file was made by the code in front of you.
@@ -61,6 +62,8 @@ def git_state(root: Path = REPO_ROOT, env: dict | None = None) -> dict:
     """-> {git_commit, git_dirty, git_source}: from git, else from the environment, else
     nulls with the reason in git_source."""
     env = os.environ if env is None else env
+    if env.get("CPMOE_GIT_COMMIT"):  # said explicitly: a copied tree's .git may be stale
+        return _env_state(env)
     top = _git(root, "rev-parse", "--show-toplevel")
     if top is not None and Path(top.strip()).resolve() == root.resolve():
         commit = (_git(root, "rev-parse", "HEAD") or "").strip() or None
@@ -71,15 +74,16 @@ def git_state(root: Path = REPO_ROOT, env: dict | None = None) -> dict:
                        if ln and not ln[3:].lstrip('"').startswith(_RESULTS)]
             dirty = bool(changed)
         return {"git_commit": commit, "git_dirty": dirty, "git_source": "git"}
-    commit = env.get("CPMOE_GIT_COMMIT") or None
-    if commit is not None:
-        flag = env.get("CPMOE_GIT_DIRTY")
-        dirty = None if flag not in ("0", "1") else flag == "1"
-        return {"git_commit": commit, "git_dirty": dirty,
-                "git_source": "environment (CPMOE_GIT_COMMIT; not a git checkout)"}
     return {"git_commit": None, "git_dirty": None,
             "git_source": "unknown: not a git checkout and CPMOE_GIT_COMMIT unset "
                           "(source_sha256 still names the code)"}
+
+
+def _env_state(env) -> dict:
+    flag = env.get("CPMOE_GIT_DIRTY")
+    dirty = None if flag not in ("0", "1") else flag == "1"
+    return {"git_commit": env["CPMOE_GIT_COMMIT"], "git_dirty": dirty,
+            "git_source": "environment (CPMOE_GIT_COMMIT)"}
 
 
 def _version(dist: str) -> str | None:

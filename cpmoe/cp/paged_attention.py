@@ -227,7 +227,7 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             o_part, lse_part, o_BHD, lse_BH, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
             o_BHD.stride(1), lse_BH.stride(0), D, num_splits,
-            BLOCK_S=min(16, triton.next_power_of_2(num_splits)), D_PAD=d_pad)
+            BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad)
     return o_BHD, lse_BH
 
 

@@ -129,13 +129,16 @@ class ModelRunner:
                                           show_progress=show_progress and groups.rank == 0,
                                           tied_embeddings=self.config.tie_word_embeddings,
                                           quantization=quant)
-        self._quantize_online()
+        self._finish_load()
 
-    def _quantize_online(self) -> None:
+    def _finish_load(self) -> None:
+        """`--quantization fp8` of 16-bit weights; on the GPU, fused weights (fewer GEMMs)."""
         quant = getattr(self.config, "quantization", None)
         if quant is not None and quant.online:
             from cpmoe.quant.modules import quantize_loaded
             quantize_loaded(self.model, quant, keep_fp8=self._keep_fp8())
+        if self.device.type == "cuda":
+            self.model.fuse_weights()
 
     def _keep_fp8(self) -> bool:
         """FP8 weights stay FP8 (FP8 GEMMs) on CUDA; elsewhere they are dequantized."""
@@ -162,7 +165,7 @@ class ModelRunner:
         self.load_stats = fill_parameters(self.model, [(Path("<random weights>"), source)],
                                           "<random weights>", show_progress=False,
                                           tied_embeddings=config.tie_word_embeddings)
-        self._quantize_online()
+        self._finish_load()
 
     def _build(self, config, model_cls: type, groups: ProcessGroups, dtype: torch.dtype) -> None:
         self.groups = groups
@@ -216,9 +219,12 @@ class ModelRunner:
     def can_capture_graphs(self) -> bool:
         """Decode graphs need CUDA, a model whose decode never syncs with the host (a model
         with its own cache says so and brings its own graphs: `can_capture_decode`,
-        `decode_graphs`), and no host-side count exchange in the MoE dispatch."""
+        `decode_graphs`), and no host-side count exchange in the MoE dispatch. float32 on
+        CUDA (the reference dtype) runs eagerly: its experts take the loop path, which reads
+        counts on the host."""
         own = getattr(self.model, "can_capture_decode", None)
         return (self.device.type == "cuda" and (own() if own else not self.own_cache)
+                and self.dtype in (torch.bfloat16, torch.float16)
                 and self.layout.moe_a2a_backend != "alltoall")
 
     def capture_decode_graphs(self, max_bs: int, max_context: int | None = None) -> int:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe.communicator import gather_output
+from cpmoe.ops import add_rms_norm
 
 Shard = tuple[str, int, int] | None
 
@@ -31,6 +32,29 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+@torch.no_grad()
+def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) computing every given Linear's outputs, concatenated, with one GEMM;
+    each module's weight (and bias) becomes a view into the fused tensors, so no memory is
+    added, a later write to either is seen by both, and the parameters stay as they were
+    (the fused tensors are not parameters). None where they cannot be fused (another module
+    type, such as an FP8 linear, or mixed dtypes or biases)."""
+    if any(type(m) is not Linear for m in linears):
+        return None
+    if len({(m.weight.dtype, m.weight.shape[1], m.bias is None) for m in linears}) != 1:
+        return None
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
 
 
 def column_shard(rank: int, size: int) -> Shard:
@@ -65,6 +89,14 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (self(x + residual), x + residual): one fused kernel on the GPU."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        r = residual + x
+        return self(r), r
+
 
 class RotaryEmbedding(nn.Module):
     """Default RoPE on absolute positions (so CP permutations need nothing else)."""
@@ -88,6 +120,10 @@ class CausalLMHead(nn.Module):
     def hidden_states(self, batch) -> torch.Tensor:
         """Final-normed hidden rows of every token in flat order, on every rank."""
         return gather_output(self.model(batch), batch, self.groups)
+
+    def fuse_weights(self) -> None:
+        """After loading, on the GPU: merge weights read by one input into one GEMM (the
+        models that do override this; the default merges nothing)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.model.embed_tokens.weight if self.lm_head is None

@@ -24,12 +24,12 @@ from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
 from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, column_shard,
-                                 kv_head_shard, row_shard)
+                                 fuse_linears, kv_head_shard, row_shard)
 from cpmoe.moe.dispatch.base import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
-from cpmoe.ops import merge_partials, norm_rope
+from cpmoe.ops import merge_partials, norm_rope, qkv_norm_rope_store
 from cpmoe.parallel.groups import ProcessGroups
 
 
@@ -54,23 +54,33 @@ class QwenMoeAttention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_qkv
+
+    def fuse_qkv(self) -> None:
+        """One GEMM for q, k and v (their weights become views into the fused one)."""
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, layer: int) -> torch.Tensor:
         """-> o_proj output, a partial sum over attention TP."""
         T, D = x_TH.shape[0], self.head_dim
-        q = self.q_proj(x_TH).view(T, self.num_heads, D)
-        k = self.k_proj(x_TH).view(T, self.num_kv_heads, D)
-        v = self.v_proj(x_TH).view(T, self.num_kv_heads, D)
-        if self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
-            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
-            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+        if self.qkv is not None:
+            qkv = F.linear(x_TH, *self.qkv)
         else:
-            q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
+            qkv = torch.cat([self.q_proj(x_TH), self.k_proj(x_TH), self.v_proj(x_TH)], dim=-1)
         if batch.is_decode:
-            o = self._decode(q, k, v, batch, layer)
+            o = self._decode(qkv, rope, batch, layer)
         else:
-            o = self._extend(q, k, v, batch, layer)
+            q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D,
+                                 self.num_kv_heads * D], dim=-1)
+            q, k = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D)
+            if self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
+                q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
+                k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+            else:
+                q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
+            o = self._extend(q, k, v.reshape(T, self.num_kv_heads, D).contiguous(), batch,
+                             layer)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
@@ -92,12 +102,16 @@ class QwenMoeAttention(nn.Module):
                                                  kv.v[layer], self.scale)
         return merge_partials(torch.stack([o, o_pre]), torch.stack([lse, lse_pre])).to(q.dtype)
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                layer: int) -> torch.Tensor:
-        """Every row attends its sequence's pages on this rank, merged over the CP ranks."""
+    def _decode(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """q/k norm + RoPE with the new k/v written to this rank's pages (one kernel on the
+        GPU), then every row attends its sequence's pages, merged over the CP ranks."""
         kv = batch.kv
         assert kv is not None and batch.block_table is not None and batch.kv_lens is not None
-        kv.write(layer, batch.write_slots, k, v)
+        norms = (None, None, 0.0) if self.q_norm is None else (
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = qkv_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, *norms, *rope,
+                                kv.k[layer], kv.v[layer], batch.write_slots)
         cp = self.groups.attn_cp.size
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,
@@ -206,7 +220,7 @@ class QwenMoeModel(nn.Module):
                 raise RuntimeError(f"injected fault at layer {layer.layer} "
                                    f"(CPMOE_INJECT_FAULT={self._fault})")
             h, residual = layer(h, residual, rope, batch)
-        return self.norm(h + residual)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class QwenMoeForCausalLM(CausalLMHead):
@@ -223,6 +237,10 @@ class QwenMoeForCausalLM(CausalLMHead):
     @staticmethod
     def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
         return checkpoint_shapes(cfg)
+
+    def fuse_weights(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
 
 
 

@@ -56,8 +56,13 @@ def prompts() -> list[list[int]]:
 
 
 def float32_logits(seqs: list[list[int]]) -> torch.Tensor:
-    """The reference: the same random weights in float32 on CPU (every token's logits)."""
+    """The reference: the same random weights in float32 on CPU (every token's logits).
+    Seeded weights are drawn on the device they live on, and CUDA's generator is not CPU's:
+    the weights are drawn on CUDA (as the bf16 runs draw them) and copied to the CPU model."""
+    drawn = ModelRunner.from_config(CONFIG, ProcessGroups.single("cuda"), torch.float32, seed=3)
     ref = ModelRunner.from_config(CONFIG, ProcessGroups.single("cpu"), torch.float32, seed=3)
+    ref.model.load_state_dict({k: v.cpu() for k, v in drawn.model.state_dict().items()})
+    del drawn
     return ref.prefill(seqs).float()
 
 

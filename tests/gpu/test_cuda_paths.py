@@ -88,6 +88,24 @@ def test_triton_ops_match_references_at_model_shapes():
         torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
                                    ops.norm_rope_ref(x, weight, 1e-6, cos.to(bf), sin.to(bf)),
                                    rtol=2e-2, atol=2e-2)
+    # decode QKV: q/k norm + RoPE and the k/v cache stores, at Qwen3-30B-A3B's head shape
+    qkv = torch.randn(64, (32 + 2 * 4) * 128, device=dev, dtype=bf)
+    slots = torch.randperm(4096, device=dev)[:64]
+    caches = [torch.zeros(256, 16, 4, 128, device=dev, dtype=bf) for _ in range(4)]
+    nw = torch.rand(128, device=dev, dtype=bf)
+    q = ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                                *caches[:2], slots)
+    q_ref = ops.qkv_norm_rope_store_ref(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf),
+                                        sin[:64].to(bf), *caches[2:], slots)
+    torch.testing.assert_close(q, q_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
+    assert torch.equal(caches[1], caches[3])  # v is copied as it is
+    # residual add + RMSNorm: the sum exactly as torch's bf16 add, the norm within bf16
+    x, r = torch.randn(64, 2048, device=dev, dtype=bf), torch.randn(64, 2048, device=dev, dtype=bf)
+    out, summed = ops.add_rms_norm(x, r, nw.repeat(16), 1e-6)
+    assert torch.equal(summed, x + r)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x + r, (2048,), nw.repeat(16),
+                                                                 1e-6), rtol=2e-2, atol=2e-2)
     logits = torch.randn(5000, 128, device=dev, dtype=bf)  # bf16: many exact ties
     ids, w = ops.softmax_topk(logits, 8, True, bf)
     # softmax is monotonic: the k largest logits in order, ties to the lower id (torch.topk

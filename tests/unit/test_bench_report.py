@@ -86,7 +86,11 @@ def scratch_repo(tmp_path: Path) -> Path:
 def test_git_state_names_the_commit_and_what_makes_the_tree_dirty(scratch_repo: Path):
     root = scratch_repo
     head = _git(root, "rev-parse", "HEAD")
-    assert pv.git_state(root) == {"git_commit": head, "git_dirty": False, "git_source": "git"}
+    assert pv.git_state(root, {}) == {"git_commit": head, "git_dirty": False,
+                                      "git_source": "git"}
+    # named explicitly, the environment wins (a copied tree may carry a stale .git)
+    said = pv.git_state(root, {"CPMOE_GIT_COMMIT": "abc123", "CPMOE_GIT_DIRTY": "0"})
+    assert (said["git_commit"], said["git_dirty"]) == ("abc123", False)
     (root / "bench" / "results" / "new.json").write_text("{}")  # a result being written
     assert pv.git_state(root)["git_dirty"] is False
     (root / "cpmoe" / "b.py").write_text("y = 2\n")  # untracked code

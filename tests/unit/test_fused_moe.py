@@ -17,8 +17,11 @@ from cpmoe.moe.experts import LocalExperts
 assert fused_moe.usable(torch.zeros(1), 1), "interpreter not active"
 torch.manual_seed(0)
 # (rows, top-k, local experts, hidden, intermediate): a row per expert and several rows on
-# one expert (more than a 16-row tile), widths off the tile sizes, other ranks' slots (-1)
-for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16)):
+# one expert (more than a 16-row tile), widths off the tile sizes, other ranks' slots (-1);
+# fewer slots than experts (2 x 3 < 20: the compact grid, as at batch 1 on 128 experts)
+for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16),
+                      (2, 3, 20, 32, 24)):
+    assert fused_moe.gemm_config(M * K, E, H)["COMPACT"] == (M * K < E)
     m = LocalExperts(E, H, I, torch.float32)
     torch.nn.init.normal_(m.gate_up_proj, std=0.2)
     torch.nn.init.normal_(m.down_proj, std=0.2)

@@ -39,6 +39,24 @@ def test_references_match_the_plain_expressions() -> None:
     want = normed * cos[:, None] + rotated * sin[:, None]  # HF's rotate_half form
     torch.testing.assert_close(ops.norm_rope_ref(x, weight, 1e-6, cos, sin), want)
 
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    s = x + r
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    out, summed = ops.add_rms_norm_ref(x, r, weight, 1e-6)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(summed, s)
+    # the decode QKV path is norm_rope on q and k (checked above) plus plain stores
+    qkv, slots = torch.randn(3, 4 * 8), torch.tensor([5, 0, 2])
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    q = ops.qkv_norm_rope_store_ref(qkv, 2, 1, weight, weight, 1e-6, cos, sin, k_cache,
+                                    v_cache, slots)
+    torch.testing.assert_close(q, ops.norm_rope_ref(qkv[:, :16].view(3, 2, 8), weight, 1e-6,
+                                                    cos, sin))
+    k = ops.norm_rope_ref(qkv[:, 16:24].view(3, 1, 8), weight, 1e-6, cos, sin)
+    torch.testing.assert_close(k_cache.view(8, 1, 8)[slots], k)
+    torch.testing.assert_close(v_cache.view(8, 1, 8)[slots], qkv[:, 24:].view(3, 1, 8))
+    assert k_cache.view(8, -1)[[1, 3, 4, 6, 7]].abs().sum() == 0
+
 
 _KERNELS = r"""
 import torch
@@ -69,6 +87,27 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         torch.testing.assert_close(ops.norm_rope(x, weight, 1e-6, cos, sin).float(),
                                    ops.norm_rope_ref(x, weight, 1e-6, cos, sin).float(),
                                    rtol=tol, atol=tol)
+    # decode: q/k norm + RoPE over the fused QKV rows, k and v stored at their cache slots
+    for weight in (torch.rand(16).to(dtype), None):
+        qkv = torch.randn(5, (4 + 2 * 2) * 16 + 3).to(dtype)[:, :128]  # strided rows
+        cos, sin = torch.rand(5, 8).repeat(1, 2).to(dtype), torch.rand(5, 8).repeat(1, 2).to(dtype)
+        slots = torch.tensor([9, 0, 14, 3, 7])
+        caches = [torch.full((4, 4, 2, 16), float("nan")).to(dtype) for _ in range(4)]
+        q = ops.qkv_norm_rope_store(qkv, 4, 2, weight, weight, 1e-6, cos, sin, *caches[:2],
+                                    slots)
+        ref = ops.qkv_norm_rope_store_ref(qkv, 4, 2, weight, weight, 1e-6, cos, sin,
+                                          *caches[2:], slots)
+        torch.testing.assert_close(q.float(), ref.float(), rtol=tol, atol=tol)
+        for got, want in zip(caches[:2], caches[2:]):  # written slots equal, others untouched
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol,
+                                       equal_nan=True)
+    # residual add + RMSNorm: the sum is returned too, rounded like the separate add
+    x, r, w = torch.randn(6, 40).to(dtype), torch.randn(6, 40).to(dtype), torch.rand(40).to(dtype)
+    (out, s), (ref_out, ref_s) = ops.add_rms_norm(x, r, w, 1e-6), ops.add_rms_norm_ref(x, r, w, 1e-6)
+    # (the interpreter rounds float32 -> bf16 by truncation: one bf16 ulp apart there)
+    assert torch.equal(s, ref_s) if dtype == torch.float32 else torch.allclose(
+        s.float(), ref_s.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
     # partial attention as cuDNN returns it ([1, H, T, D] over a [T, H, D] buffer, lse
     # [1, H, T]), merged into a slice of a larger output
     o1, o2 = (torch.randn(7, 3, 16).to(dtype).transpose(0, 1)[None] for _ in range(2))

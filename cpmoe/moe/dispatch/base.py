@@ -41,6 +41,8 @@ class Dispatcher(ABC):
     def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.groups.layout.ep_size == 1:  # every expert is local: ids are already local
+            return topk_ids
         local = topk_ids - self.first_expert
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
 
