@@ -5,7 +5,7 @@
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests, FP8 vs bf16 prefill and decode
-#   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, 4-layer V4 prefill + profile
+#   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, 4-layer V4 prefill + profile, decode
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
 # if any failed (a failing test included), listed in OUT_DIR/failed-engine-<part>.txt.
@@ -84,6 +84,9 @@ PY
       --lengths 4096,16384,65536 --layouts tp=1 --out "$out/v4-4l-1gpu.json"
     step v4-profile python3 -m bench.profile_prefill --config "$v4" --layout tp=1 \
       --length 16384 --layers 4
+    step v4-one-batch python3 -m cpmoe.cli bench-one-batch --config "$v4" --device cuda \
+      --dtype bfloat16 --routing uniform --batch-size 1,64 --input-len 4096 --output-len 32 \
+      --out "$out/v4-4l-one-batch.json" --profile "$out/v4-one-batch-profile"
     ;;
 esac
 finish

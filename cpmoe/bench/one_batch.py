@@ -6,9 +6,11 @@ step as a user sees it: forward, greedy choice, tokens back to the host), decode
 the HBM roofline of that step and the ratio, peak memory, and the routing the step saw
 (distinct experts per layer, busiest expert / mean). The roofline counts the bytes one
 step must read on the busiest rank: every non-expert weight (the LM head included; of the
-embedding only the batch's rows), each layer's routed experts that the step really used
-(counted in an eager step of the same batch), and the K/V of every sequence (its shard on
-this rank), over 4.8 TB/s (H200 HBM3e, datasheet).
+embedding and of DeepSeek-V4's token -> expert hash tables only the batch's rows), each
+layer's routed experts that the step really used (counted in an eager step of the same
+batch), and the cache of every sequence (its shard on this rank: the K/V pages, or for
+DeepSeek-V4 its own caches as `V4Cache.step_read_bytes` counts them: window rows, HCA
+entries, CSA indexer keys and top-k entries), over 4.8 TB/s (H200 HBM3e, datasheet).
 
 cpmoe runs in one spawned world per layout, HF afterwards in another (both at once do not
 fit one GPU at 30B). HF runs eager with its dynamic cache and, for the batches asked, with a
@@ -203,9 +205,16 @@ def _step_bytes(runner: ModelRunner, distinct_local: list[int], context: list[in
     embed = model.model.embed_tokens.weight
     embed_bytes = embed.numel() * embed.element_size() if model.lm_head is not None else 0
     rows = len(context) * embed.shape[1] * embed.element_size()
+    for name, p in model.named_parameters():  # hash routing reads one table row per token
+        if name.endswith("tid2eid"):
+            embed_bytes += p.numel() * p.element_size()
+            rows += len(context) * p.shape[1] * p.element_size()
     dense = runner.weight_bytes() - expert_bytes - embed_bytes + rows
     experts = sum(n * b for n, b in zip(distinct_local, per_expert))
-    kv = 0 if runner.own_cache else runner.kv_bytes_per_token() * (sum(context) + len(context))
+    if runner.own_cache:  # DeepSeek-V4: its own caches
+        kv = runner.kv.step_read_bytes(context)
+    else:
+        kv = runner.kv_bytes_per_token() * (sum(context) + len(context))
     return float(dense + experts + kv)
 
 

@@ -217,10 +217,13 @@ class ModelRunner:
         return int(min(self.gather_from_ranks(mine)))
 
     def can_capture_graphs(self) -> bool:
-        """Decode graphs need CUDA, a model whose decode never syncs with the host, and no
-        host-side count exchange in the MoE dispatch. float32 on CUDA (the reference dtype)
-        runs eagerly: its experts take the loop path, which reads counts on the host."""
-        return (self.device.type == "cuda" and not self.own_cache
+        """Decode graphs need CUDA, a model whose decode never syncs with the host (a model
+        with its own cache says so and brings its own graphs: `can_capture_decode`,
+        `decode_graphs`), and no host-side count exchange in the MoE dispatch. float32 on
+        CUDA (the reference dtype) runs eagerly: its experts take the loop path, which reads
+        counts on the host."""
+        own = getattr(self.model, "can_capture_decode", None)
+        return (self.device.type == "cuda" and (own() if own else not self.own_cache)
                 and self.dtype in (torch.bfloat16, torch.float16)
                 and self.layout.moe_a2a_backend != "alltoall")
 
@@ -229,6 +232,9 @@ class ModelRunner:
         from cpmoe.engine.cuda_graph import DecodeGraphs
         assert self.kv is not None and self.can_capture_graphs()
         context = max_context or getattr(self.config, "max_position_embeddings", None)
+        if self.own_cache:  # DeepSeek-V4: the model's graphs over its own cache
+            self.graphs = self.model.decode_graphs(self, max_bs, context or self.kv.capacity)
+            return self.graphs.memory_bytes
         max_pages = self.kv.num_pages
         if context:
             max_pages = min(max_pages, pages_for(context, self.kv.page_size) + 1)

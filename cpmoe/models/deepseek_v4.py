@@ -38,7 +38,9 @@ from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
+from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch.base import create_dispatcher
@@ -261,7 +263,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = DeepseekV4HyperConnection(cfg)
 
     def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
-                plan: PrefillPlan | None) -> torch.Tensor:
+                plan: PrefillPlan | DecodeStep) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
         h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
@@ -285,13 +287,23 @@ class DeepseekV4Model(nn.Module):
                                           "compress": RopeTable(cfg.rope_compress,
                                                                 cfg.rope_dim)})
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> final-normed rows of this rank's tokens [T, H]."""
+    def forward(self, batch: ForwardBatch, step: DecodeStep | None = None) -> torch.Tensor:
+        """-> final-normed rows of this rank's tokens [T, H]. A decode step's cache indices:
+        `step` (static buffers of a captured graph), else taken from the cache's books for
+        batch.seq_keys."""
         x = self.embed_tokens(batch.input_ids)
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
         h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
-        plan = None if batch.is_decode else PrefillPlan.build(batch, self.cp_rank, self.config)
+        plan: PrefillPlan | DecodeStep
+        if not batch.is_decode:
+            plan = PrefillPlan.build(batch, self.cp_rank, self.config)
+        elif step is not None:
+            plan = step
+        else:
+            assert isinstance(batch.kv, V4Cache) and batch.seq_keys is not None, \
+                "V4 decode needs the cache"
+            plan = batch.kv.decode_step(batch.seq_keys)
         for layer in self.layers:
             h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
@@ -326,3 +338,13 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device,
                        (cp.rank, cp.size))
 
+    def can_capture_decode(self) -> bool:
+        """The decode step is capture-safe in bf16: V4's clamped SwiGLU experts take the
+        grouped-GEMM path there, which reads no counts to the host for decode-sized batches
+        (moe/experts.py); other dtypes run the per-expert reference loop."""
+        return self.dtype == torch.bfloat16
+
+    def decode_graphs(self, runner, max_bs: int, max_context: int) -> V4DecodeGraphs:
+        """The runner's `capture_decode_graphs` hook: CUDA graphs of the decode step over
+        this model's own cache (captured on first use per batch and context bucket)."""
+        return V4DecodeGraphs(runner, max_bs, min(max_context, runner.kv.capacity))

@@ -11,11 +11,12 @@ per-token rows on every rank; every rank then pools the compressed KV and indexe
 every sequence of the batch in one gather (replicated compute) and its local queries attend
 by their global positions, all sequences at once.
 
-Decode (`deepseek_v4_decode.py`). Each rank holds, per sequence (`SeqState`), the last W-1
-KV rows and the projected rows of the still-open window(s) (replicated, bounded) and its
-share of the compressed entries (entry c on CP rank c % attn_cp). A step appends the new
-token's rows, pools a window when the token completes one (its owner keeps the entry), and
-merges every rank's partial attention by LSE.
+Decode (`deepseek_v4_decode.py`), every row at once over the static cache tensors
+(`deepseek_v4_state.py`). Each rank holds, per sequence, the last W-1 KV rows and the
+projected rows of the still-open window(s) (replicated, bounded) and its share of the
+compressed entries (entry c on CP rank c % attn_cp). A step writes the new token's rows,
+pools the window the token completes (its owner keeps the entry), and merges every rank's
+partial attention by LSE.
 
 Attention never shards heads (attn_cp == tp, see `check_v4_layout`), so nothing here sums
 partial outputs over heads.
@@ -39,7 +40,7 @@ from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
-from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
+from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
 
@@ -155,59 +156,26 @@ class DeepseekV4Compressor(nn.Module):
         """-> [T, 2F]: kv then gate projections, the per-token input of `extend`."""
         return torch.cat([self.kv_proj(x_TH), self.gate_proj(x_TH)], dim=-1)
 
-    def _rows_start(self, entries: int) -> int:
-        return max(entries - 1, 0) * self.rate if self.overlap else entries * self.rate
-
-    def extend(self, state: CompressorState, new_rows: torch.Tensor, end_pos: int,
-               rope: RopeTable, shard: tuple[int, int] = (0, 1)) -> CompressorState:
-        """Append the rows of positions [end_pos - len(new_rows), end_pos); pool every window
-        they complete and keep the new entries of CP rank shard[0] of shard[1]."""
-        rows = torch.cat([state.rows, new_rows])
-        done, total = state.total, end_pos // self.rate
-        start = self._rows_start(done)
-        entries = state.entries
-        if total > done:
-            fresh = self._pool(rows[:total * self.rate - start], done, rope)
-            cp_rank, cp_size = shard
-            mine = fresh[(cp_rank - done) % cp_size::cp_size]
-            entries = torch.cat([entries, mine.to(entries.dtype)])
-        return CompressorState(entries, rows[self._rows_start(total) - start:], total)
-
-    def _pool(self, rows: torch.Tensor, first: int, rope: RopeTable) -> torch.Tensor:
-        """rows of windows [first - p, first + n), p = 1 if overlap and first > 0 else 0
-        -> entries first .. first+n-1 [n, d]."""
-        m, d, Fw = self.rate, self.dim, self.width
-        win = rows.view(-1, m, 2 * Fw)
-        kv, gate = win[..., :Fw], win[..., Fw:] + self.position_bias
-        if self.overlap:
-            prev_kv, prev_gate = kv[:-1, :, :d], gate[:-1, :, :d]
-            if first > 0:  # the predecessor of the first new window is in `rows`
-                kv, gate = kv[1:], gate[1:]
-            else:  # window 0 has none: zero rows with weight exp(-inf) = 0
-                prev_kv = torch.cat([kv.new_zeros((1, m, d)), prev_kv])
-                prev_gate = torch.cat([gate.new_full((1, m, d), float("-inf")), prev_gate])
-            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
-            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        pooled = self.kv_norm((kv * weights).sum(dim=1))
-        positions = (first + torch.arange(pooled.shape[0], device=rows.device)) * m
-        return apply_rope(pooled, *rope(positions, pooled.dtype))
-
-
     def pool_flat(self, rows_N2F: torch.Tensor, start_E: torch.Tensor, window_E: torch.Tensor,
                   rope: RopeTable) -> torch.Tensor:
         """Entries of many sequences at once -> [E, d]: entry e pools window window_E[e] of
         its sequence, whose rows start at flat row start_E[e] of rows_N2F (with overlap
-        also the m rows before it, none for window 0); `_pool`'s math entry by entry."""
+        also the m rows before it, none for window 0)."""
+        idx = start_E[:, None] + torch.arange(self.rate, device=start_E.device)  # [E, m]
+        prev = rows_N2F[(idx - self.rate).clamp(min=0)] if self.overlap else None
+        return self.pool_windows(rows_N2F[idx], prev, window_E, rope)
+
+    def pool_windows(self, win_Em2F: torch.Tensor, prev_Em2F: torch.Tensor | None,
+                     window_E: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """Entry e from the projected rows of its window window_E[e] [E, m, 2F] (with
+        overlap also those of the window before, ignored for window 0) -> [E, d]."""
         m, d, Fw = self.rate, self.dim, self.width
-        idx = start_E[:, None] + torch.arange(m, device=start_E.device)  # [E, m]
-        win = rows_N2F[idx]
-        kv, gate = win[..., :Fw], win[..., Fw:] + self.position_bias
+        kv, gate = win_Em2F[..., :Fw], win_Em2F[..., Fw:] + self.position_bias
         if self.overlap:
-            prev = rows_N2F[(idx - m).clamp(min=0)]
+            assert prev_Em2F is not None
             first = (window_E == 0)[:, None, None]
-            prev_kv = prev[..., :d].masked_fill(first, 0.0)
-            prev_gate = (prev[..., Fw:Fw + d] + self.position_bias[:, :d]).masked_fill(
+            prev_kv = prev_Em2F[..., :d].masked_fill(first, 0.0)
+            prev_gate = (prev_Em2F[..., Fw:Fw + d] + self.position_bias[:, :d]).masked_fill(
                 first, float("-inf"))
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
@@ -322,24 +290,9 @@ class DeepseekV4Attention(nn.Module):
                 parts.append(self.compressor.indexer.project(x_TH))
         return torch.cat(parts, dim=-1)
 
-    def extend_state(self, st: SeqState, rows: torch.Tensor, end_pos: int, rope: RopeTable,
-                shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, SeqState]:
-        """-> (KV rows of positions [end_pos - N', end_pos), the state after end_pos, whose
-        new compressed entries are CP rank shard[0] of shard[1]'s)."""
-        D, c = self.head_dim, self.compressor
-        keys = torch.cat([st.window, rows[:, :D]])
-        comp = index = None
-        if c is not None:
-            comp = c.extend(st.comp, rows[:, D:D + 2 * c.width], end_pos, rope, shard)
-            if c.indexer is not None:
-                index = c.indexer.extend(st.index, rows[:, D + 2 * c.width:], end_pos, rope,
-                                         shard)
-        keep = max(0, keys.shape[0] - (self.window - 1))
-        return keys, SeqState(keys[keep:], comp, index)
-
     def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
-                plan: PrefillPlan | None = None) -> torch.Tensor:
-        """`plan`: the forward's `PrefillPlan` (extend steps; None in decode)."""
+                plan: PrefillPlan | DecodeStep) -> torch.Tensor:
+        """`plan`: the forward's `PrefillPlan` (extend) or `DecodeStep` (decode)."""
         # This rank's rows [T, H] -> attention output [T, H], complete (no partial sums).
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
@@ -349,10 +302,9 @@ class DeepseekV4Attention(nn.Module):
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
-        if batch.is_decode:
-            out = decode_attention(self, qs, k_side, batch, rope.table)
+        if isinstance(plan, DecodeStep):
+            out = decode_attention(self, qs, k_side, plan, batch.kv, rope.table)
         else:
-            assert plan is not None, "V4 prefill needs the forward's PrefillPlan"
             out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
         o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)

@@ -1,12 +1,16 @@
-"""DeepSeek-V4 decode attention over caches sharded across the CP ranks.
+"""DeepSeek-V4 decode attention over caches sharded across the CP ranks, every row at once.
 
-Storage (per sequence and layer, `SeqState`): compressed KV entry c and its indexer key live
-on CP rank c % cp_size only (round-robin by entry, so shards differ by at most one entry);
-the sliding window (W-1 rows) and the compressors' still-open window rows (at most 2m rows)
-are bounded and stay replicated, so every rank can pool a window the moment it closes and
-the owner keeps the entry.
+Storage (`V4Cache`'s static tensors, deepseek_v4_state.py): compressed KV entry c and its
+indexer key live on CP rank c % cp_size only (round-robin by entry, so shards differ by at
+most one entry); the sliding window (a ring of W rows) and the compressors' rings of
+projected rows (m rows, 2m with overlap) are bounded and replicated, so every rank can pool
+a window the moment it closes and the owner keeps the entry.
 
-A decode step (the rows are the same on every rank): each rank attends its share of the
+A decode step is a fixed sequence of tensor ops on the `DecodeStep`'s indices: no host
+sync, no data-dependent shape or Python branch, so CUDA graphs capture it
+(deepseek_v4_graph.py). Each row writes its KV row and projected rows into the rings; every
+row pools the window ending at its token (a row that closes none, or whose entry another
+rank owns, writes the result to the trash slot); then each rank attends its share of the
 keys of every row and the shares are merged by log-sum-exp, exactly as one rank would:
 - window keys: every rank holds them all but attends only positions p with p % cp == rank;
 - HCA: every entry it holds (all closed);
@@ -18,8 +22,9 @@ keys of every row and the shares are merged by log-sum-exp, exactly as one rank 
 - partial outputs and LSEs meet in ONE all-gather (`communicator.merge_decode_attention`).
 The global top-k of the union of per-rank top-ks is the top-k of all entries.
 
-Legend: B = decode rows, W = sliding window, C = this rank's entries of a row (padded),
-K = index_topk, D = head dim, dI = indexer head dim, Hq = query heads, nI = indexer heads.
+Legend: B = decode rows, W = sliding window, C = this rank's entries of a row (padded to
+whole pages), K = index_topk, D = head dim, dI = indexer head dim, Hq = query heads,
+m = compress rate, R = ring rows, F2 = projected row width.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from cpmoe import communicator as cm
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group
 
 if TYPE_CHECKING:
-    from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries, RopeTable
+    from cpmoe.models.deepseek_v4_attention import (DeepseekV4Attention, DeepseekV4Compressor,
+                                                    Queries, RopeTable)
+    from cpmoe.models.deepseek_v4_cache import V4Cache
 
 
 def partial_sink_attention(q_BHD: torch.Tensor, kv_BND: torch.Tensor, valid_BN: torch.Tensor,
@@ -56,16 +62,6 @@ def partial_sink_attention(q_BHD: torch.Tensor, kv_BND: torch.Tensor, valid_BN: 
     lse = torch.logsumexp(logits, dim=-1)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
     return torch.einsum("bhn,bnd->bhd", p, kvf), lse
-
-
-def _pad_rows(parts: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row tensors [n_b, d] -> ([B, max(max n_b, 1), d] zero-padded, valid [B, .])."""
-    lens = torch.tensor([p.shape[0] for p in parts])
-    out = pad_sequence(parts, batch_first=True)
-    if out.shape[1] == 0:
-        out = out.new_zeros((len(parts), 1, width))
-    valid = torch.arange(out.shape[1])[None, :] < lens[:, None]
-    return out, valid.to(out.device)
 
 
 def _global_topk(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int,
@@ -93,40 +89,60 @@ def _global_topk(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int,
 
 
 def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tensor,
-                     batch: ForwardBatch, rope: RopeTable) -> torch.Tensor:
+                     step: DecodeStep, kv: V4Cache, rope: RopeTable) -> torch.Tensor:
     """One decode step of layer `attn` for every row -> attention output [B, Hq, D] (before
-    the inverse RoPE and the output projection), the same on every CP rank. Extends and
-    stores each row's sharded state in batch.kv."""
-    cp = attn.groups.attn_cp
-    kv, W, D, c = batch.kv, attn.window, attn.head_dim, attn.compressor
-    assert kv is not None and batch.seq_keys is not None, "V4 decode needs the cache"
-    windows, entries, index_keys = [], [], []
-    for i, key in enumerate(batch.seq_keys):
-        end = kv.seqs[key].length  # host-side: the row's position + 1
-        keys, st = attn.extend_state(kv.state(key, attn.layer), k_side[i:i + 1], end, rope,
-                                (cp.rank, cp.size))
-        kv.put(key, attn.layer, st)
-        windows.append(F.pad(keys[-W:], (0, 0, W - min(W, keys.shape[0]), 0)))
-        if st.comp is not None:
-            entries.append(st.comp.entries)
-        if st.index is not None:
-            index_keys.append(st.index.entries)
-    pos = qs.pos
+    the inverse RoPE and the output projection), the same on every CP rank. Writes the
+    rows' new state into kv's tensors at `step`'s indices."""
+    cp, lc = attn.groups.attn_cp, kv.layers[attn.layer]
+    W, D, c = attn.window, attn.head_dim, attn.compressor
+    pos, slot = qs.pos, step.seq_slot
+    lc.window[slot, pos % W] = k_side[:, :D].to(lc.window.dtype)
     kpos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)  # [B, W]
-    kv_BND = torch.stack(windows)
+    kv_BND = lc.window[slot[:, None], kpos % W]
     valid = (kpos >= 0) & (kpos % cp.size == cp.rank)
     if c is not None:
-        ent, ent_valid = _pad_rows(entries, D)
+        assert lc.comp is not None
+        m = c.rate
+        _close_windows(c, lc.comp, k_side[:, D:D + 2 * c.width], pos, slot, step.write[m],
+                       rope)
+        ent_BC = _entry_slots(kv.page_table[m][slot, :step.widths[m]])
+        ent_valid = (torch.arange(ent_BC.shape[1], device=pos.device)[None, :]
+                     < step.count[m][:, None])
         if c.indexer is not None:
-            keys_BCd, key_valid = _pad_rows(index_keys, c.indexer.dim)
-            scores = c.indexer.row_scores(qs.q_res, qs.x, qs.cos, qs.sin, keys_BCd)
-            picks = _global_topk(scores, key_valid, c.indexer.topk, cp)
+            assert lc.index is not None
+            _close_windows(c.indexer, lc.index, k_side[:, D + 2 * c.width:], pos, slot,
+                           step.write[m], rope)
+            scores = c.indexer.row_scores(qs.q_res, qs.x, qs.cos, qs.sin,
+                                          lc.index.entries[ent_BC])
+            picks = _global_topk(scores, ent_valid, c.indexer.topk, cp)
             mine = (picks >= 0) & (picks % cp.size == cp.rank)
-            local = torch.where(mine, picks // cp.size, 0)
-            ent = ent.gather(1, local[..., None].expand(-1, -1, D))
+            ent_BC = ent_BC.gather(1, torch.where(mine, picks // cp.size, 0))
             ent_valid = mine
-        kv_BND = torch.cat([kv_BND, ent.to(kv_BND.dtype)], dim=1)
+        kv_BND = torch.cat([kv_BND, lc.comp.entries[ent_BC].to(kv_BND.dtype)], dim=1)
         valid = torch.cat([valid, ent_valid], dim=1)
     o, lse = partial_sink_attention(qs.q, kv_BND, valid,
                                     attn.sinks if cp.rank == 0 else None, attn.scale)
     return cm.merge_decode_attention(o, lse, attn.groups).to(qs.q.dtype)
+
+
+def _entry_slots(pages_BP: torch.Tensor) -> torch.Tensor:
+    """Page ids [B, Pm] -> entry slots [B, Pm * ENTRY_PAGE] (local entry j at column j)."""
+    within = torch.arange(ENTRY_PAGE, device=pages_BP.device)
+    return (pages_BP[:, :, None] * ENTRY_PAGE + within).flatten(1)
+
+
+def _close_windows(comp: DeepseekV4Compressor, pool: CompressorPool, rows_BF2: torch.Tensor,
+                   pos: torch.Tensor, slot: torch.Tensor, write: torch.Tensor,
+                   rope: RopeTable) -> None:
+    """Each row's projected row into its ring; the window ending at the row's token is
+    pooled for every row and stored at `write` (the trash slot unless the token closes a
+    window whose entry this rank owns). The ring holds the window (and with overlap the one
+    before), as the row of position p sits at p % R."""
+    m, R = comp.rate, pool.rows.shape[1]
+    pool.rows[slot, pos % R] = rows_BF2.to(pool.rows.dtype)
+    w = (pos + 1) // m - 1  # the window the token closes, if it closes one
+    idx = (w[:, None] * m + torch.arange(m, device=pos.device)) % R  # [B, m]
+    win = pool.rows[slot[:, None], idx]
+    prev = pool.rows[slot[:, None], (idx - m) % R] if comp.overlap else None
+    pooled = comp.pool_windows(win, prev, w.clamp(min=0), rope)
+    pool.entries[write] = pooled.to(pool.entries.dtype)

@@ -29,7 +29,7 @@ import torch
 
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
-from cpmoe.models.deepseek_v4_state import CompressorState, SeqState
+from cpmoe.models.deepseek_v4_cache import V4Cache
 
 if TYPE_CHECKING:
     from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries, RopeTable
@@ -152,23 +152,35 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
 def _store(attn: DeepseekV4Attention, plan: PrefillPlan, k_side: torch.Tensor,
            ent: torch.Tensor | None, index_keys: torch.Tensor | None,
            batch: ForwardBatch) -> None:
-    """Each sequence's state after its prompt, this CP rank's share, compact copies."""
-    cp, D, W, c = attn.groups.attn_cp, attn.head_dim, attn.window, attn.compressor
-    assert batch.seq_keys is not None
+    """Each sequence's state after its prompt into the static cache: the last rows of its
+    window and compressor rings (by position) and this CP rank's share of its entries."""
+    cp, D, c, kv = attn.groups.attn_cp, attn.head_dim, attn.compressor, batch.kv
+    assert batch.seq_keys is not None and isinstance(kv, V4Cache)
+    lc = kv.layers[attn.layer]
     for s, key in enumerate(batch.seq_keys):
         a, b = plan.cu[s], plan.cu[s + 1]
-        window = k_side[max(a, b - (W - 1)):b, :D].clone()
-        comp = index = None
-        if c is not None:
-            ei = plan.entries[c.rate]
-            total, (e0, e1) = ei.counts[s], (ei.offsets[s], ei.offsets[s + 1])
-            assert ent is not None
-            comp = CompressorState(ent[e0:e1][cp.rank::cp.size].clone(),
-                                   k_side[a + c._rows_start(total):b, D:D + 2 * c.width].clone(),
-                                   total)
-            if c.indexer is not None:
-                assert index_keys is not None
-                start = a + c.indexer._rows_start(total)
-                index = CompressorState(index_keys[e0:e1][cp.rank::cp.size].clone(),
-                                        k_side[start:b, D + 2 * c.width:].clone(), total)
-        batch.kv.put(key, attn.layer, SeqState(window, comp, index))
+        slot = kv.seq_slot(key)
+        _write_ring(lc.window, slot, k_side[a:b, :D])
+        if c is None:
+            continue
+        ei = plan.entries[c.rate]
+        e0, e1 = ei.offsets[s], ei.offsets[s + 1]
+        mine = torch.tensor(kv.own_entries(key, c.rate, ei.counts[s]), dtype=torch.int64,
+                            device=k_side.device)
+        assert ent is not None and lc.comp is not None
+        _write_ring(lc.comp.rows, slot, k_side[a:b, D:D + 2 * c.width])
+        lc.comp.entries[mine] = ent[e0:e1][cp.rank::cp.size].to(lc.comp.entries.dtype)
+        if c.indexer is not None:
+            assert index_keys is not None and lc.index is not None
+            _write_ring(lc.index.rows, slot, k_side[a:b, D + 2 * c.width:])
+            lc.index.entries[mine] = index_keys[e0:e1][cp.rank::cp.size].to(
+                lc.index.entries.dtype)
+
+
+def _write_ring(ring_SRF: torch.Tensor, slot: int, rows_LF: torch.Tensor) -> None:
+    """Rows of positions 0..L-1 of one sequence -> its ring (position p at p % R); the
+    last R are kept."""
+    L, R = rows_LF.shape[0], ring_SRF.shape[1]
+    keep = min(L, R)
+    pos = torch.arange(L - keep, L, device=rows_LF.device)
+    ring_SRF[slot, pos % R] = rows_LF[L - keep:].to(ring_SRF.dtype)

@@ -14,6 +14,14 @@ rate 128 five times and gives 175 CSA entries against top-64).
 The tolerance is bf16's ~3 significant digits through 4 layers of low-rank projections,
 hyper-connections and MoE (measured errors sit near 1e-2); indexer picks may differ where
 scores nearly tie, which the whole-matrix norm absorbs.
+
+- CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
+  replayed from graphs (bf16; 3 rows in batch bucket 4, one context bucket) gives the
+  eager step's tokens, token for token, and every step's logits within a relative
+  Frobenius error of GRAPH_TOL = 1e-2 (the same math: only the padded row count and page
+  columns change the kernels' shapes and so their rounding; measured errors should sit far
+  below it). float32 is not captured (its experts run the reference loop, which reads
+  counts to the host).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ SMALL_V4 = {
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 LENGTHS, STEPS, TOL = (700, 33, 1), 8, 5e-2
+GRAPH_TOL = 1e-2
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -75,3 +84,39 @@ def test_v4_bf16_prefill_and_decode_match_float32():
         assert _rel(a, b) <= TOL, f"prefill of {n} tokens: bf16 vs float32 {_rel(a, b):.3e}"
     for s, (a, b) in enumerate(zip(dec16, dec32)):
         assert _rel(a, b) <= TOL, f"decode step {s}: bf16 vs float32 {_rel(a, b):.3e}"
+
+
+def greedy_decode(dtype: torch.dtype, graphs: bool, device: str = "cuda",
+                  config: dict = SMALL_V4, lengths=LENGTHS, steps: int = STEPS):
+    """(greedy tokens per step, logits per step) of the prompts' decode, the step replayed
+    from CUDA graphs or run eagerly."""
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, config["vocab_size"], (n,), generator=gen).tolist()
+            for n in lengths]
+    keys = list(range(len(seqs)))
+    runner = ModelRunner.from_config(config, ProcessGroups.single(device), dtype, seed=0)
+    runner.allocate_kv(sum(lengths) + len(lengths) * (steps + 1))
+    if graphs:
+        assert runner.can_capture_graphs()
+        runner.capture_decode_graphs(8)
+    tokens = [runner.prefill(seqs, keys, last_only=True).argmax(-1).tolist()]
+    logits = []
+    for _ in range(steps):
+        logits.append(runner.decode(keys, tokens[-1]).float().cpu())
+        tokens.append(logits[-1].argmax(-1).tolist())
+    if graphs:  # 3 rows: batch bucket 4; one context bucket (the cache's 761 tokens)
+        assert [bs for bs, _ in runner.graphs.graphs] == [4], sorted(runner.graphs.graphs)
+    return tokens, logits
+
+
+@cuda
+def test_v4_cuda_graph_decode_matches_eager():
+    want_tokens, want = greedy_decode(torch.bfloat16, graphs=False)
+    got_tokens, got = greedy_decode(torch.bfloat16, graphs=True)
+    errors = [_rel(a, b) for a, b in zip(got, want)]
+    print(f"V4 graph vs eager, bf16, relative errors per step: {errors}")
+    assert max(errors) <= GRAPH_TOL, f"graph vs eager: {errors}"
+    assert got_tokens == want_tokens
