@@ -67,6 +67,11 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
         from cpmoe.moe.uniform_routing import calibrate_on_random_prompts
         calibrate_on_random_prompts(runner)
     tokens = opts.max_total_tokens
+    if tokens is None and runner.own_cache and runner.device.type == "cuda":
+        raise CacheFullError("this model (DeepSeek-V4) keeps its own per-sequence caches, "
+                             "not K/V pages, and cannot size them from "
+                             "--mem-fraction-static yet: set --max-total-tokens (token slots "
+                             "per rank)")
     if tokens is None:
         tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)

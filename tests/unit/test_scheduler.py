@@ -120,3 +120,18 @@ def test_eos_finishes_a_request_and_its_pages_are_freed_next_step():
     events = run(s, s.plan(), token=EOS)
     assert events[0].finish == "stop" and not s.running
     assert s.plan().free == [0]
+
+
+def test_a_model_with_its_own_caches_on_cuda_needs_max_total_tokens() -> None:
+    """DeepSeek-V4's caches are not K/V pages: --mem-fraction-static cannot size them, so
+    CUDA without --max-total-tokens is one clear line (it raised AttributeError before)."""
+    import types
+
+    import pytest
+
+    from cpmoe.engine.engine import EngineOptions, prepare_runner
+    from cpmoe.engine.kv_cache import CacheFullError
+    runner = types.SimpleNamespace(own_cache=True, device=torch.device("cuda"),
+                                   allocate_kv=lambda *a: pytest.fail("no cache may be built"))
+    with pytest.raises(CacheFullError, match="--max-total-tokens"):
+        prepare_runner(runner, EngineOptions(), None)
