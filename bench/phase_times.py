@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from cpmoe.bench.spec import SHAPES, parse_layout
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.models import qwen_moe
 from cpmoe.parallel import comm
@@ -82,9 +82,9 @@ def phase_task(info: RankInfo, config: dict, layout, length: int, threads: int |
         _timed("layer", qwen_moe.QwenMoeDecoderLayer.forward))
     attn = qwen_moe.QwenMoeAttention
     attn.forward = _timed("attention (incl. K/V gather)", attn.forward)
-    cm.gather_kv = _timed("  K/V gather", cm.gather_kv)
+    communicator.gather_kv = _timed("  K/V gather", communicator.gather_kv)
     qwen_moe.prefill_attention = _timed("  attention kernels", qwen_moe.prefill_attention)
-    lc = cm.LayerCommunicator
+    lc = communicator.LayerCommunicator
     lc.prepare_mlp = _timed("prepare_mlp", lc.prepare_mlp)
     lc.postprocess_layer = _timed("postprocess_layer", lc.postprocess_layer)
     block = qwen_moe.QwenMoeSparseBlock

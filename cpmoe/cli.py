@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.context import context_length, over_context
@@ -198,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = layout.summary()
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
-                           "mlp": p.mlp.value} for p in cm.plan_layers(layout, sparse)]
+                           "mlp": p.mlp.value} for p in communicator.plan_layers(layout, sparse)]
     note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
     if note:
         out["decode_cache"] = note

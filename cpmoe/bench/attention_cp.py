@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.timing import device_name, keep_multicast_off, median, sync, timed
@@ -117,9 +117,9 @@ def cpmoe_task(info: RankInfo, spec: AttnSpec, kv_heads: int | None = None) -> d
     scale = spec.head_dim ** -0.5
 
     def step() -> torch.Tensor:
-        return prefill_attention(q, batch.positions, batch.seq_ids,
-                                 *cm.gather_kv(k, v, batch, groups), list(split.cu_seqlens),
-                                 scale, batch.q_runs)
+        k_flat, v_flat = communicator.gather_kv(k, v, batch, groups)
+        return prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
+                                 list(split.cu_seqlens), scale, batch.q_runs)
 
     times, o = _time(step, spec, info.device, align=lambda: comm.barrier(groups.world))
     groups.start_timing()
@@ -182,7 +182,8 @@ def torch_cp_task(info: RankInfo, spec: AttnSpec, rotate: str) -> dict | None:
 # ---- the script ------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.attention_cp", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.attention_cp",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, default=2, help="CP ranks (one GPU each)")
     p.add_argument("--lengths", default="65536,131072")

@@ -164,7 +164,8 @@ def nccl_task(info: RankInfo, spec: DispatchSpec, remote_bytes_per_rank: int) ->
 # ---- the script ------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.dispatch", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m cpmoe.bench.dispatch",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, default=2, help="EP ranks (one GPU each)")
     p.add_argument("--tokens", default="4096,8192,16384,32768,65536", help="tokens per rank")

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
@@ -173,17 +173,18 @@ class DeepseekV4SparseMoeBlock(nn.Module):
         self.placement = ExpertPlacement(cfg.num_experts)
         self.dispatcher = create_dispatcher(layout.moe_a2a_backend, groups, cfg.num_experts)
 
-    def forward(self, x_TH: torch.Tensor, comm: cm.LayerCommunicator, batch: ForwardBatch
+    def forward(self, x_TH: torch.Tensor,
+                layer_communicator: communicator.LayerCommunicator, batch: ForwardBatch
                 ) -> torch.Tensor:
         """CP-local rows in -> CP-local rows out (routed + shared, each counted once)."""
-        x = comm.to_mlp_layout(x_TH, batch)
-        ids = comm.to_mlp_layout(batch.input_ids, batch) if self.hashed else None
+        x = layer_communicator.to_mlp_layout(x_TH, batch)
+        ids = layer_communicator.to_mlp_layout(batch.input_ids, batch) if self.hashed else None
         topk_ids, topk_w = self.gate(x, ids)
         topk_ids = self.placement.route(topk_ids)
         recv_x, recv_ids, recv_w, handle = self.dispatcher.dispatch(x, topk_ids, topk_w)
         routed = self.dispatcher.combine(self.experts(recv_x, recv_ids, recv_w), handle)
-        shared = self.shared_experts(comm.local_rows(x_TH, batch))
-        return comm.postprocess_layer(routed, shared, batch)
+        shared = self.shared_experts(layer_communicator.local_rows(x_TH, batch))
+        return layer_communicator.postprocess_layer(routed, shared, batch)
 
 
 # ---- hyper-connections -----------------------------------------------------------------------
@@ -251,10 +252,10 @@ class DeepseekV4HyperHead(nn.Module):
 # ---- layers, model, head ---------------------------------------------------------------------
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, plan: cm.LayerPlan, groups: ProcessGroups,
+    def __init__(self, cfg: DeepseekV4Config, plan: communicator.LayerPlan, groups: ProcessGroups,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.comm = cm.LayerCommunicator(plan, groups)
+        self.layer_communicator = communicator.LayerCommunicator(plan, groups)
         self.self_attn = DeepseekV4Attention(cfg, plan.layer, groups, dtype)
         self.mlp = DeepseekV4SparseMoeBlock(cfg, plan.layer, groups, dtype)
         self.input_layernorm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -268,7 +269,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
         post, comb, x = self.ffn_hc(h)
-        out = self.mlp(self.post_attention_layernorm(x), self.comm, batch)
+        out = self.mlp(self.post_attention_layernorm(x), self.layer_communicator, batch)
         return self.ffn_hc.merge(h, out, post, comb)
 
 
@@ -276,7 +277,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
         self.hc_mult, self.config, self.cp_rank = cfg.hc_mult, cfg, groups.attn_cp.rank
-        self.plans = cm.plan_layers(groups.layout, [True] * cfg.num_hidden_layers)
+        self.plans = communicator.plan_layers(groups.layout, [True] * cfg.num_hidden_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, p, groups, dtype)

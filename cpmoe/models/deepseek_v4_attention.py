@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
@@ -300,7 +300,7 @@ class DeepseekV4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, Hq, D), self.eps)
         q = apply_rope(q, rope.cos, rope.sin)
         # The one CP collective of the layer: K-side rows of every token, flat order.
-        k_side = cm.gather_output(self._k_side(x_TH, rope), batch, self.groups)
+        k_side = communicator.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
         if isinstance(plan, DecodeStep):
             out = decode_attention(self, qs, k_side, plan, batch.kv, rope.table)

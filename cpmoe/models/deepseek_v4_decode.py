@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group
@@ -122,7 +122,7 @@ def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tenso
         valid = torch.cat([valid, ent_valid], dim=1)
     o, lse = partial_sink_attention(qs.q, kv_BND, valid,
                                     attn.sinks if cp.rank == 0 else None, attn.scale)
-    return cm.merge_decode_attention(o, lse, attn.groups).to(qs.q.dtype)
+    return communicator.merge_decode_attention(o, lse, attn.groups).to(qs.q.dtype)
 
 
 def _entry_slots(pages_BP: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpmoe import communicator as cm
+from cpmoe import communicator
 from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
 from cpmoe.cp.paged_attention import paged_decode_attention
@@ -89,14 +89,14 @@ class QwenMoeAttention(nn.Module):
         if kv is not None and batch.write_slots is not None:
             kv.write(layer, batch.write_slots, k, v)
         assert batch.split is not None
-        k_flat, v_flat = cm.gather_kv(k, v, batch, self.groups)
+        k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
         cu = list(batch.split.cu_seqlens)
         if not batch.prefix:
             return prefill_attention(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat, cu,
                                      self.scale, batch.q_runs)
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat,
                                           cu, self.scale, batch.q_runs)
-        o_pre, lse_pre = cm.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
+        o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
                                                  kv.v[layer], self.scale)
         return merge_partials(torch.stack([o, o_pre]), torch.stack([lse, lse_pre])).to(q.dtype)
 
@@ -114,7 +114,7 @@ class QwenMoeAttention(nn.Module):
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,
                                         out_dtype=torch.float32 if cp > 1 else q.dtype)
-        return cm.merge_decode_attention(o, lse, self.groups).to(q.dtype)
+        return communicator.merge_decode_attention(o, lse, self.groups).to(q.dtype)
 
 
 class QwenMoeMLP(nn.Module):
@@ -166,11 +166,11 @@ class QwenMoeSparseBlock(nn.Module):
 
 
 class QwenMoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, plan: cm.LayerPlan,
+    def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, plan: communicator.LayerPlan,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.layer = plan.layer
-        self.comm = cm.LayerCommunicator(plan, groups)
+        self.layer_communicator = communicator.LayerCommunicator(plan, groups)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = QwenMoeAttention(cfg, groups, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -182,15 +182,15 @@ class QwenMoeDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.comm.prepare_attn(h, residual, self.input_layernorm)
+        x, residual = self.layer_communicator.prepare_attn(h, residual, self.input_layernorm)
         attn = self.self_attn(x, rope, batch, self.layer)
-        x_mlp, x_local, residual = self.comm.prepare_mlp(attn, residual,
+        x_mlp, x_local, residual = self.layer_communicator.prepare_mlp(attn, residual,
                                                          self.post_attention_layernorm, batch)
         if isinstance(self.mlp, QwenMoeSparseBlock):
-            out = self.comm.postprocess_layer(self.mlp.routed(x_mlp), self.mlp.shared(x_local),
-                                              batch)
+            out = self.layer_communicator.postprocess_layer(
+                self.mlp.routed(x_mlp), self.mlp.shared(x_local), batch)
         else:
-            out = self.comm.postprocess_layer(self.mlp(x_mlp), None, batch)
+            out = self.layer_communicator.postprocess_layer(self.mlp(x_mlp), None, batch)
         return out, residual
 
 
@@ -198,7 +198,7 @@ class QwenMoeModel(nn.Module):
     def __init__(self, cfg: QwenMoeConfig, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()
         sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
-        self.plans = cm.plan_layers(groups.layout, sparse)
+        self.plans = communicator.plan_layers(groups.layout, sparse)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(QwenMoeDecoderLayer(cfg, groups, p, dtype)

@@ -68,7 +68,7 @@ if _fault and not _helper:
     _forward = _qwen.QwenMoeDecoderLayer.forward
 
     def _failing(self, *args, **kwargs):
-        if self.layer == _layer and self.comm.groups.rank == _rank:
+        if self.layer == _layer and self.layer_communicator.groups.rank == _rank:
             raise RuntimeError(f"injected fault at layer {_layer} (CPMOE_E2E_FAULT={_fault})")
         return _forward(self, *args, **kwargs)
     _qwen.QwenMoeDecoderLayer.forward = _failing
