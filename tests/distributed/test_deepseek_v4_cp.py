@@ -1,7 +1,7 @@
 """DeepSeek-V4 under context parallelism equals the one-rank run (gloo, float32).
 
-One rank pool per world size (2, 4, 8), created once and reused by every case of that size
-(cases are ordered by world size so only one pool is alive at a time). Prompts of lengths
+One rank pool per world size (2, 4, 8: tests/distributed/conftest.py) reused by every case
+of that size. Prompts of lengths
 300, 120, 1 and 7: 300 gives CSA entries past the indexer's top-k and HCA entries, 120 + 16
 crosses the HCA boundary while decoding, 1 and 7 leave some CP ranks without tokens.
 
@@ -28,7 +28,6 @@ from cpmoe.engine.runner import ModelRunner, check_model_fit
 from cpmoe.models.deepseek_v4_config import check_v4_layout
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 from tests.distributed._v4_tasks import greedy_run, make_v4_model, v4_task
 
@@ -43,7 +42,6 @@ def lay(tp: int, backend: str, ep: int, strategy: str, moe_dp: int = 1) -> Paral
                           moe_a2a_backend=backend, cp_strategy=strategy)
 
 
-# Ordered by world size: the pool fixture keeps one pool alive at a time.
 EXPLICIT = [lay(4, "none", 4, "interleave"), lay(4, "alltoall", 4, "interleave")]
 MATRIX = [
     *EXPLICIT,
@@ -61,22 +59,6 @@ MATRIX = [
 def layout_id(lay: ParallelLayout) -> str:
     return (f"tp{lay.tp_size}-cp{lay.attn_cp_size}-dp{lay.moe_dp_size}-ep{lay.ep_size}-"
             f"{lay.moe_a2a_backend}-{lay.cp_strategy}")
-
-
-@pytest.fixture(scope="module")
-def pools():
-    live: dict[int, RankPool] = {}
-
-    def get(world: int) -> RankPool:
-        for size in [s for s in live if s != world]:
-            live.pop(size).close()
-        if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=120)
-        return live[world]
-
-    yield get
-    for pool in live.values():
-        pool.close()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,7 @@ import torch
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._engine_tasks import chunked_prefill_task, preemption_task, streaming_task
-from tests.distributed.test_layouts import MATRIX, TOL, layout_id, pools  # noqa: F401
+from tests.distributed.test_layouts import MATRIX, TOL, layout_id
 
 CHUNKS = [7, 64, 1000]
 LENGTHS = [150, 1, 9, 70]
@@ -36,7 +36,7 @@ def one_shot(qwen3_moe_dir, long_seqs):
 
 @pytest.mark.parametrize("layout", CP_LAYOUTS, ids=layout_id)
 def test_chunked_prefill_over_sharded_kv_matches_one_shot(layout, pools, qwen3_moe_dir,
-                                                          long_seqs, one_shot):  # noqa: F811
+                                                          long_seqs, one_shot):
     got = pools(layout.world_size).run(chunked_prefill_task, layout, qwen3_moe_dir, long_seqs,
                                        CHUNKS)
     total = sum(LENGTHS)
@@ -56,7 +56,7 @@ PRESSURE = [ParallelLayout(), ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=
 
 @pytest.mark.parametrize("layout", PRESSURE, ids=layout_id)
 def test_preemption_under_memory_pressure_changes_no_token(layout, pools, qwen3_moe_dir,
-                                                           long_seqs):  # noqa: F811
+                                                           long_seqs):
     seqs = [s[:40] for s in long_seqs] + [long_seqs[0][60:100]]
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=5)
     free = pools(layout.world_size).run(preemption_task, layout, qwen3_moe_dir, seqs, 12,
@@ -71,7 +71,7 @@ def test_preemption_under_memory_pressure_changes_no_token(layout, pools, qwen3_
 
 
 def test_decoding_streams_get_a_token_every_step_while_a_long_prompt_prefills(
-        pools, qwen3_moe_dir, long_seqs):  # noqa: F811
+        pools, qwen3_moe_dir, long_seqs):
     layout = ParallelLayout(tp_size=2, attn_cp_size=2, ep_size=2)
     short = [s[:5] for s in long_seqs[:3]]
     steps = pools(2).run(streaming_task, layout, qwen3_moe_dir, short, long_seqs[0], 16)[0]

@@ -20,7 +20,7 @@ import pytest
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._model_tasks import layout_task, run_model
 from tests.distributed.test_layouts import (  # noqa: F401 -- shared module fixtures
-    MATRIX, assert_matches_reference, layout_id, pools, seqs)
+    MATRIX, assert_matches_reference, layout_id, seqs)
 from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 
 NEW_TOKENS = 4

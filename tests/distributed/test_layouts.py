@@ -1,6 +1,6 @@
 """Every parallel layout equals the one-rank run (gloo, float32, tiny checkpoints).
 
-One rank pool per world size is spawned once and reused by every case. For each layout the
+One rank pool per world size (tests/distributed/conftest.py) is reused by every case. For each layout the
 Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints run a batch of uneven prompts (lengths
 not divisible by 2*cp, and shorter than 2*cp): prefill logits of all positions, greedy
 tokens and every decode step's logits must equal the one-rank reference within 1e-5.
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 from tests.distributed._model_tasks import layout_task, placement_task, run_model
 
@@ -94,20 +93,6 @@ def test_hybrid_layouts_meet_both_cp_strategies():
     assert {lay.cp_strategy for lay in hybrid if lay.attn_cp_size > 1} == {"zigzag",
                                                                            "interleave"}
     assert {lay.cp_strategy for lay in hybrid if lay.tp_size == 8} == {"zigzag", "interleave"}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    live: dict[int, RankPool] = {}
-
-    def get(world: int) -> RankPool:
-        if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=120)
-        return live[world]
-
-    yield get
-    for pool in live.values():
-        pool.close()
 
 
 @pytest.fixture(scope="module")
