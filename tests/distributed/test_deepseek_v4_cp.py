@@ -7,7 +7,8 @@ crosses the HCA boundary while decoding, 1 and 7 leave some CP ranks without tok
 
 - every V4 layout (attn_cp == tp; backends none and alltoall; EP, MoE-TP and coupled MoE;
   interleave and zigzag): prefill logits of all positions and every decode step's logits
-  within 1e-5 of one rank, and the same 16 greedy tokens;
+  within 1e-5 of one rank, and the same 16 greedy tokens (the 8-rank alltoall layout only
+  with CPMOE_FULL=1);
 - shared expert counted once: with every routed expert zeroed, the output is the shared
   expert's alone, so a shared output summed over ranks would be off by the group size;
 - hash routing follows the rows: with only hash-routed layers' experts non-zero, token ids
@@ -29,6 +30,7 @@ from cpmoe.models.deepseek_v4_config import check_v4_layout
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
+from tests._full import full_matrix
 from tests.distributed._v4_tasks import greedy_run, make_v4_model, v4_task
 
 LENGTHS = [300, 120, 1, 7]
@@ -54,6 +56,8 @@ MATRIX = [
     lay(8, "none", 8, "interleave"),
     lay(8, "alltoall", 8, "interleave"),
 ]
+# The default run (2-core budget) keeps one 8-rank layout; alltoall runs at 2 and 4 ranks.
+V4_DEFAULT = [x for x in MATRIX if (x.tp_size, x.moe_a2a_backend) != (8, "alltoall")]
 
 
 def layout_id(lay: ParallelLayout) -> str:
@@ -194,7 +198,8 @@ def test_v4_rebalanced_experts_give_the_same_outputs(layout, pools, v4_dirs, seq
     assert_same(got, reference["base"], f"rebalanced {layout_id(layout)}")
 
 
-@pytest.mark.parametrize("layout", MATRIX, ids=layout_id)
+@pytest.mark.parametrize("layout", full_matrix(MATRIX, lambda x: x in V4_DEFAULT),
+                         ids=layout_id)
 def test_v4_layout_matches_single_rank(layout, pools, v4_dirs, seqs, reference):
     got = pools(layout.world_size).run(v4_task, layout, {"v": v4_dirs["base"]}, seqs,
                                        NEW_TOKENS)[0]["v"]
