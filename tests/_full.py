@@ -11,8 +11,9 @@ REASON = "full matrix only (CPMOE_FULL=1 runs every case, pytest -m full these o
 
 
 def full_run(config: pytest.Config) -> bool:
-    """Whether this run includes the `full` cases."""
-    return os.environ.get("CPMOE_FULL") == "1" or "full" in (config.option.markexpr or "")
+    """Whether this run includes the `full` cases (CPMOE_FULL=1, or -m selecting them)."""
+    expr = config.option.markexpr or ""
+    return os.environ.get("CPMOE_FULL") == "1" or ("full" in expr and "not full" not in expr)
 
 
 def full_matrix(cases: list, keep) -> list:
