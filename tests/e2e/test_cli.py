@@ -350,6 +350,9 @@ def v4_dir(workdir) -> Path:
     return make_v4_model("base", workdir / "deepseek_v4")[1]
 
 
+# prompts per `cpmoe check` call: each length (17, 64, 129) four times (the count is not what
+# is tested; 40 made each call's prefill 2.8K tokens on both sides)
+CHECK_PROMPTS = 12
 # `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts'; the
 # default keeps one check per world size and the V4 one)
 FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2"}
@@ -359,12 +362,13 @@ FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2"}
 def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]:
     """The short multi-rank calls, run a few at a time."""
     q3 = str(qwen3_moe_dir)
-    check = ("check", "--model", q3, "--prompts", "40", "--lengths", "17,64,129")
+    check = ("check", "--model", q3, "--prompts", str(CHECK_PROMPTS), "--lengths", "17,64,129")
     calls: dict[str, tuple] = {
         "check-tp8-cp4-ep8": ((*check, "--tp-size", "8", "--attn-cp-size", "4",
                                "--ep-size", "8"),),
-        "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", "40", "--lengths",
-                                  "17,64,129", *TP2_CP2_EP2, "--cp-strategy", "interleave"),),
+        "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", str(CHECK_PROMPTS),
+                                  "--lengths", "17,64,129", *TP2_CP2_EP2, "--cp-strategy",
+                                  "interleave"),),
         "check-tp8-cp8-ep8-alltoall": ((*check, "--tp-size", "8", "--attn-cp-size", "8",
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
         "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
@@ -625,9 +629,10 @@ CHECKS = [
 def test_check_layout(multi, name, sizes):
     res = multi[name]
     assert res.returncode == 0, res.describe()
-    assert "first-token matches: 40/40\n" in res.stdout, res.describe()
+    assert f"first-token matches: {CHECK_PROMPTS}/{CHECK_PROMPTS}\n" in res.stdout, \
+        res.describe()
     matches, prompts, diff, layout = parse_check(res)
-    assert (matches, prompts) == (40, 40)
+    assert (matches, prompts) == (CHECK_PROMPTS, CHECK_PROMPTS)
     assert diff <= 1e-5, res.describe()
     assert {k: layout[k] for k in sizes} == sizes
     assert res.ranks_spawned() == sizes["world_size"]
