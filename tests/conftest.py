@@ -9,6 +9,11 @@ Fixtures:
     qwen3_moe_dir, qwen2_moe_dir   checkpoint directories (config.json + model.safetensors)
     hf_models                      {"qwen3_moe": model, "qwen2_moe": model}, eval mode
     make_hf_checkpoint             factory(kind, **config_overrides) -> (model, dir), cached
+
+The `full` marker: cases of exhaustive matrices beyond the representative set the default run
+keeps (the suite's budget is 15 minutes on 2 cores). They are collected and reported as
+skipped; `CPMOE_FULL=1 pytest` runs everything, `pytest -m full` only those cases.
+tests/_full.py: `full_matrix(cases, keep)` marks the cases `keep` does not keep.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ if str(REPO_ROOT) not in sys.path:  # cpmoe importable from the repo root withou
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests._full import REASON, full_run  # noqa: E402
+
 ROUTER_SCALE = 4.0
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -36,6 +43,20 @@ CONFIGS = {
                       mlp_only_layers=[2], qkv_bias=True),
 }
 SEEDS = {"qwen3_moe": 0, "qwen2_moe": 1}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"full: a case of an exhaustive matrix beyond the "
+                                       f"default representative set ({REASON})")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if full_run(config):
+        return
+    skip = pytest.mark.skip(reason=REASON)
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)
 
 
 def make_hf_model(kind: str, out_dir: pathlib.Path | None = None, **overrides):

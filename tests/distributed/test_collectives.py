@@ -7,7 +7,7 @@ import pytest
 
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._model_tasks import groups_task, layout_task, step_stats_task
-from tests.distributed.test_layouts import LENGTHS, pools, seqs  # noqa: F401  (fixtures)
+from tests.distributed.test_layouts import LENGTHS, seqs  # noqa: F401  (fixtures)
 
 # The qwen3_moe fixture: 3 layers, layer 1 dense (mlp_only_layers=[1]).
 LAYERS, SPARSE = 3, 2

@@ -8,7 +8,7 @@ from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._model_tasks import kv_and_sampling_task
-from tests.distributed.test_layouts import pools, seqs  # noqa: F401  (fixtures)
+from tests.distributed.test_layouts import seqs  # noqa: F401  (fixture)
 
 SAMPLING = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11)
 LAYOUTS = [

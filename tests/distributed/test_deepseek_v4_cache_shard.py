@@ -15,7 +15,6 @@ import torch
 from cpmoe.models.deepseek_v4_cache import sequence_bytes
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._v4_tasks import cache_bytes_run, cache_bytes_task, make_v4_model
 
@@ -43,10 +42,8 @@ def one_rank(model_dir, prompt) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = RankPool(CP, "cpu", collective_timeout_s=300)
-    yield p
-    p.close()
+def pool(pools):
+    return pools(CP)
 
 
 @pytest.mark.parametrize("strategy", ["interleave", "zigzag"])

@@ -13,27 +13,25 @@ run within 1e-5, and its greedy tokens are the same.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from cpmoe.parallel.groups import ProcessGroups
+from tests._full import full_matrix
 from tests.distributed._model_tasks import layout_task, run_model
 from tests.distributed.test_layouts import (  # noqa: F401 -- shared module fixtures
-    MATRIX, assert_matches_reference, layout_id, pools, seqs)
+    MATRIX, assert_matches_reference, layout_id, seqs)
 from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 
 NEW_TOKENS = 4
 # The suite's budget (15 minutes on 2 cores) takes one layout of each kind that cuts FP8
-# weights and scales differently: MoE-TP 2 / 4 / 8, EP (none, alltoall), EP x MoE-TP, MoE-DP,
-# both CP strategies and CP 1 / 2 / 4 / 8. CPMOE_FP8_FULL_MATRIX=1 runs all 48 layouts.
+# weights and scales differently: attention TP 1 / 2 / 8, MoE-TP 2 / 4 / 8, EP (none,
+# alltoall; 8 ranks with one expert each), EP x MoE-TP, MoE-DP, both CP strategies and CP 1 /
+# 2 / 8 (CP cuts no weight). CPMOE_FULL=1 runs all 48 layouts (the `full` marker).
 FP8_LAYOUTS = {"tp2-cp1-dp1-ep1-none-zigzag", "tp2-cp2-dp1-ep2-none-interleave",
                "tp4-cp2-dp1-ep1-none-interleave", "tp4-cp2-dp1-ep2-none-zigzag",
                "tp4-cp2-dp1-ep4-alltoall-zigzag", "tp4-cp2-dp2-ep2-none-interleave",
-               "tp8-cp1-dp1-ep1-none-zigzag", "tp8-cp4-dp1-ep2-none-zigzag",
-               "tp8-cp8-dp1-ep8-none-zigzag"}
-LAYOUTS = (MATRIX if os.environ.get("CPMOE_FP8_FULL_MATRIX") == "1"
-           else [lay for lay in MATRIX if layout_id(lay) in FP8_LAYOUTS])
+               "tp8-cp1-dp1-ep1-none-zigzag", "tp8-cp8-dp1-ep8-none-zigzag"}
+LAYOUTS = full_matrix(MATRIX, lambda lay: layout_id(lay) in FP8_LAYOUTS)
 HF_TOL = 1e-4
 KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]
 

@@ -1,9 +1,10 @@
 """Every parallel layout equals the one-rank run (gloo, float32, tiny checkpoints).
 
-One rank pool per world size is spawned once and reused by every case. For each layout the
-Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints run a batch of uneven prompts (lengths
-not divisible by 2*cp, and shorter than 2*cp): prefill logits of all positions, greedy
-tokens and every decode step's logits must equal the one-rank reference within 1e-5.
+One rank pool per world size (tests/distributed/conftest.py) is reused by every case. For
+each layout the Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints run a batch of uneven
+prompts (lengths not divisible by 2*cp, and shorter than 2*cp): prefill logits of all
+positions, greedy tokens and every decode step's logits must equal the one-rank reference
+within 1e-5. The default run compares the layouts in DEFAULT; CPMOE_FULL=1 all of MATRIX.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
+from tests._full import full_matrix
 from tests.distributed._model_tasks import layout_task, placement_task, run_model
 
 SEQS_SEED = 7
@@ -81,6 +82,25 @@ def matrix() -> list[ParallelLayout]:
 MATRIX = matrix()
 REQUIRED = {"tp4-cp2-dp1-ep4", "tp4-cp2-dp2-ep2", "tp8-cp4-dp1-ep8", "tp8-cp8-dp1-ep8",
             "tp4-cp1-dp1-ep2", "tp4-cp2-dp1-ep2", "tp8-cp2-dp1-ep4", "tp8-cp4-dp1-ep2"}
+# What the default run compares (the suite's budget is 15 minutes on 2 cores): 5 of the 9
+# 2-rank layouts and 8 of the 28 4-rank cases (MoE-TP, EP, EP x MoE-TP and coupled MoE-DP,
+# CP 1, 2 and 4, both strategies, each backend) and the 4 SGLang 8-rank layouts;
+# CPMOE_FULL=1 runs all of MATRIX. test_default_run_keeps_every_kind_of_layout checks it.
+DEFAULT = {
+    "tp2-cp1-dp1-ep1-none-zigzag", "tp2-cp1-dp1-ep2-alltoall_padded-zigzag",
+    "tp2-cp2-dp1-ep2-none-interleave", "tp2-cp2-dp1-ep2-alltoall-zigzag",
+    "tp2-cp2-dp2-ep1-none-zigzag",
+    "tp4-cp1-dp1-ep2-none-zigzag", "tp4-cp2-dp1-ep1-none-zigzag",
+    "tp4-cp2-dp1-ep2-none-interleave", "tp4-cp2-dp1-ep4-none-zigzag",
+    "tp4-cp2-dp1-ep4-alltoall-interleave", "tp4-cp2-dp2-ep2-none-interleave",
+    "tp4-cp4-dp1-ep4-alltoall_padded-interleave", "tp4-cp4-dp4-ep1-none-zigzag",
+    "tp8-cp2-dp1-ep4-none-interleave", "tp8-cp4-dp1-ep2-none-zigzag",
+    "tp8-cp4-dp1-ep8-none-interleave", "tp8-cp8-dp1-ep8-none-zigzag",
+}
+
+
+def in_default(lay: ParallelLayout) -> bool:
+    return layout_id(lay) in DEFAULT
 
 
 def test_matrix_contains_sglang_layouts():
@@ -89,25 +109,29 @@ def test_matrix_contains_sglang_layouts():
     assert len({layout_id(lay) for lay in MATRIX}) == len(MATRIX)  # no case runs twice
 
 
+def test_default_run_keeps_every_kind_of_layout():
+    kept = [lay for lay in MATRIX if in_default(lay)]
+    assert len(kept) == len(DEFAULT)  # each name is a layout of MATRIX
+    assert REQUIRED <= {layout_id(lay).rsplit("-", 2)[0] for lay in kept}
+    for tp in (2, 4, 8):
+        mine = [lay for lay in kept if lay.tp_size == tp]
+        assert {lay.cp_strategy for lay in mine if lay.attn_cp_size > 1} == {"zigzag",
+                                                                             "interleave"}
+        assert {lay.attn_cp_size for lay in mine} >= {c for c in (2, 4, 8) if c <= tp}
+        assert tp == 8 or 1 in {lay.attn_cp_size for lay in mine}  # plain TP: 2 and 4 ranks
+    for tp in (2, 4):  # 8 ranks: the SGLang layouts only
+        mine = [lay for lay in kept if lay.tp_size == tp]
+        assert {lay.moe_a2a_backend for lay in mine} == {"none", "alltoall", "alltoall_padded"}
+        kinds = {(lay.ep_size > 1, lay.moe_tp_size > 1, lay.moe_dp_size > 1) for lay in mine}
+        assert {(False, True, False), (True, False, False), (False, False, True)} <= kinds
+    assert any(lay.ep_size > 1 and lay.moe_tp_size > 1 for lay in kept)  # EP x MoE-TP
+
+
 def test_hybrid_layouts_meet_both_cp_strategies():
     hybrid = [lay for lay in MATRIX if lay.ep_size > 1 and lay.moe_tp_size > 1]
     assert {lay.cp_strategy for lay in hybrid if lay.attn_cp_size > 1} == {"zigzag",
                                                                            "interleave"}
     assert {lay.cp_strategy for lay in hybrid if lay.tp_size == 8} == {"zigzag", "interleave"}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    live: dict[int, RankPool] = {}
-
-    def get(world: int) -> RankPool:
-        if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=120)
-        return live[world]
-
-    yield get
-    for pool in live.values():
-        pool.close()
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +147,7 @@ def reference(qwen3_moe_dir, qwen2_moe_dir, seqs):
             for k, d in dirs.items()}
 
 
-@pytest.mark.parametrize("layout", MATRIX, ids=layout_id)
+@pytest.mark.parametrize("layout", full_matrix(MATRIX, in_default), ids=layout_id)
 def test_layout_matches_single_rank(layout, pools, reference, qwen3_moe_dir, qwen2_moe_dir,
                                     seqs):
     dirs = {"qwen3_moe": qwen3_moe_dir, "qwen2_moe": qwen2_moe_dir}

@@ -12,22 +12,28 @@ Every call gets `--device cpu`, a timeout, `CPMOE_CACHE_DIR` pointing at a tempo
   rank r's Qwen decoder layer l raises (the product code has no test hook).
 
 Each subprocess costs an interpreter + torch import (and each multi-rank call one per rank),
-so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture,
+so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture
+(most refused layouts and inputs as `cpmoe.cli.main` calls in the test process, with process
+starts trapped: `Cli.in_process`),
 the short multi-rank calls in a second one; the fault-injection run and the 4K-16K sweep run
 alone (the first has a fail-fast bound, the second is measured and reported).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import multiprocessing.process
 import os
 import re
 import subprocess
 import sys
 import time
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -38,6 +44,7 @@ from cpmoe.cli import escape_text
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
+from tests._full import FULL, full_run
 from tests.e2e._serve_helpers import marked_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,18 +87,23 @@ if _fault and not _helper:
 @dataclass
 class CliResult:
     args: list[str]
-    returncode: int
+    returncode: int | None
     stdout: str
     stderr: str
     elapsed_s: float
     marker: str
-    spawn_log: Path
+    spawn_log: Path | None  # None: run in this process (Cli.in_process)
+    started: list[str] = field(default_factory=list)  # in this process: what it tried to start
 
     def interpreters(self) -> list[str]:
         """Command lines of every Python interpreter this call started (itself included)."""
+        if self.spawn_log is None:
+            return ["cpmoe.cli main() in the test process", *self.started]
         return [p.read_text() for p in sorted(self.spawn_log.iterdir())]
 
     def ranks_spawned(self) -> int:
+        if self.spawn_log is None:  # every start was refused: count the attempts
+            return len(self.started)
         return sum("spawn_main" in cmd for cmd in self.interpreters())
 
     def describe(self) -> str:
@@ -124,6 +136,34 @@ class Cli:
         # Bytes, not text=True: universal newlines would turn a progress bar's '\r' into '\n'.
         return CliResult(argv, proc.returncode, decode(proc.stdout), decode(proc.stderr),
                          elapsed, marker, spawn_log)
+
+    def in_process(self, *args: str) -> CliResult:
+        """`cpmoe.cli.main` called here (no interpreter, no torch import: for input refused
+        before any work). Starting a process or a subprocess raises, and is recorded in
+        `started`, so "nothing was spawned" is checked as with the spawn log."""
+        from cpmoe.cli import main
+        argv = [*map(str, args), "--device", "cpu"]
+        out, err, started = io.StringIO(), io.StringIO(), []
+
+        def refuse(obj, *_, **__):
+            started.append(f"{type(obj).__name__} (refused by the test)")
+            raise RuntimeError("test: cpmoe tried to start a process")
+
+        t0 = time.monotonic()
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            mp.setenv("CPMOE_CACHE_DIR", str(self.cache_dir))
+            mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+            mp.setattr(subprocess.Popen, "__init__", refuse)
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse
+                code = e.code
+            except Exception:  # noqa: BLE001 -- shown by describe()
+                traceback.print_exc()
+                code = None
+        return CliResult(argv, code, out.getvalue(), err.getvalue(), time.monotonic() - t0,
+                         "", None, started)
 
     def many(self, calls: dict[str, tuple], workers: int,
              timeout: float = QUICK_TIMEOUT_S) -> dict[str, CliResult]:
@@ -260,9 +300,21 @@ def ids_file(workdir) -> Path:
     return path
 
 
+# Refused layouts and inputs checked through a real interpreter (its spawn log); the other
+# refusals call cpmoe.cli.main in the test process (about 4 CPU-s less each), where starting
+# any process fails the call.
+SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-layout-prefill-cp-not-dividing-tp",
+                  "bad-layout-prefill-experts-not-divisible-by-ep", "bad-input-not-json",
+                  "bad-input-id-too-large"}
+# `plan` (no rank, no weights) runs as a real command for the demo layout (--json and text);
+# its other layouts are read from main() in this process
+IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8"}
+
+
 @pytest.fixture(scope="module")
 def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
-    """Every call that must not (or need not) spawn ranks, run concurrently."""
+    """Every call that must not (or need not) spawn ranks, run concurrently (the refusals
+    not in SPAWNED_CHECKS: one after another in this process)."""
     q3 = str(qwen3_moe_dir)
     calls: dict[str, tuple] = {
         "plan": (("plan", *TP4_CP2_EP4, "--json"),),
@@ -301,7 +353,10 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
     (workdir / "existing-dir").mkdir()
     calls["dump-is-a-dir"] = (("prefill", "--model", q3, "--input-ids-file", ids_file,
                                "--dump-logits", workdir / "existing-dir"),)
-    return cli.many(calls, QUICK_WORKERS)
+    here = {k: v for k, v in calls.items()
+            if (k.startswith("bad-") and k not in SPAWNED_CHECKS) or k in IN_PROCESS_PLANS}
+    done = cli.many({k: v for k, v in calls.items() if k not in here}, QUICK_WORKERS)
+    return {**done, **{k: cli.in_process(*args) for k, (args,) in here.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -310,16 +365,25 @@ def v4_dir(workdir) -> Path:
     return make_v4_model("base", workdir / "deepseek_v4")[1]
 
 
+# prompts per `cpmoe check` call: each length (17, 64, 129) four times (the count is not what
+# is tested; 40 made each call's prefill 2.8K tokens on both sides)
+CHECK_PROMPTS = 12
+# `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts'; the
+# default keeps one check per world size and the V4 one)
+FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2"}
+
+
 @pytest.fixture(scope="module")
-def multi(cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]:
+def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]:
     """The short multi-rank calls, run a few at a time."""
     q3 = str(qwen3_moe_dir)
-    check = ("check", "--model", q3, "--prompts", "40", "--lengths", "17,64,129")
+    check = ("check", "--model", q3, "--prompts", str(CHECK_PROMPTS), "--lengths", "17,64,129")
     calls: dict[str, tuple] = {
         "check-tp8-cp4-ep8": ((*check, "--tp-size", "8", "--attn-cp-size", "4",
                                "--ep-size", "8"),),
-        "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", "40", "--lengths",
-                                  "17,64,129", *TP2_CP2_EP2, "--cp-strategy", "interleave"),),
+        "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", str(CHECK_PROMPTS),
+                                  "--lengths", "17,64,129", *TP2_CP2_EP2, "--cp-strategy",
+                                  "interleave"),),
         "check-tp8-cp8-ep8-alltoall": ((*check, "--tp-size", "8", "--attn-cp-size", "8",
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
         "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
@@ -330,6 +394,8 @@ def multi(cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]
         "generate-default-tp2": (("generate", "--prompt", "Hello", "--max-new-tokens", "4",
                                   *TP2_CP2_EP2),),
     }
+    if not full_run(request.config):
+        calls = {k: v for k, v in calls.items() if k not in FULL_CHECKS}
     return cli.many(calls, MULTI_WORKERS, timeout=MULTI_TIMEOUT_S)
 
 
@@ -422,9 +488,10 @@ def sglang_groups(tp: int, cp: int, ep: int, moe_dp: int = 1) -> dict[str, list[
 
 @pytest.fixture(scope="module")
 def hybrid_plans(cli) -> dict[tuple[int, int, int], CliResult]:
-    calls = {(tp, cp, ep): (("plan", "--tp-size", str(tp), "--attn-cp-size", str(cp),
-                             "--ep-size", str(ep), "--json"),) for tp, cp, ep in HYBRID}
-    return cli.many(calls, QUICK_WORKERS)
+    """plan --json from main() in this process (test_plan_json_* runs the real command)."""
+    return {(tp, cp, ep): cli.in_process("plan", "--tp-size", str(tp), "--attn-cp-size",
+                                         str(cp), "--ep-size", str(ep), "--json")
+            for tp, cp, ep in HYBRID}
 
 
 @pytest.mark.parametrize("tp, cp, ep", HYBRID, ids=[f"tp{t}-cp{c}-ep{e}" for t, c, e in HYBRID])
@@ -557,7 +624,7 @@ def test_generate_tp2_cp2_ep2_equals_one_rank(quick, multi):
 
 # ---- check -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, sizes", [
+CHECKS = [
     ("check-tp4-cp2-ep4",
      {"world_size": 4, "attn_cp_size": 2, "moe_ep_size": 4, "moe_dp_size": 1}),
     ("check-tp4-cp2-dp2-ep2",
@@ -569,26 +636,36 @@ def test_generate_tp2_cp2_ep2_equals_one_rank(quick, multi):
      {"world_size": 8, "attn_cp_size": 4, "moe_ep_size": 8, "moe_dp_size": 1}),
     ("check-v4-tp2-cp2-ep2",
      {"world_size": 2, "attn_cp_size": 2, "moe_ep_size": 2, "cp_strategy": "interleave"}),
-])
+]
+
+
+@pytest.mark.parametrize("name, sizes", [pytest.param(*c, marks=FULL) if c[0] in FULL_CHECKS
+                                         else c for c in CHECKS], ids=[c[0] for c in CHECKS])
 def test_check_layout(multi, name, sizes):
     res = multi[name]
     assert res.returncode == 0, res.describe()
-    assert "first-token matches: 40/40\n" in res.stdout, res.describe()
+    assert f"first-token matches: {CHECK_PROMPTS}/{CHECK_PROMPTS}\n" in res.stdout, \
+        res.describe()
     matches, prompts, diff, layout = parse_check(res)
-    assert (matches, prompts) == (40, 40)
+    assert (matches, prompts) == (CHECK_PROMPTS, CHECK_PROMPTS)
     assert diff <= 1e-5, res.describe()
     assert {k: layout[k] for k in sizes} == sizes
     assert res.ranks_spawned() == sizes["world_size"]
 
 
-def test_check_long_prompts_4k_to_16k(cli, qwen2_moe_dir, request):
-    res = cli("check", "--model", qwen2_moe_dir, *TP2_CP2_EP2, "--prompts", "4",
-              "--lengths", "4096,8192,12288,16384", timeout=SWEEP_TIMEOUT_S)
-    report(request, f"4K-16K check sweep (qwen2_moe, tp2 cp2 ep2, 4 prompts): "
+# The whole sweep took 476 s on 2 busy cores (attention grows with the square of the length):
+# the default run checks 4K and 8K prompts (about a quarter of it), CPMOE_FULL=1 all four.
+@pytest.mark.parametrize("lengths", ["4096,8192",
+                                     pytest.param("4096,8192,12288,16384", marks=FULL)])
+def test_check_long_prompts_4k_to_16k(cli, qwen2_moe_dir, request, lengths):
+    n = len(lengths.split(","))
+    res = cli("check", "--model", qwen2_moe_dir, *TP2_CP2_EP2, "--prompts", str(n),
+              "--lengths", lengths, timeout=SWEEP_TIMEOUT_S)
+    report(request, f"check of {lengths} tokens (qwen2_moe, tp2 cp2 ep2, {n} prompts): "
                     f"{res.elapsed_s:.1f} s, exit {res.returncode}")
     assert res.returncode == 0, res.describe()
     matches, prompts, diff, layout = parse_check(res)
-    assert (matches, prompts) == (4, 4), res.describe()
+    assert (matches, prompts) == (n, n), res.describe()
     assert diff <= 1e-5, res.describe()
     assert (layout["attn_cp_size"], layout["moe_ep_size"]) == (2, 2)
 

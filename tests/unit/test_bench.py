@@ -2,7 +2,8 @@
 they promise, and their correctness checks hold. No timing is asserted.
 
 The command-line runs are subprocesses (an interpreter and a torch import each, plus the
-ranks they spawn), so each is made once in a module fixture and read by several tests.
+ranks they spawn), so each is made once, all started together in the module fixture `runs`
+(two at a time), and read by the tests.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,22 +35,92 @@ TIMEOUT_S = 240
 LAYOUTS = "tp=1;tp=2,cp=2,ep=2;tp=2,cp=2,ep=2,placement=balanced"
 
 
-def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
+def _run(args: list[str], env: dict | None = None,
+         cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True,
                           text=True, timeout=TIMEOUT_S, env={**os.environ, **(env or {})},
                           check=False)
 
 
-def _bench(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return _run(["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu",
-                 "--iters", "1", "--warmup", "0", "--out", str(out), *extra], env)
+def _bench_args(out: Path, *extra: str) -> list[str]:
+    return ["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu", "--iters", "1",
+            "--warmup", "0", "--out", str(out), *extra]
+
+
+BAD_LAYOUTS = ("tp=2,cp=3", "tp=2,bogus=1", "tp=1;tp=3")
+V4_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
+    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+    "sliding_window": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 32,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "hc_mult": 4,
+    "compress_ratios": [128, 4, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
+SERVING_ARGS = {
+    "bench-one-batch": ["--shape", "tiny", "--batch-size", "1", "--input-len", "16",
+                        "--output-len", "2", "--device", "cpu"],
+    "bench-serving": ["--dataset", "random", "--random-input-len", "16", "--random-output-len",
+                      "3", "--num-prompts", "2", "--launch", "--device", "cpu"]}
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("bench") / "tiny.json"
-    proc = _bench(out, "--lengths", "64,128", "--layouts", LAYOUTS, "--compare-hf", "--plot")
-    return proc, out
+def runs(tmp_path_factory):
+    """Every command-line run of this module, started at once two at a time (each is an
+    interpreter and a torch import, plus its ranks: run one after another they leave one of
+    the 2 cores idle): name -> (future of the finished process, its folder)."""
+    def folder(name: str) -> Path:
+        return tmp_path_factory.mktemp(name.replace("=", "").replace(";", "_")
+                                       .replace(",", "_"))
+
+    calls: dict[str, tuple] = {}
+    d = folder("bench")
+    calls["bench"] = (_bench_args(d / "tiny.json", "--lengths", "64,128", "--layouts", LAYOUTS,
+                                  "--compare-hf", "--plot"), None, REPO_ROOT, d)
+    for layouts in BAD_LAYOUTS:
+        d = folder("bad")
+        calls[f"bad-{layouts}"] = (_bench_args(d / "bad.json", "--lengths", "64", "--layouts",
+                                               layouts), None, REPO_ROOT, d)
+    d = folder("big")
+    calls["cannot-fit"] = (["-m", "cpmoe.cli", "bench", "--shape", "qwen3-30b-a3b", "--device",
+                            "cpu", "--out", str(d / "big.json")], None, REPO_ROOT, d)
+    d = folder("no-out")
+    calls["no-out"] = (["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu",
+                        "--iters", "1", "--warmup", "0", "--lengths", "32"],
+                       {"CPMOE_CACHE_DIR": str(d / "cache"), "PYTHONPATH": str(REPO_ROOT)},
+                       d, d)
+    d = folder("oom")
+    calls["oom"] = (_bench_args(d / "oom.json", "--lengths", "32,64,96", "--layouts", "tp=1"),
+                    {"CPMOE_BENCH_INJECT_OOM": "64"}, REPO_ROOT, d)
+    for script in ("attention_cp", "dispatch"):
+        d = folder(script)
+        calls[script] = (["-m", f"cpmoe.bench.{script}", "--device", "cpu", "--smoke", "--out",
+                          str(d / f"{script}.json")], None, REPO_ROOT, d)
+    d = folder("v4")
+    (d / "v4.json").write_text(json.dumps(V4_CONFIG))
+    calls["v4"] = (["-m", "cpmoe.cli", "bench", "--config", str(d / "v4.json"), "--device",
+                    "cpu", "--dtype", "float32", "--iters", "1", "--warmup", "0", "--lengths",
+                    "300", "--layouts", "tp=1;tp=2,cp=2,ep=2,backend=alltoall_padded", "--out",
+                    str(d / "v4-bench.json")], None, REPO_ROOT, d)
+    for command, args in SERVING_ARGS.items():
+        d = folder(command)
+        calls[command] = (["-m", "cpmoe.cli", command, "--out", str(d / f"{command}.json"),
+                           *args], None, REPO_ROOT, d)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: (pool.submit(_run, args, env, cwd), d)
+               for name, (args, env, cwd, d) in calls.items()}
+
+
+def _result(runs, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    future, folder = runs[name]
+    return future.result(), folder
+
+
+@pytest.fixture(scope="module")
+def bench_run(runs) -> tuple[subprocess.CompletedProcess, Path]:
+    proc, d = _result(runs, "bench")
+    return proc, d / "tiny.json"
 
 
 @pytest.fixture(scope="module")
@@ -130,45 +202,37 @@ def test_bench_plots_or_warns(bench_run, bench_rows):
     assert png.exists() or "matplotlib is not installed" in proc.stderr
 
 
-def test_bench_bad_layouts_exit_2_with_one_line(tmp_path):
-    for layouts in ("tp=2,cp=3", "tp=2,bogus=1", "tp=1;tp=3"):
-        proc = _bench(tmp_path / "bad.json", "--lengths", "64", "--layouts", layouts)
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("cpmoe: error: --layouts"), lines
-        assert not (tmp_path / "bad.json").exists()
+@pytest.mark.parametrize("layouts", BAD_LAYOUTS)
+def test_bench_bad_layouts_exit_2_with_one_line(runs, layouts):
+    proc, d = _result(runs, f"bad-{layouts}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cpmoe: error: --layouts"), lines
+    assert not (d / "bad.json").exists()
 
 
-def test_bench_whose_weights_cannot_fit_is_one_line_before_any_rank(tmp_path):
+def test_bench_whose_weights_cannot_fit_is_one_line_before_any_rank(runs):
     """The 30B shape on CPU: its weights alone (61 GB in float32 at tp 1) exceed any test
     machine's memory; refused from the shapes on the meta device, nothing written."""
-    proc = _run(["-m", "cpmoe.cli", "bench", "--shape", "qwen3-30b-a3b", "--device", "cpu",
-                 "--out", str(tmp_path / "big.json")])
+    proc, d = _result(runs, "cannot-fit")
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GB" in lines[0] and "qwen3-30b-a3b" in lines[0], lines
-    assert not (tmp_path / "big.json").exists()
+    assert not (d / "big.json").exists()
 
 
-def test_bench_without_out_writes_to_the_cache_folder_not_the_cwd(tmp_path):
-    cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "cpmoe.cli", "bench", "--shape", "tiny",
-                           "--device", "cpu", "--iters", "1", "--warmup", "0", "--lengths",
-                           "32"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env={**os.environ, "CPMOE_CACHE_DIR": str(cache),
-                                                  "PYTHONPATH": str(REPO_ROOT)}, check=False)
+def test_bench_without_out_writes_to_the_cache_folder_not_the_cwd(runs):
+    proc, d = _result(runs, "no-out")  # run in d, with its cache folder d / "cache"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    written = list((cache / "bench").glob("tiny-*.json"))
+    written = list((d / "cache" / "bench").glob("tiny-*.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["rows"]
-    assert not (tmp_path / "bench").exists()
+    assert not (d / "bench").exists()
 
 
-def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path):
-    out = tmp_path / "oom.json"
-    proc = _bench(out, "--lengths", "32,64,96", "--layouts", "tp=1",
-                  env={"CPMOE_BENCH_INJECT_OOM": "64"})
+def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(runs):
+    proc, d = _result(runs, "oom")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((d / "oom.json").read_text())["rows"]
     assert [r["error"] for r in rows] == [None, "out of memory", "out of memory"]
     assert "not run" in rows[2]["error_detail"] and rows[0]["tokens_per_s"] > 0
 
@@ -230,9 +294,9 @@ def test_model_flops_add_causal_attention_per_sequence():
 # ---- python3 -m cpmoe.bench.attention_cp / .dispatch ----------------------------------------
 
 @pytest.mark.parametrize("script", ["attention_cp", "dispatch"])
-def test_bench_script_smoke_writes_json(tmp_path, script):
-    out = tmp_path / f"{script}.json"
-    proc = _run(["-m", f"cpmoe.bench.{script}", "--device", "cpu", "--smoke", "--out", str(out)])
+def test_bench_script_smoke_writes_json(runs, script):
+    proc, d = _result(runs, script)
+    out = d / f"{script}.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     measured = [r for r in data["rows"] if r.get("error") is None]
@@ -253,24 +317,11 @@ def test_bench_script_smoke_writes_json(tmp_path, script):
             assert min(r["remote_bytes_per_rank"]) > 0
 
 
-def test_bench_takes_a_deepseek_v4_config_at_random_weights(tmp_path):
+def test_bench_takes_a_deepseek_v4_config_at_random_weights(runs):
     """Any supported config.json benches without a checkpoint, V4 included (its hash-routing
     tables drawn as distinct expert ids); its CP layout's logits match one rank."""
-    config = tmp_path / "v4.json"
-    config.write_text(json.dumps({
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
-        "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
-        "sliding_window": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 32,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "hc_mult": 4,
-        "compress_ratios": [128, 4, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}))
-    out = tmp_path / "v4-bench.json"
-    proc = _run(["-m", "cpmoe.cli", "bench", "--config", str(config), "--device", "cpu",
-                 "--dtype", "float32", "--iters", "1", "--warmup", "0", "--lengths", "300",
-                 "--layouts", "tp=1;tp=2,cp=2,ep=2,backend=alltoall_padded", "--out", str(out)])
+    proc, d = _result(runs, "v4")
+    out = d / "v4-bench.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["tp=1", "tp=2,cp=2,ep=2,backend=alltoall_padded"]
@@ -287,17 +338,11 @@ def test_random_hash_tables_hold_distinct_expert_ids():
     assert all(len(set(row.tolist())) == 3 for row in t)
 
 
-@pytest.mark.parametrize("command", ["bench-one-batch", "bench-serving"])
-def test_decode_and_serving_benchmarks_write_provenance(tmp_path, command):
+@pytest.mark.parametrize("command", list(SERVING_ARGS))
+def test_decode_and_serving_benchmarks_write_provenance(runs, command):
     """The other two commands that write bench/results/ files, at tiny sizes on CPU."""
-    out = tmp_path / f"{command}.json"
-    if command == "bench-one-batch":
-        args = ["--shape", "tiny", "--batch-size", "1", "--input-len", "16", "--output-len",
-                "2", "--device", "cpu"]
-    else:
-        args = ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "3",
-                "--num-prompts", "2", "--launch", "--device", "cpu"]
-    proc = _run(["-m", "cpmoe.cli", command, "--out", str(out), *args])
+    proc, d = _result(runs, command)
+    out = d / f"{command}.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     head = json.loads(out.read_text())["header"]
     _assert_provenance(head)
