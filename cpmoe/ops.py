@@ -320,29 +320,7 @@ if triton is not None:
         tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, x_row_stride, eps,
-                          heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
-                          HALF: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, HEADS)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        mask = h < heads
-        base = x_ptr + t * x_row_stride + h * (2 * HALF) + d
-        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
-            r = (1.0 / tl.sqrt(ms + eps))[:, None]
-            x1 = x1 * r * tl.load(w_ptr + d).to(tl.float32)
-            x2 = x2 * r * tl.load(w_ptr + HALF + d).to(tl.float32)
-        c = tl.load(cos_ptr + t * (2 * HALF) + d).to(tl.float32)
-        s = tl.load(sin_ptr + t * (2 * HALF) + d).to(tl.float32)
-        dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
-        tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rope_heads(src, w_ptr, cos_ptr, sin_ptr, t, eps, h, d, mask,
+    def _rope_heads(src, w_ptr, cos_ptr, sin_ptr, t, eps, d, mask,
                     HAS_NORM: tl.constexpr, HALF: tl.constexpr):
         """Heads at src + h * 2 HALF + d (h [heads, 1], d [1, HALF]) -> rotated halves."""
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -357,6 +335,20 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
+    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, x_row_stride, eps,
+                          heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+                          HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        a, b = _rope_heads(x_ptr + t * x_row_stride + h * (2 * HALF) + d, w_ptr, cos_ptr,
+                           sin_ptr, t, eps, d, mask, HAS_NORM, HALF)
+        dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                                     k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
                                     heads, kv_heads, HAS_NORM: tl.constexpr,
@@ -368,7 +360,7 @@ if triton is not None:
         # q: norm + rope -> q_ptr [T, heads, D]
         h = tl.arange(0, HEADS)[:, None]
         mask = h < heads
-        a, b = _rope_heads(row + h * (2 * HALF) + d, qw_ptr, cos_ptr, sin_ptr, t, eps, h, d,
+        a, b = _rope_heads(row + h * (2 * HALF) + d, qw_ptr, cos_ptr, sin_ptr, t, eps, d,
                            mask, HAS_NORM, HALF)
         dst = q_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
         tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=mask)
@@ -378,7 +370,7 @@ if triton is not None:
         g = tl.arange(0, KV_HEADS)[:, None]
         kv_mask = g < kv_heads
         k_src = row + heads * (2 * HALF) + g * (2 * HALF) + d
-        a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, g, d, kv_mask, HAS_NORM,
+        a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, d, kv_mask, HAS_NORM,
                            HALF)
         k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
         tl.store(k_dst, a.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
