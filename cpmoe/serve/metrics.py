@@ -45,6 +45,8 @@ class Metrics:
     requests: Counter = field(default_factory=Counter)  # (endpoint, HTTP status) -> n
     finished: Counter = field(default_factory=Counter)  # finish reason -> n
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # taken from the prefix cache
+    computed_prompt_tokens: int = 0  # prefilled (a preempted request's again)
     generation_tokens: int = 0
     steps: Counter = field(default_factory=Counter)  # step kind -> n
     step_seconds: Counter = field(default_factory=Counter)  # step kind -> seconds
@@ -65,6 +67,8 @@ class Metrics:
         self.running = stats["running"]
         self.kv_used = list(stats["kv_used"])
         self.preemptions = stats["preemptions"]
+        self.cached_prompt_tokens += stats.get("cached_tokens", 0)
+        self.computed_prompt_tokens += stats.get("prefill_tokens", 0)
 
     def render(self) -> str:
         out: list[str] = []
@@ -81,6 +85,12 @@ class Metrics:
                 for r, n in sorted(self.finished.items())])
         family("cpmoe_prompt_tokens_total", "counter", "Prompt tokens of accepted requests",
                [f"cpmoe_prompt_tokens_total {self.prompt_tokens}"])
+        family("cpmoe_prompt_tokens_cached_total", "counter",
+               "Prompt tokens taken from the prefix cache instead of prefilled",
+               [f"cpmoe_prompt_tokens_cached_total {self.cached_prompt_tokens}"])
+        family("cpmoe_prompt_tokens_computed_total", "counter",
+               "Prompt tokens prefilled (again after a preemption)",
+               [f"cpmoe_prompt_tokens_computed_total {self.computed_prompt_tokens}"])
         family("cpmoe_generation_tokens_total", "counter", "Tokens generated",
                [f"cpmoe_generation_tokens_total {self.generation_tokens}"])
         family("cpmoe_time_to_first_token_seconds", "histogram",
