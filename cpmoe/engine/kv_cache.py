@@ -83,11 +83,10 @@ def decode_fill(counts: list[int], new_tokens: int) -> list[int]:
 
 def split_owners(tokens: int, cp_size: int, strategy: str, rotation: int) -> bytearray:
     """The CP rank of each of `tokens` new tokens split in one piece with this rotation."""
-    out = bytearray(tokens)
+    out = torch.empty(tokens, dtype=torch.uint8)
     for r, pos in enumerate(split_positions(tokens, cp_size, strategy)):
-        for p in pos.tolist():
-            out[p] = (r + rotation) % cp_size
-    return out
+        out[pos] = (r + rotation) % cp_size
+    return bytearray(out.numpy().tobytes())
 
 
 def request_rank_tokens(prompt_len: int, max_tokens: int, cp_size: int, strategy: str,
@@ -275,14 +274,10 @@ class PagedKVCache:
     def pages_freed(self, keys: list[int]) -> list[int]:
         """Pages each CP rank gets back once all of `keys` are freed (shared pages that
         another sequence still references stay)."""
-        freed = [0] * self.cp_size
-        for r in range(self.cp_size):
-            drops: dict[int, int] = {}
-            for key in keys:
-                for page in self.seqs[key].rank_pages[r]:
-                    drops[page] = drops.get(page, 0) + 1
-            freed[r] = sum(1 for page, d in drops.items() if d == self._refs[r][page])
-        return freed
+        release = PageRelease(self)
+        for key in keys:
+            release.add(key)
+        return release.freed
 
     def decode_owners(self, keys: list[int]) -> list[int]:
         """The CP rank that stores each sequence's next token (the owner rule)."""
@@ -362,3 +357,27 @@ class PagedKVCache:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+
+
+class PageRelease:
+    """What freeing more and more sequences gives back, counted as they are added (a step
+    being planned adds its frees and evictions one by one)."""
+
+    def __init__(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+        self.freed = [0] * kv.cp_size  # pages each CP rank gets back
+        self._drops: list[dict[int, int]] = [{} for _ in range(kv.cp_size)]
+
+    def add(self, key: int) -> list[int]:
+        """Count sequence `key` as freed -> pages it gives back on each CP rank."""
+        more = [0] * self.kv.cp_size
+        for r, pages in enumerate(self.kv.seqs[key].rank_pages):
+            drops, refs = self._drops[r], self.kv._refs[r]
+            for page in pages:
+                d = drops.get(page, 0) + 1
+                drops[page] = d
+                if d == refs[page]:
+                    more[r] += 1
+            self.freed[r] += more[r]
+        return more
+

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cpmoe.cp.split import balancing_rotation, rank_counts
-from cpmoe.engine.kv_cache import PagedKVCache
+from cpmoe.engine.kv_cache import PagedKVCache, PageRelease
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 
@@ -336,14 +336,14 @@ class _StepPages:
     its frees return (shared pages count only once no sequence references them)."""
 
     def __init__(self, kv: PagedKVCache, free: list[int]) -> None:
-        self.kv, self.free = kv, free
+        self.free: list[int] = []
         self.forks: list[tuple[int, int, int]] = []
         self.pinned: set[int] = set()  # entries this step forks from: never evicted by it
-        self._freed = kv.pages_freed(free) if free else [0] * kv.cp_size
-        self.avail = [kv.free_pages(r) + f for r, f in enumerate(self._freed)]
+        self._release = PageRelease(kv)
+        self.avail = [kv.free_pages(r) for r in range(kv.cp_size)]
+        for key in free:
+            self.add_free(key)
 
     def add_free(self, key: int) -> None:
         self.free.append(key)
-        freed = self.kv.pages_freed(self.free)
-        self.avail = [a + f - g for a, f, g in zip(self.avail, freed, self._freed)]
-        self._freed = freed
+        self.avail = [a + n for a, n in zip(self.avail, self._release.add(key))]
