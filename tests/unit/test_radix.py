@@ -117,3 +117,13 @@ def test_without_radix_finished_requests_are_freed():
     s.add(req(0, [1, 2, 3], max_tokens=1))
     finish(s)
     assert s.index is None and s.plan().free == [0]
+
+
+def test_disable_radix_cache_is_an_engine_flag_of_generate_check_and_serve():
+    from cpmoe.cli import build_parser, engine_options
+    parser = build_parser()
+    for command in ("generate", "check", "serve"):
+        extra = ["--prompt", "x"] if command == "generate" else []
+        on = engine_options(parser.parse_args([command, *extra]))
+        off = engine_options(parser.parse_args([command, *extra, "--disable-radix-cache"]))
+        assert (on.disable_radix_cache, off.disable_radix_cache) == (False, True), command
