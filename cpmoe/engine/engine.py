@@ -104,6 +104,8 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     assert runner.kv is not None
     for rid in plan.free:
         runner.kv.free(rid)
+    for rid in plan.cache:
+        runner.kv.mark_cached(rid)
     for rid, src, tokens in plan.fork:
         runner.kv.fork(rid, src, tokens)
     parts = []
@@ -215,11 +217,16 @@ class Driver:
             logprobs = row_logprobs(out.logits, rows, tokens)
         events = self.sched.record(plan, tokens, logprobs)
         kv = self.runner.kv
+        # pages only the prefix cache holds are evictable: reported apart, as SGLang does
+        cached = [n * kv.page_size for n in getattr(kv, "cached_pages", [0] * kv.cp_size)]
+        used = [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
+                for c in range(kv.cp_size)]
+        coords = [c if kv.cp_size > 1 else 0 for c in self._cp_coords]
         step_s = time.perf_counter() - out.started  # tokens are on the host by now
         stats = {"kind": out.kind, "step_s": step_s, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
-                 "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
-                             for c in self._cp_coords],
+                 "kv_used": [used[c] - cached[c] for c in coords],
+                 "kv_cached": [cached[c] for c in coords],
                  "preemptions": self.sched.preemptions,
                  "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend),
                  "cached_tokens": plan.cached_tokens}

@@ -52,6 +52,7 @@ class SeqPages:
     counts: list[int]  # tokens stored on each CP rank
     rank_pages: list[list[int]]  # every CP rank's pages, in fill order (mirrored)
     owners: bytearray | None = None  # CP rank of each stored position (None: unknown)
+    cached: bool = False  # a finished request's sequence kept for its prefix (evictable)
     pages: list[int] = field(default_factory=list)  # this rank's: rank_pages[cp_rank]
 
     @property
@@ -122,6 +123,8 @@ class PagedKVCache:
         # rank's allocator); pop() hands out low pages first
         self._free = [list(range(num_pages - 1, -1, -1)) for _ in range(cp_size)]
         self._refs = [[0] * num_pages for _ in range(cp_size)]
+        self._live = [[0] * num_pages for _ in range(cp_size)]  # refs from uncached seqs
+        self.cached_pages = [0] * cp_size  # pages only cached sequences hold (evictable)
         self.rank_pages = [0] * cp_size  # pages in use on every CP rank (mirrored)
         self.seqs: dict[int, SeqPages] = {}
 
@@ -185,11 +188,12 @@ class PagedKVCache:
 
     def _new_seq(self, counts: list[int], owners: bytearray | None) -> SeqPages:
         rank_pages: list[list[int]] = [[] for _ in range(self.cp_size)]
-        return SeqPages(list(counts), rank_pages, owners, rank_pages[self.cp_rank])
+        return SeqPages(list(counts), rank_pages, owners, pages=rank_pages[self.cp_rank])
 
     def _alloc(self, r: int) -> int:
         page = self._free[r].pop()
         self._refs[r][page] = 1
+        self._live[r][page] = 1
         self.rank_pages[r] += 1
         return page
 
@@ -259,6 +263,9 @@ class PagedKVCache:
             shared = source.rank_pages[r][:c // ps]
             for page in shared:
                 self._refs[r][page] += 1
+                self._live[r][page] += 1
+                if self._live[r][page] == 1:
+                    self.cached_pages[r] -= 1
             seq.rank_pages[r] += shared
             if c % ps:
                 page = self._alloc(r)
@@ -320,13 +327,32 @@ class PagedKVCache:
     def free(self, key: int) -> None:
         """Drop sequence `key`; its pages no other sequence references are free again."""
         seq = self.seqs.pop(key)
+        live = 0 if seq.cached else 1
         for r, pages in enumerate(seq.rank_pages):
-            refs = self._refs[r]
+            refs, lives = self._refs[r], self._live[r]
             for page in reversed(pages):
                 refs[page] -= 1
+                lives[page] -= live
                 if refs[page] == 0:
                     self._free[r].append(page)
                     self.rank_pages[r] -= 1
+                    if not live:
+                        self.cached_pages[r] -= 1
+                elif live and lives[page] == 0:
+                    self.cached_pages[r] += 1
+
+    def mark_cached(self, key: int) -> None:
+        """Sequence `key` now only serves as a cached prefix (counted in `cached_pages`)."""
+        seq = self.seqs[key]
+        if seq.cached:
+            return
+        seq.cached = True
+        for r, pages in enumerate(seq.rank_pages):
+            lives = self._live[r]
+            for page in pages:
+                lives[page] -= 1
+                if lives[page] == 0:
+                    self.cached_pages[r] += 1
 
     # ---- what a step reads ----------------------------------------------------------------------
     def local_len(self, key: int) -> int:

@@ -88,6 +88,7 @@ class StepPlan:
 
     free: list[int] = field(default_factory=list)  # request ids whose KV to free first
     fork: list[tuple[int, int, int]] = field(default_factory=list)  # (id, source, tokens)
+    cache: list[int] = field(default_factory=list)  # ids whose KV stays as a cached prefix
     extend: list[tuple[int, list[int], int]] = field(default_factory=list)  # (id, ids, start)
     decode: list[tuple[int, int]] = field(default_factory=list)  # (id, token to feed)
     stop: bool = False  # leave the engine loop
@@ -95,7 +96,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.free or self.fork or self.extend or self.decode)
+        return not (self.free or self.cache or self.fork or self.extend or self.decode)
 
     @property
     def cached_tokens(self) -> int:
@@ -131,6 +132,7 @@ class Scheduler:
         self.preemptions = 0
         self.evictions = 0  # prefix-cache entries freed for room
         self._to_free: list[int] = []
+        self._to_cache: list[int] = []
         self._admissions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -151,7 +153,7 @@ class Scheduler:
                 return
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free)
+        return bool(self.waiting or self.running or self._to_free or self._to_cache)
 
     def take_frees(self) -> list[int]:
         """Ids whose KV the next step must free (for a last, free-only step)."""
@@ -164,6 +166,7 @@ class Scheduler:
             return
         if self.index is not None:
             self.index.insert(req.rid, req.tokens[:req.cached], evictable=True)
+            self._to_cache.append(req.rid)
         else:
             self._to_free.append(req.rid)
 
@@ -173,9 +176,11 @@ class Scheduler:
             for key in self.index.evictable():
                 self.index.remove(key)
                 self._to_free.append(key)
+            self._to_cache = []
 
     # ---- planning -----------------------------------------------------------------------------
     def plan(self) -> StepPlan:
+        cache, self._to_cache = self._to_cache, []
         step = _StepPages(self.kv, self.take_frees())
         decode = [r for r in self.running.values() if r.decoding]
         need = self.kv.decode_pages_needed([r.rid for r in decode])
@@ -192,7 +197,9 @@ class Scheduler:
         # after a preemption nothing new is admitted this step: it would take the freed
         # pages and force the next preemption
         extend = self._extend_segments(step, admit=not preempted)
-        return StepPlan(free=step.free, fork=step.forks, extend=extend,
+        freed = set(step.free)
+        return StepPlan(free=step.free, cache=[k for k in cache if k not in freed],
+                        fork=step.forks, extend=extend,
                         decode=[(r.rid, r.last_token) for r in decode])
 
     def _evict(self, step: "_StepPages") -> bool:

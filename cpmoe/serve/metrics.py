@@ -55,7 +55,8 @@ class Metrics:
     e2e: Histogram = field(default_factory=Histogram)
     waiting: int = 0  # accepted, no token yet (the queue --max-queue bounds)
     running: int = 0
-    kv_used: list[int] = field(default_factory=list)  # per rank
+    kv_used: list[int] = field(default_factory=list)  # per rank, less kv_cached
+    kv_cached: list[int] = field(default_factory=list)  # per rank: evictable prefix cache
     preemptions: int = 0
     kv_capacity: int = 0
     rank_pids: list[int] = field(default_factory=list)
@@ -66,6 +67,7 @@ class Metrics:
         self.step_seconds[stats["kind"]] += stats["step_s"]
         self.running = stats["running"]
         self.kv_used = list(stats["kv_used"])
+        self.kv_cached = list(stats.get("kv_cached", []))
         self.preemptions = stats["preemptions"]
         self.cached_prompt_tokens += stats.get("cached_tokens", 0)
         self.computed_prompt_tokens += stats.get("prefill_tokens", 0)
@@ -105,8 +107,13 @@ class Metrics:
                [f"cpmoe_requests_waiting {self.waiting}"])
         family("cpmoe_requests_running", "gauge", "Requests holding KV on the engine",
                [f"cpmoe_requests_running {self.running}"])
-        family("cpmoe_kv_slots_used", "gauge", "KV cache slots in use, per rank",
+        family("cpmoe_kv_slots_used", "gauge",
+               "KV cache slots in use, per rank (not counting the evictable prefix cache)",
                [f'cpmoe_kv_slots_used{{rank="{r}"}} {n}' for r, n in enumerate(self.kv_used)])
+        family("cpmoe_kv_slots_cached", "gauge",
+               "KV cache slots only the prefix cache holds (evicted when needed), per rank",
+               [f'cpmoe_kv_slots_cached{{rank="{r}"}} {n}'
+                for r, n in enumerate(self.kv_cached)])
         family("cpmoe_preemptions_total", "counter",
                "Running requests whose KV was freed to make room (re-prefilled later)",
                [f"cpmoe_preemptions_total {self.preemptions}"])

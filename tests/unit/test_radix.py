@@ -127,3 +127,19 @@ def test_disable_radix_cache_is_an_engine_flag_of_generate_check_and_serve():
         on = engine_options(parser.parse_args([command, *extra]))
         off = engine_options(parser.parse_args([command, *extra, "--disable-radix-cache"]))
         assert (on.disable_radix_cache, off.disable_radix_cache) == (False, True), command
+
+
+def test_cached_pages_count_what_only_finished_entries_hold():
+    kv = PagedKVCache(1, 16, 4, 1, 1, torch.float32, torch.device("cpu"), 1, 0)
+    kv.extend(0, [10])  # 3 pages
+    kv.fork(1, 0, 9)  # shares 2, copies 1
+    kv.mark_cached(0)
+    assert kv.cached_pages == [1]  # only page 2 of sequence 0 is held by the entry alone
+    kv.free(1)
+    assert kv.cached_pages == [3] and kv.rank_pages == [3]
+    kv.fork(2, 0, 8)
+    assert kv.cached_pages == [1]
+    kv.free(0)
+    assert kv.cached_pages == [0] and kv.rank_pages == [2]
+    kv.free(2)
+    assert kv.rank_pages == [0] and kv.cached_pages == [0]
