@@ -4,6 +4,7 @@
 #   bash bench/h200_engine.sh smoke   OUT_DIR   # CUDA tests + cpmoe decode rows at 1K
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
+#   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests, FP8 vs bf16 prefill and decode
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, 4-layer V4 prefill + profile, decode
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
@@ -20,10 +21,10 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|fp8|v4)
+  smoke|decode|serving|prefix|fp8|v4)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | fp8 | v4)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | v4)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -39,7 +40,7 @@ case "$part" in
     step one-batch-32k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 \
       --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
-  serving)
+  serving|prefix)
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
 import json, pathlib, sys
@@ -57,6 +58,28 @@ tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
 PY
     serve=(--model "$model" --load-format dummy --routing uniform)
+    if [ "$part" = prefix ]; then
+      # SGLang's generated-shared-prefix sizes (2,048-token prefix, 128-token question),
+      # 128-token answers; 8 prefixes x 64 prompts, 128 in flight; the same run both ways
+      gsp=(--dataset shared-prefix --gsp-system-prompt-len 2048 --gsp-question-len 128
+           --gsp-output-len 128 --gsp-num-groups 8 --num-prompts 512 --max-concurrency 128)
+      step prefix-radix python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
+        --out "$out/prefix-radix.json" --launch "${serve[@]}"
+      step prefix-no-radix python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
+        --out "$out/prefix-no-radix.json" --launch "${serve[@]}" --disable-radix-cache
+      step prefix-compare python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+on, off = (json.loads((out / f"prefix-{k}.json").read_text())["summary"]
+           for k in ("radix", "no-radix"))
+print(f"TTFT mean {off['ttft_s']['mean'] * 1e3:.0f} -> {on['ttft_s']['mean'] * 1e3:.0f} ms "
+      f"({off['ttft_s']['mean'] / on['ttft_s']['mean']:.2f}x lower, target 3x); output "
+      f"{off['output_token_throughput']:.0f} -> {on['output_token_throughput']:.0f} tok/s "
+      f"({on['output_token_throughput'] / off['output_token_throughput']:.2f}x, target "
+      f"1.3x); hit rate {on['prefix_hit_rate']:.1%}")
+PY
+      finish
+    fi
     step serving-random python3 -m cpmoe.cli bench-serving --dataset random \
       --random-input-len 1024 --random-output-len 256 --num-prompts 512 \
       --max-concurrency 128 --out "$out/serving-random.json" --plot --launch "${serve[@]}"

@@ -109,6 +109,9 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
                    help="requests decoded together at most")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="decode eagerly instead of replaying CUDA graphs")
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="do not share prompt prefixes between requests (the prefix cache "
+                        "over the CP-sharded pages is on by default)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="largest decode batch captured in a CUDA graph (larger run eagerly)")
     g.add_argument("--routing", choices=("model", "uniform"), default="model",
@@ -145,6 +148,7 @@ def engine_options(args: argparse.Namespace):
                          chunked_prefill_size=args.chunked_prefill_size,
                          max_running_requests=args.max_running_requests,
                          disable_cuda_graph=args.disable_cuda_graph,
+                         disable_radix_cache=args.disable_radix_cache,
                          cuda_graph_max_bs=args.cuda_graph_max_bs,
                          max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static,

@@ -9,8 +9,12 @@ flags; its port is chosen at run time and it is stopped at the end). Requests go
 arrivals (default: all at once).
 
 Datasets: `random` (input lengths uniform in [ratio * L, L], random token ids; outputs
-likewise) and `shared-prefix` (GSM8K-like: one ~700-token few-shot prefix shared by every
-prompt, then ~100 tokens of its own; ~200 output tokens).
+likewise) and `shared-prefix` (GSM8K-like by default: one 700-token few-shot prefix shared
+by every prompt, then ~100 tokens of its own, ~200 output tokens; `--gsp-*` set the sizes
+and the number of distinct prefixes, after SGLang's generated-shared-prefix dataset).
+
+The prefix cache's hit rate is reported: prompt tokens the server took from its cache
+(`usage.prompt_tokens_details.cached_tokens`) over all prompt tokens.
 
 Reported (mean, p50, p90, p99): TTFT (request sent -> first token), ITL (between streamed
 chunks after the first), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end
@@ -47,6 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", type=int, default=256)
     p.add_argument("--random-range-ratio", type=float, default=1.0,
                    help="lengths drawn uniformly in [ratio * len, len]")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=700,
+                   help="shared-prefix: tokens of each shared prefix")
+    p.add_argument("--gsp-question-len", type=int, default=100,
+                   help="shared-prefix: tokens after the prefix (uniform in +-20%%)")
+    p.add_argument("--gsp-output-len", type=int, default=200,
+                   help="shared-prefix: output tokens (uniform in +-10%%)")
+    p.add_argument("--gsp-num-groups", type=int, default=1,
+                   help="shared-prefix: distinct prefixes; request i uses prefix i mod this")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at most (default: all)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -71,6 +83,7 @@ class Outcome:
     ok: bool = False
     error: str = ""
     tokens: int = 0  # produced (usage.completion_tokens)
+    cached: int = 0  # prompt tokens from the server's prefix cache (usage)
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -80,9 +93,13 @@ class Outcome:
 def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
     if args.dataset == "shared-prefix":
-        prefix = [rng.randrange(vocab) for _ in range(700)]
-        return [(prefix + [rng.randrange(vocab) for _ in range(rng.randint(80, 120))],
-                 rng.randint(180, 220)) for _ in range(args.num_prompts)]
+        q, o = args.gsp_question_len, args.gsp_output_len
+        prefixes = [[rng.randrange(vocab) for _ in range(args.gsp_system_prompt_len)]
+                    for _ in range(args.gsp_num_groups)]
+        return [(prefixes[i % len(prefixes)] + [rng.randrange(vocab) for _ in range(
+                 rng.randint(int(0.8 * q), int(1.2 * q)))],
+                 max(1, rng.randint(int(0.9 * o), int(1.1 * o))))
+                for i in range(args.num_prompts)]
 
     def length(n: int) -> int:
         return rng.randint(max(1, int(n * args.random_range_ratio)), n)
@@ -107,6 +124,8 @@ async def _one(client, url: str, model: str, prompt: list[int], out_len: int) ->
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     res.tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    res.cached = details.get("cached_tokens") or 0
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
@@ -184,6 +203,7 @@ def summarize(results: list[Outcome], wall: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    inputs, cached = sum(r.prompt_len for r in ok), sum(r.cached for r in ok)
     return {"completed": len(ok), "failed": len(results) - len(ok),
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "duration_s": wall, "request_throughput": len(ok) / wall,
@@ -191,6 +211,8 @@ def summarize(results: list[Outcome], wall: float) -> dict:
             "output_token_throughput": out_tokens / wall,
             "total_input_tokens": sum(r.prompt_len for r in ok),
             "total_output_tokens": out_tokens,
+            "total_cached_tokens": cached,
+            "prefix_hit_rate": cached / inputs if inputs else 0.0,
             "ttft_s": _stats([r.ttft for r in ok]),
             "itl_s": _stats([x for r in ok for x in r.itl]),
             "tpot_s": _stats(tpot), "e2e_latency_s": _stats([r.latency for r in ok])}
@@ -248,7 +270,9 @@ def _launched_vocab(flags: list[str]) -> int:
 
 
 def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
-    for flag in ("num_prompts", "random_input_len", "random_output_len"):
+    for flag in ("num_prompts", "random_input_len", "random_output_len",
+                 "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len",
+                 "gsp_num_groups"):
         if getattr(args, flag) < 1:
             raise BenchError(f"--{flag.replace('_', '-')} must be >= 1, got "
                              f"{getattr(args, flag)}")
@@ -290,7 +314,11 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
-            "random_range_ratio": args.random_range_ratio, "server": args.launch or url}
+            "random_range_ratio": args.random_range_ratio,
+            **({f"gsp_{k}": getattr(args, f"gsp_{k}") for k in (
+                "system_prompt_len", "question_len", "output_len", "num_groups")}
+               if args.dataset == "shared-prefix" else {}),
+            "server": args.launch or url}
     args.out.write_text(json.dumps({"header": head, "summary": summary,
                                     "server_metrics": metrics,
                                     "requests": [r.__dict__ for r in results]}, indent=1) + "\n")
@@ -366,6 +394,9 @@ def report(s: dict) -> str:
              f"request throughput {s['request_throughput']:.2f} req/s, input "
              f"{s['input_token_throughput']:,.0f} tok/s, output "
              f"{s['output_token_throughput']:,.0f} tok/s",
+             f"prefix cache: {s.get('total_cached_tokens', 0):,} of "
+             f"{s.get('total_input_tokens', 0):,} prompt tokens cached (hit rate "
+             f"{s.get('prefix_hit_rate', 0.0):.1%})",
              "| ms | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
              row("TTFT", s["ttft_s"]), row("ITL", s["itl_s"]), row("TPOT", s["tpot_s"]),
              row("E2E", s["e2e_latency_s"])]

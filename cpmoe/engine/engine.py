@@ -50,6 +50,7 @@ class EngineOptions:
     load_format: str = "auto"
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
     quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
+    disable_radix_cache: bool = False  # --disable-radix-cache: no prefix sharing
 
 
 def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
@@ -57,6 +58,12 @@ def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
     own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
     those prefill each prompt in one piece."""
     return -1 if runner.own_cache else opts.chunked_prefill_size
+
+
+def radix_cache(runner: ModelRunner, opts: EngineOptions) -> bool:
+    """Whether the scheduler shares prompt prefixes: on unless --disable-radix-cache, for
+    models whose K/V live in the paged cache (not DeepSeek-V4's own per-sequence state)."""
+    return not opts.disable_radix_cache and not runner.own_cache
 
 
 def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int | None,
@@ -96,12 +103,16 @@ class StepOutput:
 
 
 def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> StepOutput:
-    """Every rank: free, then the decode forward and the extend forward of the plan. On
-    rank 0 (sched given) -> the logits of the rows to sample."""
+    """Every rank: free, fork cached prefixes, then the decode forward and the extend
+    forward of the plan. On rank 0 (sched given) -> the logits of the rows to sample."""
     start = time.perf_counter()
     assert runner.kv is not None
     for rid in plan.free:
         runner.kv.free(rid)
+    for rid in plan.cache:
+        runner.kv.mark_cached(rid)
+    for rid, src, tokens in plan.fork:
+        runner.kv.fork(rid, src, tokens)
     parts = []
     if plan.decode:
         parts.append(runner.decode([r for r, _ in plan.decode], [t for _, t in plan.decode]))
@@ -189,6 +200,7 @@ class Driver:
             else:
                 raise ValueError(f"unknown engine message {msg[0]!r}")
         if self.stopping:  # free what finished requests hold first: leave the cache empty
+            self.sched.clear_cache()
             frees = self.sched.take_frees()
             return (StepPlan(free=frees) if frees else
                     StepPlan(stop=True, result=self.frontend.result()))
@@ -210,13 +222,19 @@ class Driver:
             logprobs = row_logprobs(out.logits, rows, tokens)
         events = self.sched.record(plan, tokens, logprobs)
         kv = self.runner.kv
+        # pages only the prefix cache holds are evictable: reported apart, as SGLang does
+        cached = [n * kv.page_size for n in getattr(kv, "cached_pages", [0] * kv.cp_size)]
+        used = [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
+                for c in range(kv.cp_size)]
+        coords = [c if kv.cp_size > 1 else 0 for c in self._cp_coords]
         step_s = time.perf_counter() - out.started  # tokens are on the host by now
         stats = {"kind": out.kind, "step_s": step_s, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
-                 "kv_used": [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
-                             for c in self._cp_coords],
+                 "kv_used": [used[c] - cached[c] for c in coords],
+                 "kv_cached": [cached[c] for c in coords],
                  "preemptions": self.sched.preemptions,
-                 "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend)}
+                 "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend),
+                 "cached_tokens": plan.cached_tokens}
         self.frontend.emit(events, stats)
 
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from cpmoe.engine.engine import BatchFrontend, Driver, EngineOptions, engine_loop, prefill_chunk
+from cpmoe.engine.engine import (BatchFrontend, Driver, EngineOptions, engine_loop,
+                                 prefill_chunk, radix_cache)
 from cpmoe.engine.kv_cache import CacheFullError, pages_for, request_rank_tokens
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
@@ -55,6 +56,6 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
         requests = [Request(i, list(p), sampling, max_new_tokens, stream=i)
                     for i, p in enumerate(prompts)]
         sched = Scheduler(kv, layout.cp_strategy, chunk, options.max_running_requests,
-                          eos_ids)
+                          eos_ids, radix=radix_cache(runner, options))
         driver = Driver(runner, sched, BatchFrontend(requests), observe=observe)
     return engine_loop(runner, driver)

@@ -17,9 +17,19 @@ attention over stored keys: every stored key precedes the queries that read it (
 row's own key is written before it is read; a chunk's own keys are attended separately).
 
 Bookkeeping is all here: page allocation, per-sequence page lists, the owner rule, capacity
-checks and the refusal message. Every rank tracks the token counts of *every* CP rank for
-every sequence (they follow from information all ranks share), so any rank -- the
-scheduler's -- knows every rank's page use without communication, and ranks never diverge.
+checks and the refusal message. Every rank tracks the token counts *and the page lists* of
+every CP rank for every sequence (they follow from information all ranks share: every rank
+runs every rank's allocator), so any rank -- the scheduler's -- knows every rank's page use
+without communication, and ranks never diverge.
+
+Prefix sharing (the radix cache, engine/radix.py): `fork(new, src, n)` makes a sequence
+whose first n tokens are those of `src`. Each rank stores its tokens of a sequence in
+increasing position order, so the tokens of positions < n on rank r are the first c_r of
+its list (`owners`, the CP rank of every position, gives c_r): the whole pages among them
+are shared (reference counts per page), and the c_r % page_size tokens of a partly covered
+page are copied into a fresh page on the rank that holds them (no communication). The
+cached prefix stays where the split first put it: no rank holds more of it than before.
+A page returns to the free list when no sequence references it.
 
 Legend: P = pages, S = page_size, Hkv = local KV heads, D = head dim, B = batch rows.
 """
@@ -30,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpmoe.cp.split import balancing_rotation, rank_counts
+from cpmoe.cp.split import balancing_rotation, rank_counts, split_positions
 
 
 class CacheFullError(RuntimeError):
@@ -40,7 +50,10 @@ class CacheFullError(RuntimeError):
 @dataclass
 class SeqPages:
     counts: list[int]  # tokens stored on each CP rank
-    pages: list[int] = field(default_factory=list)  # this rank's pages, in fill order
+    rank_pages: list[list[int]]  # every CP rank's pages, in fill order (mirrored)
+    owners: bytearray | None = None  # CP rank of each stored position (None: unknown)
+    cached: bool = False  # a finished request's sequence kept for its prefix (evictable)
+    pages: list[int] = field(default_factory=list)  # this rank's: rank_pages[cp_rank]
 
     @property
     def length(self) -> int:
@@ -69,6 +82,14 @@ def decode_fill(counts: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+def split_owners(tokens: int, cp_size: int, strategy: str, rotation: int) -> bytearray:
+    """The CP rank of each of `tokens` new tokens split in one piece with this rotation."""
+    out = torch.empty(tokens, dtype=torch.uint8)
+    for r, pos in enumerate(split_positions(tokens, cp_size, strategy)):
+        out[pos] = (r + rotation) % cp_size
+    return bytearray(out.numpy().tobytes())
+
+
 def request_rank_tokens(prompt_len: int, max_tokens: int, cp_size: int, strategy: str,
                         chunk: int = 0) -> list[int]:
     """Tokens each CP rank stores for one request at its longest: its prompt plus
@@ -88,17 +109,22 @@ def request_rank_tokens(prompt_len: int, max_tokens: int, cp_size: int, strategy
 class PagedKVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, cp_size: int = 1,
-                 cp_rank: int = 0) -> None:
+                 cp_rank: int = 0, strategy: str = "zigzag") -> None:
         if num_pages < 1 or page_size < 1:
             raise CacheFullError(f"KV cache of {num_pages} pages of {page_size} tokens: need "
                                  f"at least one page (--max-total-tokens, --page-size)")
         self.num_pages, self.page_size = num_pages, page_size
-        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.cp_size, self.cp_rank, self.strategy = cp_size, cp_rank, strategy
         shape = (num_pages + 1, page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.trash_slot = num_pages * page_size  # first slot of the trash page
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        # every CP rank's free list and page reference counts (mirrored: all ranks run every
+        # rank's allocator); pop() hands out low pages first
+        self._free = [list(range(num_pages - 1, -1, -1)) for _ in range(cp_size)]
+        self._refs = [[0] * num_pages for _ in range(cp_size)]
+        self._live = [[0] * num_pages for _ in range(cp_size)]  # refs from uncached seqs
+        self.cached_pages = [0] * cp_size  # pages only cached sequences hold (evictable)
         self.rank_pages = [0] * cp_size  # pages in use on every CP rank (mirrored)
         self.seqs: dict[int, SeqPages] = {}
 
@@ -130,14 +156,14 @@ class PagedKVCache:
         return self.num_pages - self.rank_pages[cp_rank]
 
     # ---- allocation ---------------------------------------------------------------------------
-    def _grow(self, counts: list[int], new: list[int]) -> list[int]:
+    def pages_to_grow(self, counts: list[int], new: list[int]) -> list[int]:
         """Pages each CP rank needs to store `new` more tokens of a sequence at `counts`."""
         ps = self.page_size
         return [pages_for(c + n, ps) - pages_for(c, ps) for c, n in zip(counts, new)]
 
     def extend_pages_needed(self, key: int | None, new: list[int]) -> list[int]:
         counts = self.seqs[key].counts if key in self.seqs else [0] * self.cp_size
-        return self._grow(counts, new)
+        return self.pages_to_grow(counts, new)
 
     def fits(self, need: list[int]) -> bool:
         return all(n <= self.free_pages(r) for r, n in enumerate(need))
@@ -160,11 +186,22 @@ class PagedKVCache:
         one) split in one piece, as an extend step splits them."""
         return rank_counts(tokens, self.cp_size, strategy, self.rotation(key, tokens, strategy))
 
+    def _new_seq(self, counts: list[int], owners: bytearray | None) -> SeqPages:
+        rank_pages: list[list[int]] = [[] for _ in range(self.cp_size)]
+        return SeqPages(list(counts), rank_pages, owners, pages=rank_pages[self.cp_rank])
+
+    def _alloc(self, r: int) -> int:
+        page = self._free[r].pop()
+        self._refs[r][page] = 1
+        self._live[r][page] = 1
+        self.rank_pages[r] += 1
+        return page
+
     def extend(self, key: int, new: list[int]) -> list[int]:
         """Store new[r] more tokens of sequence `key` on each CP rank r (a new key starts
         empty) -> the slots of this rank's new tokens, in arrival order."""
-        seq = self.seqs.get(key) or SeqPages([0] * self.cp_size)
-        need = self._grow(seq.counts, new)
+        seq = self.seqs.get(key) or self._new_seq([0] * self.cp_size, bytearray())
+        need = self.pages_to_grow(seq.counts, new)
         if not self.fits(need):
             ranks = [r for r in range(self.cp_size) if need[r] > self.free_pages(r)]
             r = ranks[0]
@@ -172,14 +209,82 @@ class PagedKVCache:
                                  f"{self.page_size} tokens on CP rank {r}, "
                                  f"{self.free_pages(r)} of {self.num_pages} free "
                                  f"(--max-total-tokens {self.capacity})")
+        if seq.owners is not None and self.cp_size > 1:
+            n = sum(new)
+            owners = split_owners(n, self.cp_size, self.strategy,
+                                  balancing_rotation(seq.counts, n, self.strategy))
+            if [owners.count(r) for r in range(self.cp_size)] == list(new):
+                seq.owners += owners
+            else:  # not a split of this cache's strategy: the prefix cannot be shared
+                seq.owners = None
         self.seqs[key] = seq
         for r in range(self.cp_size):
-            self.rank_pages[r] += need[r]
-        seq.pages += [self._free.pop() for _ in range(need[self.cp_rank])]
+            seq.rank_pages[r] += [self._alloc(r) for _ in range(need[r])]
         start, n = seq.counts[self.cp_rank], new[self.cp_rank]
         seq.counts = [c + d for c, d in zip(seq.counts, new)]
         ps = self.page_size
         return [seq.pages[t // ps] * ps + t % ps for t in range(start, start + n)]
+
+    # ---- prefix sharing -------------------------------------------------------------------------
+    def can_fork(self, key: int) -> bool:
+        seq = self.seqs.get(key)
+        return seq is not None and (self.cp_size == 1 or seq.owners is not None)
+
+    def fork_counts(self, src: int, tokens: int) -> list[int]:
+        """Tokens of positions < `tokens` of sequence `src` that each CP rank stores."""
+        if self.cp_size == 1:
+            return [tokens]
+        owners = self.seqs[src].owners
+        assert owners is not None and tokens <= len(owners)
+        head = bytes(owners[:tokens])
+        return [head.count(r) for r in range(self.cp_size)]
+
+    def fork_pages_needed(self, src: int, tokens: int) -> list[int]:
+        """New pages each CP rank needs to fork `tokens` tokens of `src`: one for a partly
+        covered page (its tokens are copied), none for whole ones (shared)."""
+        return [1 if c % self.page_size else 0 for c in self.fork_counts(src, tokens)]
+
+    def fork(self, key: int, src: int, tokens: int) -> None:
+        """A new sequence `key` holding the first `tokens` tokens of `src`: whole pages are
+        shared, the tokens of a partly covered page are copied into a new page."""
+        if key in self.seqs:
+            raise ValueError(f"sequence {key} exists already")
+        need = self.fork_pages_needed(src, tokens)
+        if not self.fits(need):
+            r = max(range(self.cp_size), key=lambda r: need[r] - self.free_pages(r))
+            raise CacheFullError(f"KV cache full: a cached prefix needs a page on CP rank {r}, "
+                                 f"{self.free_pages(r)} of {self.num_pages} free "
+                                 f"(--max-total-tokens {self.capacity})")
+        source, ps = self.seqs[src], self.page_size
+        counts = self.fork_counts(src, tokens)
+        owners = None if source.owners is None else source.owners[:tokens]
+        seq = self._new_seq(counts, owners)
+        for r, c in enumerate(counts):
+            shared = source.rank_pages[r][:c // ps]
+            for page in shared:
+                self._refs[r][page] += 1
+                self._live[r][page] += 1
+                if self._live[r][page] == 1:
+                    self.cached_pages[r] -= 1
+            seq.rank_pages[r] += shared
+            if c % ps:
+                page = self._alloc(r)
+                seq.rank_pages[r].append(page)
+                if r == self.cp_rank:
+                    self._copy_page(source.rank_pages[r][c // ps], page, c % ps)
+        self.seqs[key] = seq
+
+    def _copy_page(self, src: int, dst: int, tokens: int) -> None:
+        for pool in (*self.k, *self.v):
+            pool[dst, :tokens] = pool[src, :tokens]
+
+    def pages_freed(self, keys: list[int]) -> list[int]:
+        """Pages each CP rank gets back once all of `keys` are freed (shared pages that
+        another sequence still references stay)."""
+        release = PageRelease(self)
+        for key in keys:
+            release.add(key)
+        return release.freed
 
     def decode_owners(self, keys: list[int]) -> list[int]:
         """The CP rank that stores each sequence's next token (the owner rule)."""
@@ -211,19 +316,43 @@ class PagedKVCache:
             seq = self.seqs[key]
             count = seq.counts[owner]
             seq.counts[owner] = count + 1
+            if seq.owners is not None and self.cp_size > 1:
+                seq.owners.append(owner)
             if count % ps == 0:
-                self.rank_pages[owner] += 1
-                if owner == me:
-                    seq.pages.append(self._free.pop())
+                seq.rank_pages[owner].append(self._alloc(owner))
             slots.append(seq.pages[count // ps] * ps + count % ps if owner == me
                          else self.trash_slot)
         return slots
 
     def free(self, key: int) -> None:
-        for r, n in enumerate(self.pages_held(key)):
-            self.rank_pages[r] -= n
+        """Drop sequence `key`; its pages no other sequence references are free again."""
         seq = self.seqs.pop(key)
-        self._free.extend(reversed(seq.pages))
+        live = 0 if seq.cached else 1
+        for r, pages in enumerate(seq.rank_pages):
+            refs, lives = self._refs[r], self._live[r]
+            for page in reversed(pages):
+                refs[page] -= 1
+                lives[page] -= live
+                if refs[page] == 0:
+                    self._free[r].append(page)
+                    self.rank_pages[r] -= 1
+                    if not live:
+                        self.cached_pages[r] -= 1
+                elif live and lives[page] == 0:
+                    self.cached_pages[r] += 1
+
+    def mark_cached(self, key: int) -> None:
+        """Sequence `key` now only serves as a cached prefix (counted in `cached_pages`)."""
+        seq = self.seqs[key]
+        if seq.cached:
+            return
+        seq.cached = True
+        for r, pages in enumerate(seq.rank_pages):
+            lives = self._live[r]
+            for page in pages:
+                lives[page] -= 1
+                if lives[page] == 0:
+                    self.cached_pages[r] += 1
 
     # ---- what a step reads ----------------------------------------------------------------------
     def local_len(self, key: int) -> int:
@@ -254,3 +383,27 @@ class PagedKVCache:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+
+
+class PageRelease:
+    """What freeing more and more sequences gives back, counted as they are added (a step
+    being planned adds its frees and evictions one by one)."""
+
+    def __init__(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+        self.freed = [0] * kv.cp_size  # pages each CP rank gets back
+        self._drops: list[dict[int, int]] = [{} for _ in range(kv.cp_size)]
+
+    def add(self, key: int) -> list[int]:
+        """Count sequence `key` as freed -> pages it gives back on each CP rank."""
+        more = [0] * self.kv.cp_size
+        for r, pages in enumerate(self.kv.seqs[key].rank_pages):
+            drops, refs = self._drops[r], self.kv._refs[r]
+            for page in pages:
+                d = drops.get(page, 0) + 1
+                drops[page] = d
+                if d == refs[page]:
+                    more[r] += 1
+            self.freed[r] += more[r]
+        return more
+

@@ -204,7 +204,7 @@ class ModelRunner:
         cp = self.groups.attn_cp
         self.kv = PagedKVCache(len(self.model.model.layers), pages_for(max_tokens, page_size),
                                page_size, attn.num_kv_heads, attn.head_dim, self.dtype,
-                               self.device, cp.size, cp.rank)
+                               self.device, cp.size, cp.rank, self.layout.cp_strategy)
         return self.kv
 
     def kv_tokens_for_memory(self, mem_fraction: float) -> int:

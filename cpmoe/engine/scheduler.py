@@ -18,6 +18,17 @@ every rank's page use, see kv_cache.py):
 - a request that cannot fit even alone is refused before it reaches the engine
   (`kv_cache.request_rank_tokens`).
 
+Prefix cache (radix=True; `--disable-radix-cache` turns it off): a request's prompt is
+looked up in a `RadixIndex` of the sequences in the cache (running requests' prompts once
+prefilled, finished requests' prompt + answer); the longest shared prefix, up to all but the
+last token of the prompt (that token's logits are needed), is forked from the entry that
+holds it (`PagedKVCache.fork`, on every rank at the start of the step) and only the rest is
+prefilled, as chunks that attend the cached prefix. `cached_tokens` is that length, exact to
+the token (no rounding to pages: a partly covered page is copied). A finished (or cancelled)
+request's sequence stays in the cache as an index entry instead of being freed. Pages are
+reference counted; when a step's pages do not fit, finished entries are evicted in LRU order
+(their pages no running request shares return) before any request is preempted.
+
 Pure bookkeeping over the cache's accounting (no forward, no collective): testable alone.
 """
 
@@ -26,7 +37,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cpmoe.engine.kv_cache import PagedKVCache
+from cpmoe.cp.split import balancing_rotation, rank_counts
+from cpmoe.engine.kv_cache import PagedKVCache, PageRelease
+from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 
 
@@ -42,6 +55,7 @@ class Request:
     logprobs: int | None = None  # None: none; k: the token's log-probability and the top k
     output: list[int] = field(default_factory=list)
     cached: int = 0  # tokens of prompt + output held in the KV cache
+    cached_prompt: int = 0  # prompt tokens taken from the prefix cache at admission
     admitted: int = 0  # admission order (preemption takes the newest)
 
     @property
@@ -73,6 +87,8 @@ class StepPlan:
     """What every rank does in one step; built on rank 0 and broadcast to all ranks."""
 
     free: list[int] = field(default_factory=list)  # request ids whose KV to free first
+    fork: list[tuple[int, int, int]] = field(default_factory=list)  # (id, source, tokens)
+    cache: list[int] = field(default_factory=list)  # ids whose KV stays as a cached prefix
     extend: list[tuple[int, list[int], int]] = field(default_factory=list)  # (id, ids, start)
     decode: list[tuple[int, int]] = field(default_factory=list)  # (id, token to feed)
     stop: bool = False  # leave the engine loop
@@ -80,7 +96,12 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.free or self.extend or self.decode)
+        return not (self.free or self.cache or self.fork or self.extend or self.decode)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens this step takes from the prefix cache instead of prefilling them."""
+        return sum(n for _, _, n in self.fork)
 
 
 @dataclass(frozen=True)
@@ -93,23 +114,32 @@ class TokenEvent:
     finish: str | None
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
+    cached_tokens: int | None = None  # with finish: prompt tokens the prefix cache gave
 
 
 class Scheduler:
     def __init__(self, kv: PagedKVCache, strategy: str, chunk_size: int, max_running: int,
-                 eos_ids: tuple[int, ...]) -> None:
+                 eos_ids: tuple[int, ...], radix: bool = False) -> None:
         self.kv, self.strategy = kv, strategy
+        # the prefix cache needs the paged cache's page lists (not a model's own cache)
+        self.index = (RadixIndex(kv.page_size) if radix and isinstance(kv, PagedKVCache)
+                      else None)
         self.chunk_size = chunk_size if chunk_size > 0 else None  # None: no chunking
         self.max_running = max_running
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admitted, in admission order
         self.preemptions = 0
+        self.evictions = 0  # prefix-cache entries freed for room
         self._to_free: list[int] = []
+        self._to_cache: list[int] = []
         self._admissions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if self.index is not None and req.rid in self.index.lru:  # a reused id: drop its entry
+            self.index.remove(req.rid)
+            self._to_free.append(req.rid)
         self.waiting.append(req)
 
     def cancel(self, rid: int) -> None:
@@ -123,7 +153,7 @@ class Scheduler:
                 return
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free)
+        return bool(self.waiting or self.running or self._to_free or self._to_cache)
 
     def take_frees(self) -> list[int]:
         """Ids whose KV the next step must free (for a last, free-only step)."""
@@ -131,47 +161,80 @@ class Scheduler:
         return frees
 
     def _drop(self, req: Request) -> None:
-        if req.cached:
+        """A request that left: its KV stays as a prefix-cache entry, or is freed."""
+        if not req.cached:
+            return
+        if self.index is not None:
+            self.index.insert(req.rid, req.tokens[:req.cached], evictable=True)
+            self._to_cache.append(req.rid)
+        else:
             self._to_free.append(req.rid)
+
+    def clear_cache(self) -> None:
+        """Free every finished entry of the prefix cache (at the next step)."""
+        if self.index is not None:
+            for key in self.index.evictable():
+                self.index.remove(key)
+                self._to_free.append(key)
+            self._to_cache = []
 
     # ---- planning -----------------------------------------------------------------------------
     def plan(self) -> StepPlan:
-        free = self.take_frees()
-        avail = self._available(free)
+        cache, self._to_cache = self._to_cache, []
+        step = _StepPages(self.kv, self.take_frees())
         decode = [r for r in self.running.values() if r.decoding]
         need = self.kv.decode_pages_needed([r.rid for r in decode])
         preempted = False
-        while decode and any(n > a for n, a in zip(need, avail)):
+        while decode and any(n > a for n, a in zip(need, step.avail)):
+            if self._evict(step):
+                continue
             victim = max(decode, key=lambda r: r.admitted)
             decode.remove(victim)
-            self._preempt(victim, free, avail)
+            self._preempt(victim, step)
             need = self.kv.decode_pages_needed([r.rid for r in decode])
             preempted = True
-        left = [a - n for a, n in zip(avail, need)]
+        step.avail = [a - n for a, n in zip(step.avail, need)]
         # after a preemption nothing new is admitted this step: it would take the freed
         # pages and force the next preemption
-        extend = self._extend_segments(left, admit=not preempted)
-        return StepPlan(free=free, extend=extend,
+        extend = self._extend_segments(step, admit=not preempted)
+        freed = set(step.free)
+        return StepPlan(free=step.free, cache=[k for k in cache if k not in freed],
+                        fork=step.forks, extend=extend,
                         decode=[(r.rid, r.last_token) for r in decode])
 
-    def _available(self, free: list[int]) -> list[int]:
-        """Free pages of every CP rank once this step's frees ran."""
-        avail = [self.kv.free_pages(r) for r in range(self.kv.cp_size)]
-        for rid in free:
-            for r, n in enumerate(self.kv.pages_held(rid)):
-                avail[r] += n
-        return avail
+    def _evict(self, step: "_StepPages") -> bool:
+        """Free the least recently used finished entry this step does not fork from."""
+        if self.index is None:
+            return False
+        key = next((k for k in self.index.lru if k not in step.pinned), None)
+        if key is None:
+            return False
+        self.index.remove(key)
+        step.add_free(key)
+        self.evictions += 1
+        return True
 
-    def _preempt(self, req: Request, free: list[int], avail: list[int]) -> None:
-        for r, n in enumerate(self.kv.pages_held(req.rid)):
-            avail[r] += n
-        free.append(req.rid)
+    def _preempt(self, req: Request, step: "_StepPages") -> None:
+        if self.index is not None:
+            self.index.remove(req.rid)
+        step.add_free(req.rid)
         del self.running[req.rid]
         req.cached = 0
         self.waiting.appendleft(req)
         self.preemptions += 1
 
-    def _extend_segments(self, left: list[int], admit: bool
+    def _match(self, req: Request) -> tuple[int | None, int]:
+        """The cache entry holding the longest prefix of the request's tokens, and its
+        length, up to all but the last token (whose logits the step must compute)."""
+        if self.index is None:
+            return None, 0
+        key, n = self.index.match(req.tokens)
+        n = min(n, len(req.tokens) - 1)
+        if key is None or n <= 0 or not self.kv.can_fork(key):
+            return None, 0
+        return key, n
+
+    def _extend_segments(self, step: "_StepPages", admit: bool
                          ) -> list[tuple[int, list[int], int]]:
         budget = self.chunk_size or float("inf")
         out: list[tuple[int, list[int], int]] = []
@@ -179,7 +242,7 @@ class Scheduler:
                        None)
         if partial is not None:  # the prompt being chunked goes first, alone if it must
             n = int(min(partial.pending, budget))
-            if not self._take(partial, n, left, out):
+            if not self._take(partial, n, step, out):
                 return out  # wait for pages; admit nothing new meanwhile
             budget -= n
             if partial.pending > n:
@@ -188,15 +251,17 @@ class Scheduler:
         while (admit and self.waiting and budget > 0
                and len(self.running) < self.max_running):
             req = self.waiting.popleft()
-            n = req.pending
+            src, hit = self._match(req)
+            n = req.pending - hit
             if n > budget:
                 if out:  # room for a whole prompt next step rather than a sliver now
                     skipped.append(req)
                     break
                 n = int(budget)
-            if self._take(req, n, left, out):
+            if self._take(req, n, step, out, src, hit):
                 self._admissions += 1
                 req.admitted = self._admissions
+                req.cached_prompt = min(hit, len(req.prompt))
                 self.running[req.rid] = req
                 budget -= n
                 if req.pending > n:
@@ -206,15 +271,31 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def _take(self, req: Request, n: int, left: list[int],
-              out: list[tuple[int, list[int], int]]) -> bool:
-        """Add n of the request's pending tokens to the step if their pages fit `left`."""
-        key = req.rid if req.cached else None
-        need = self.kv.extend_pages_needed(key, self.kv.new_counts(key, n, self.strategy))
-        if any(nd > lf for nd, lf in zip(need, left)):
-            return False
+    def _take(self, req: Request, n: int, step: "_StepPages",
+              out: list[tuple[int, list[int], int]], src: int | None = None, hit: int = 0
+              ) -> bool:
+        """Add n of the request's pending tokens (after `hit` tokens forked from entry
+        `src`) to the step if their pages fit, evicting finished entries if they must."""
+        kv = self.kv
+        if src is not None:
+            counts = kv.fork_counts(src, hit)
+            need = kv.fork_pages_needed(src, hit)
+        else:
+            counts = kv.seqs[req.rid].counts if req.cached else [0] * kv.cp_size
+            need = [0] * kv.cp_size
+        rot = balancing_rotation(counts, n, self.strategy)
+        grow = kv.pages_to_grow(counts, rank_counts(n, kv.cp_size, self.strategy, rot))
+        need = [a + b for a, b in zip(need, grow)]
+        if src is not None:
+            step.pinned.add(src)
+        while any(nd > lf for nd, lf in zip(need, step.avail)):
+            if not self._evict(step):
+                return False
         for r, nd in enumerate(need):
-            left[r] -= nd
+            step.avail[r] -= nd
+        if src is not None:
+            step.forks.append((req.rid, src, hit))
+            req.cached = hit
         out.append((req.rid, req.tokens[req.cached:req.cached + n], req.cached))
         return True
 
@@ -238,7 +319,10 @@ class Scheduler:
         for rid, _ in plan.decode:
             self.running[rid].cached += 1
         for rid, ids, _ in plan.extend:
-            self.running[rid].cached += len(ids)
+            req = self.running[rid]
+            req.cached += len(ids)
+            if self.index is not None and req.pending == 0:  # a prefilled prompt: shareable
+                self.index.insert(rid, req.tokens[:req.cached])
         events = []
         logprobs = logprobs or [None] * len(rows)
         for req, token, lp in zip(rows, tokens, logprobs, strict=True):
@@ -248,6 +332,25 @@ class Scheduler:
             if finish is not None:
                 del self.running[req.rid]
                 self._drop(req)
-            events.append(TokenEvent(req.rid, token, finish) if lp is None else
-                          TokenEvent(req.rid, token, finish, lp[0], lp[1]))
+            cached = req.cached_prompt if finish is not None else None
+            events.append(TokenEvent(req.rid, token, finish, None if lp is None else lp[0],
+                                     None if lp is None else lp[1], cached))
         return events
+
+
+class _StepPages:
+    """The pages of every CP rank a step being planned can still use: free pages plus what
+    its frees return (shared pages count only once no sequence references them)."""
+
+    def __init__(self, kv: PagedKVCache, free: list[int]) -> None:
+        self.free: list[int] = []
+        self.forks: list[tuple[int, int, int]] = []
+        self.pinned: set[int] = set()  # entries this step forks from: never evicted by it
+        self._release = PageRelease(kv)
+        self.avail = [kv.free_pages(r) for r in range(kv.cp_size)]
+        for key in free:
+            self.add_free(key)
+
+    def add_free(self, key: int) -> None:
+        self.free.append(key)
+        self.avail = [a + n for a, n in zip(self.avail, self._release.add(key))]

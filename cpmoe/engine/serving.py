@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
-                                 prepare_runner)
+                                 prepare_runner, radix_cache)
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.scheduler import Scheduler, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
@@ -73,7 +73,8 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     if info.rank == 0:
         opts = spec.options
         sched = Scheduler(runner.kv, spec.layout.cp_strategy, prefill_chunk(runner, opts),
-                          opts.max_running_requests, spec.eos_ids)
+                          opts.max_running_requests, spec.eos_ids,
+                          radix=radix_cache(runner, opts))
         frontend = LinkFrontend(spec, pids, sizes)
         driver = Driver(runner, sched, frontend, spec.idle_tick_s)
     try:

@@ -80,9 +80,10 @@ class _Run:
         self.state.client.release(self.stream, self.reason)
 
 
-def _usage(runs: list[_Run]) -> dict[str, int]:
-    return api.usage(sum(r.stream.prompt_tokens for r in runs if r.job.first_of_prompt),
-                     sum(len(r.ids) for r in runs))
+def _usage(runs: list[_Run]) -> dict:
+    firsts = [r for r in runs if r.job.first_of_prompt]
+    return api.usage(sum(r.stream.prompt_tokens for r in firsts), sum(len(r.ids) for r in runs),
+                     sum(r.stream.cached_tokens for r in firsts))
 
 
 def _error(e: api.ApiError) -> JSONResponse:

@@ -45,6 +45,7 @@ class QueueFull(RuntimeError):
 class RequestStream:
     rid: int
     prompt_tokens: int
+    cached_tokens: int = 0  # of the prompt, from the prefix cache (known once finished)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
     first: float | None = None
@@ -155,6 +156,7 @@ class EngineClient:
             stream.last = now
             m.generation_tokens += 1
             if ev.finish is not None:
+                stream.cached_tokens = ev.cached_tokens or 0
                 del self._streams[ev.rid]
                 m.finished[ev.finish] += 1
                 m.e2e.observe(now - stream.arrived)

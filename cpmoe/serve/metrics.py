@@ -45,6 +45,8 @@ class Metrics:
     requests: Counter = field(default_factory=Counter)  # (endpoint, HTTP status) -> n
     finished: Counter = field(default_factory=Counter)  # finish reason -> n
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # taken from the prefix cache
+    computed_prompt_tokens: int = 0  # prefilled (a preempted request's again)
     generation_tokens: int = 0
     steps: Counter = field(default_factory=Counter)  # step kind -> n
     step_seconds: Counter = field(default_factory=Counter)  # step kind -> seconds
@@ -53,7 +55,8 @@ class Metrics:
     e2e: Histogram = field(default_factory=Histogram)
     waiting: int = 0  # accepted, no token yet (the queue --max-queue bounds)
     running: int = 0
-    kv_used: list[int] = field(default_factory=list)  # per rank
+    kv_used: list[int] = field(default_factory=list)  # per rank, less kv_cached
+    kv_cached: list[int] = field(default_factory=list)  # per rank: evictable prefix cache
     preemptions: int = 0
     kv_capacity: int = 0
     rank_pids: list[int] = field(default_factory=list)
@@ -64,7 +67,10 @@ class Metrics:
         self.step_seconds[stats["kind"]] += stats["step_s"]
         self.running = stats["running"]
         self.kv_used = list(stats["kv_used"])
+        self.kv_cached = list(stats.get("kv_cached", []))
         self.preemptions = stats["preemptions"]
+        self.cached_prompt_tokens += stats.get("cached_tokens", 0)
+        self.computed_prompt_tokens += stats.get("prefill_tokens", 0)
 
     def render(self) -> str:
         out: list[str] = []
@@ -81,6 +87,12 @@ class Metrics:
                 for r, n in sorted(self.finished.items())])
         family("cpmoe_prompt_tokens_total", "counter", "Prompt tokens of accepted requests",
                [f"cpmoe_prompt_tokens_total {self.prompt_tokens}"])
+        family("cpmoe_prompt_tokens_cached_total", "counter",
+               "Prompt tokens taken from the prefix cache instead of prefilled",
+               [f"cpmoe_prompt_tokens_cached_total {self.cached_prompt_tokens}"])
+        family("cpmoe_prompt_tokens_computed_total", "counter",
+               "Prompt tokens prefilled (again after a preemption)",
+               [f"cpmoe_prompt_tokens_computed_total {self.computed_prompt_tokens}"])
         family("cpmoe_generation_tokens_total", "counter", "Tokens generated",
                [f"cpmoe_generation_tokens_total {self.generation_tokens}"])
         family("cpmoe_time_to_first_token_seconds", "histogram",
@@ -95,8 +107,13 @@ class Metrics:
                [f"cpmoe_requests_waiting {self.waiting}"])
         family("cpmoe_requests_running", "gauge", "Requests holding KV on the engine",
                [f"cpmoe_requests_running {self.running}"])
-        family("cpmoe_kv_slots_used", "gauge", "KV cache slots in use, per rank",
+        family("cpmoe_kv_slots_used", "gauge",
+               "KV cache slots in use, per rank (not counting the evictable prefix cache)",
                [f'cpmoe_kv_slots_used{{rank="{r}"}} {n}' for r, n in enumerate(self.kv_used)])
+        family("cpmoe_kv_slots_cached", "gauge",
+               "KV cache slots only the prefix cache holds (evicted when needed), per rank",
+               [f'cpmoe_kv_slots_cached{{rank="{r}"}} {n}'
+                for r, n in enumerate(self.kv_cached)])
         family("cpmoe_preemptions_total", "counter",
                "Running requests whose KV was freed to make room (re-prefilled later)",
                [f"cpmoe_preemptions_total {self.preemptions}"])

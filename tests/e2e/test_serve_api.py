@@ -359,3 +359,34 @@ def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(servers, referenc
     with pytest.raises(openai.BadRequestError, match="skip-tokenizer-init"):
         client.chat.completions.create(model=server.model, max_tokens=2,
                                        messages=[{"role": "user", "content": "hi"}])
+
+
+# ---- (3) the prefix cache ----------------------------------------------------------------------
+
+def test_second_request_reports_its_shared_prefix_as_cached_tokens(servers, reference):
+    """Token-id prompts sharing 37 tokens (not a multiple of the 16-token page): the second
+    request's usage says 37 cached, and its tokens are those of a plain prefill."""
+    server = servers["ids"]
+    client = _client(server)
+    prefix = [(7 * i + 3) % 97 + 1 for i in range(37)]
+    first = client.completions.create(model=server.model, prompt=prefix + [200, 201],
+                                      max_tokens=3, temperature=0)
+    second = client.completions.create(model=server.model, prompt=prefix + [202, 203, 204],
+                                       max_tokens=3, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 37
+    assert second.choices[0].token_ids == reference.tokens(prefix + [202, 203, 204], 3)
+    assert first.usage.prompt_tokens_details.cached_tokens < 37
+
+
+def test_chat_turn_reuses_the_previous_turn(server):
+    """The second turn's prompt starts with the first turn's prompt and answer: at least
+    the first turn's prompt comes from the cache."""
+    client = _client(server)
+    messages = [{"role": "user", "content": "Name three prime numbers, please."}]
+    one = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4,
+                                         temperature=0)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "And three more?"}]
+    two = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4,
+                                         temperature=0)
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1

@@ -347,3 +347,25 @@ def test_decode_and_serving_benchmarks_write_provenance(runs, command):
     head = json.loads(out.read_text())["header"]
     _assert_provenance(head)
     assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]
+
+
+def test_serving_benchmark_reports_the_prefix_cache_hit_rate(tmp_path):
+    """shared-prefix, one request at a time: every request after the first takes the
+    32-token prefix from the server's cache, and the report says so."""
+    out = tmp_path / "gsp.json"
+    args = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32",
+            "--gsp-question-len", "8", "--gsp-output-len", "3", "--num-prompts", "3",
+            "--max-concurrency", "1", "--launch", "--device", "cpu"]
+    proc = _run(["-m", "cpmoe.cli", "bench-serving", "--out", str(out), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    body = json.loads(out.read_text())
+    cached = [r["cached"] for r in body["requests"]]
+    assert cached[0] == 0 and all(c >= 32 for c in cached[1:]), cached
+    summary = body["summary"]
+    assert summary["total_cached_tokens"] == sum(cached)
+    assert summary["prefix_hit_rate"] == sum(cached) / summary["total_input_tokens"]
+    assert "hit rate" in proc.stdout
+    metrics = body["server_metrics"]
+    assert metrics["cpmoe_prompt_tokens_cached_total"] == sum(cached)
+    assert metrics["cpmoe_prompt_tokens_computed_total"] == (summary["total_input_tokens"]
+                                                             - sum(cached))
