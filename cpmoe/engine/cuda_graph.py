@@ -37,7 +37,10 @@ class DecodeGraphs:
         self.slots = torch.full((max_bs,), kv.trash_slot, dtype=torch.int64, device=dev)
         self.lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=dev)
-        self._rows: list[tuple[int, int]] = []  # (sequence, pages written) per table row
+        # per table row: (its sequence's page list, pages of it written); the list object,
+        # not the key, names the sequence: a preempted request re-admitted under its old id
+        # gets a new list (new pages) and must be rewritten
+        self._rows: list[tuple[list[int], int]] = []
         self.buckets = batch_buckets(max_bs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         before = torch.cuda.memory_allocated(dev)
@@ -96,24 +99,34 @@ class DecodeGraphs:
         return out[:n]
 
     def _update_table(self, keys: list[int]) -> None:
-        """Write only what changed in the block table since the last step: a row that kept
-        its sequence gains at most one page per step; a row that changed sequence is
-        rewritten. Entries past a row's pages are never read, so stale ones may stay."""
+        """Write what changed in the block table since the last step (`table_updates`)."""
         seqs = self.runner.kv.seqs
-        rows, cols, vals = [], [], []
-        for i, key in enumerate(keys):
-            pages = seqs[key].pages
-            have = self._rows[i] if i < len(self._rows) else None
-            first = have[1] if have is not None and have[0] == key else 0
-            if len(pages) > self.max_pages:
-                raise ValueError(f"sequence {key} holds {len(pages)} pages on this rank, the "
-                                 f"decode graphs were captured for {self.max_pages}")
-            for j in range(first, len(pages)):
-                rows.append(i)
-                cols.append(j)
-                vals.append(pages[j])
-        self._rows[:len(keys)] = [(k, len(seqs[k].pages)) for k in keys]
+        for key in keys:
+            if len(seqs[key].pages) > self.max_pages:
+                raise ValueError(f"sequence {key} holds {len(seqs[key].pages)} pages on this "
+                                 f"rank, the decode graphs were captured for {self.max_pages}")
+        rows, cols, vals = table_updates(self._rows, [seqs[k].pages for k in keys])
         if rows:
             upd = torch.tensor([rows, cols, vals], dtype=torch.int64).pin_memory()
             upd = upd.to(self.ids.device, non_blocking=True)
             self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+
+def table_updates(written: list[tuple[list[int], int]], pages: list[list[int]]
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """(rows, cols, page ids) to write so that table row i holds pages[i], given what each
+    row holds (`written`: the page list it was written from and how many of its entries;
+    updated in place). A row that kept its sequence gains at most one page per step; a row
+    whose page list is another object (another sequence, or the same request id freed and
+    stored again, as after preemption) is rewritten. Entries past a row's pages are never
+    read, so stale ones may stay."""
+    rows, cols, vals = [], [], []
+    for i, row_pages in enumerate(pages):
+        have = written[i] if i < len(written) else None
+        first = have[1] if have is not None and have[0] is row_pages else 0
+        for j in range(first, len(row_pages)):
+            rows.append(i)
+            cols.append(j)
+            vals.append(row_pages[j])
+    written[:len(pages)] = [(p, len(p)) for p in pages]
+    return rows, cols, vals

@@ -1,7 +1,7 @@
 """The prefix (radix) cache over CP-sharded pages equals running without it (gloo, float32).
 
 On CP layouts of the matrix (a representative set by default, every layout with
-CPMOE_RADIX_FULL_MATRIX=1): requests sharing prefixes aligned and not aligned to pages and
+CPMOE_FULL=1): requests sharing prefixes aligned and not aligned to pages and
 to the CP split, one after another and concurrently, multi-turn (the next prompt extends the
 previous prompt and answer), and under memory pressure (entries evicted, requests
 preempted) give the same tokens as `--disable-radix-cache`, and every sampled step's logits
@@ -11,7 +11,6 @@ sharded: no rank holds more than 1/attn_cp + 5% of it.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,15 +19,14 @@ from cpmoe.engine.engine import EngineOptions
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._radix_tasks import Turn, engine_task, fork_task
-from tests.distributed.test_layouts import MATRIX, TOL, layout_id, pools  # noqa: F401
+from tests._full import full_matrix
+from tests.distributed.test_layouts import MATRIX, TOL, layout_id
 
-# the suite's budget (15 minutes on 2 cores): one CP layout of each strategy, CP 2 and 4,
-# gather and rank-local MoE; CPMOE_RADIX_FULL_MATRIX=1 runs every CP layout of the matrix
+# the suite's budget (15 minutes on 2 cores): by default one CP layout of each strategy,
+# CP 2 and 4, gather and rank-local MoE; the `full` run (CPMOE_FULL=1) every CP layout
 RADIX_LAYOUTS = {"tp2-cp2-dp1-ep1-none-zigzag", "tp4-cp4-dp1-ep4-alltoall-interleave"}
-CP_MATRIX = [lay for lay in MATRIX if lay.attn_cp_size > 1]
-LAYOUTS = ([ParallelLayout()] + (
-    CP_MATRIX if os.environ.get("CPMOE_RADIX_FULL_MATRIX") == "1"
-    else [lay for lay in CP_MATRIX if layout_id(lay) in RADIX_LAYOUTS]))
+LAYOUTS = [ParallelLayout()] + full_matrix(
+    [lay for lay in MATRIX if lay.attn_cp_size > 1], lambda lay: layout_id(lay) in RADIX_LAYOUTS)
 
 PAGE = 4
 

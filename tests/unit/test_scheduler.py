@@ -135,3 +135,18 @@ def test_a_model_with_its_own_caches_on_cuda_needs_max_total_tokens() -> None:
                                    allocate_kv=lambda *a: pytest.fail("no cache may be built"))
     with pytest.raises(CacheFullError, match="--max-total-tokens"):
         prepare_runner(runner, EngineOptions(), None)
+
+
+def test_decode_graph_table_rewrites_a_request_stored_again_under_its_old_id() -> None:
+    """The graphs' block table is updated incrementally. A row keeps its entries while its
+    sequence only grows; a request preempted and re-admitted under the same id holds new
+    pages (a new page list) and must be rewritten whole, not read through stale page ids."""
+    from cpmoe.engine.cuda_graph import table_updates
+    written: list = []
+    a, b = [7, 3], [5]
+    assert table_updates(written, [a, b]) == ([0, 0, 1], [0, 1, 0], [7, 3, 5])
+    a.append(9)  # a grows by one page: only that entry is written
+    assert table_updates(written, [a, b]) == ([0], [2], [9])
+    again = [4, 8, 2]  # request a freed and stored again: same id, same page count
+    assert table_updates(written, [again, b]) == ([0, 0, 0], [0, 1, 2], [4, 8, 2])
+    assert table_updates(written, [b]) == ([0], [0], [5])  # another sequence in row 0
