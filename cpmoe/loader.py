@@ -208,7 +208,7 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     # Models whose checkpoints use other names map them to parameter names (DeepSeek-V4).
-    rename = getattr(model, "checkpoint_param_name", None) or (lambda n: n)
+    rename = model.checkpoint_param_name
     filled: dict[str, int] = defaultdict(int)
     regions: set[tuple[str, str]] = set()
     stats = {"loaded": 0, "skipped": 0, "bytes": 0, "scales": 0}

@@ -80,7 +80,7 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
             fp8 = dict(zip(("weight_bytes", "fp8_bytes"),
                            planned_weight_bytes(model, quant, dtype)))
         kv = None
-        if getattr(model, "make_kv_cache", None) is None:
+        if not model.own_cache:
             attn = model.model.layers[0].self_attn
             kv = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
                   * torch.empty((), dtype=dtype).element_size())
@@ -185,7 +185,7 @@ class ModelRunner:
     @property
     def own_cache(self) -> bool:
         """The model keeps its own per-sequence state instead of K/V pages (DeepSeek-V4)."""
-        return getattr(self.model, "make_kv_cache", None) is not None
+        return self.model.own_cache
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -222,8 +222,7 @@ class ModelRunner:
         `decode_graphs`), and no host-side count exchange in the MoE dispatch. float32 on
         CUDA (the reference dtype) runs eagerly: its experts take the loop path, which reads
         counts on the host."""
-        own = getattr(self.model, "can_capture_decode", None)
-        return (self.device.type == "cuda" and (own() if own else not self.own_cache)
+        return (self.device.type == "cuda" and self.model.can_capture_decode()
                 and self.dtype in (torch.bfloat16, torch.float16)
                 and self.layout.moe_a2a_backend != "alltoall")
 

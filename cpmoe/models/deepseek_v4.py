@@ -312,6 +312,7 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLMHead):
     checkpoint_param_name = staticmethod(checkpoint_param_name)  # read by the loader
+    own_cache = True  # per-sequence state, not K/V pages (make_kv_cache, decode_graphs)
 
     def __init__(self, cfg: DeepseekV4Config, groups: ProcessGroups, dtype: torch.dtype) -> None:
         super().__init__()

@@ -114,8 +114,45 @@ class RotaryEmbedding(nn.Module):
 
 
 class CausalLMHead(nn.Module):
-    """What every causal-LM wrapper shares: `self.model` (with `embed_tokens`), `self.lm_head`
-    (None when tied to the embedding) and `self.groups`."""
+    """The interface of a model class: what the engine, the loader and the benchmarks call,
+    declared here with its defaults (a model overrides what it needs), and what every
+    causal-LM wrapper shares: `self.model` (with `embed_tokens`), `self.lm_head` (None when
+    tied to the embedding) and `self.groups`.
+
+    - `__init__(config, groups, dtype)`: one rank's shard; `checkpoint_shapes(cfg)` (static):
+      every tensor name and full shape of a hub checkpoint (random weights, the loader's
+      completeness proof); `checkpoint_int_ranges(cfg)`: integer tensors and their ranges.
+    - `checkpoint_param_name(name)`: a parameter's name in the checkpoint.
+    - `own_cache`: False, the engine's paged K/V cache serves the model; True, the model
+      keeps its own per-sequence caches (`make_kv_cache`) and brings its own decode graphs
+      (`decode_graphs`); `can_capture_decode()`: whether its decode step may be captured.
+    - `fuse_weights()`, `hidden_states(batch)`, `logits(hidden)`.
+    """
+
+    own_cache = False
+
+    @staticmethod
+    def checkpoint_shapes(cfg) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def checkpoint_int_ranges(cfg) -> dict[str, int] | None:
+        """Integer checkpoint tensors -> exclusive upper bound of their values (none here)."""
+        return None
+
+    @staticmethod
+    def checkpoint_param_name(name: str) -> str:
+        return name
+
+    def make_kv_cache(self, capacity: int):
+        raise NotImplementedError(f"{type(self).__name__} uses the engine's paged K/V cache")
+
+    def can_capture_decode(self) -> bool:
+        """A paged model's decode step never syncs with the host (models/qwen_moe.py)."""
+        return True
+
+    def decode_graphs(self, runner, max_bs: int, max_context: int):
+        raise NotImplementedError(f"{type(self).__name__}'s decode graphs are the engine's")
 
     def hidden_states(self, batch) -> torch.Tensor:
         """Final-normed hidden rows of every token in flat order, on every rank."""

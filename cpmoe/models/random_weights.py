@@ -52,9 +52,8 @@ class RandomCheckpoint:
            dtype: torch.dtype) -> "RandomCheckpoint":
         """The random checkpoint of a model class at a config (`checkpoint_shapes`, and
         `checkpoint_int_ranges` where the model has integer tensors)."""
-        ranges = getattr(model_cls, "checkpoint_int_ranges", None)
         return cls(model_cls.checkpoint_shapes(cfg), seed, device, dtype,
-                   ranges(cfg) if ranges else None)
+                   model_cls.checkpoint_int_ranges(cfg))
 
     def keys(self) -> list[str]:
         return list(self.shapes)

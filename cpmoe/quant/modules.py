@@ -90,7 +90,7 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 def prepare_fp8(model: nn.Module, names: set[str], quant: Fp8Config) -> int:
     """-> the number of modules made FP8 (see the module docstring)."""
     count = 0
-    rename = getattr(model, "checkpoint_param_name", None) or (lambda n: n)
+    rename = model.checkpoint_param_name
     hf_names = {rename(n) for n in names}
     for name, module in list(model.named_modules()):
         if isinstance(module, LocalExperts) and quant.expert_dtype == "fp8" \
