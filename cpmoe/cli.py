@@ -27,7 +27,7 @@ from cpmoe.engine.kv_cache import CacheFullError
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, check_model_fit, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import load_model_config
-from cpmoe.moe.dispatch.base import MissingBackendError, check_backend_available
+from cpmoe.moe.dispatch import MissingBackendError, check_backend_available
 from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments

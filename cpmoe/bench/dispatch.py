@@ -30,7 +30,7 @@ import torch
 from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.timing import device_name, device_timed, keep_multicast_off, median, timed
-from cpmoe.moe.dispatch.base import MissingBackendError, create_dispatcher
+from cpmoe.moe.dispatch import MissingBackendError, create_dispatcher
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo

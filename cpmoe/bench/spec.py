@@ -20,7 +20,7 @@ from cpmoe.bench.v4_flops import v4_prefill_flops
 from cpmoe.engine.runner import check_model_fit
 from cpmoe.models.deepseek_v4_config import DeepseekV4Config
 from cpmoe.models.registry import config_from_dict
-from cpmoe.moe.dispatch.base import check_backend_available
+from cpmoe.moe.dispatch import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 # MFU's denominator is the datasheet peak, the field's convention (and what peers report);

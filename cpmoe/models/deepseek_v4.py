@@ -43,7 +43,7 @@ from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.layers import CausalLMHead, Linear
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
-from cpmoe.moe.dispatch.base import create_dispatcher
+from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.parallel.groups import ProcessGroups

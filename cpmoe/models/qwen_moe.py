@@ -23,7 +23,7 @@ from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.layers import (CausalLMHead, Linear, RMSNorm, RotaryEmbedding, column_shard,
                                  fuse_linears, kv_head_shard, row_shard)
-from cpmoe.moe.dispatch.base import create_dispatcher
+from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter

@@ -1,0 +1,42 @@
+"""MoE token dispatch: the interface (base.py), its backends (local.py: none, alltoall.py,
+padded.py: alltoall_padded) and the factory that picks one by `--moe-a2a-backend`."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from cpmoe.moe.dispatch.alltoall import AllToAllDispatcher
+from cpmoe.moe.dispatch.base import Dispatcher
+from cpmoe.moe.dispatch.local import LocalDispatcher
+from cpmoe.moe.dispatch.padded import PaddedAllToAllDispatcher
+from cpmoe.parallel.groups import ProcessGroups
+
+
+class MissingBackendError(RuntimeError):
+    pass
+
+
+_EXTERNAL = {"deepep": "deep_ep", "mori": "mori"}
+
+
+def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dispatcher:
+    if name == "none":
+        return LocalDispatcher(groups, num_experts)
+    if name == "alltoall":
+        return AllToAllDispatcher(groups, num_experts)
+    if name == "alltoall_padded":
+        return PaddedAllToAllDispatcher(groups, num_experts)
+    if name in _EXTERNAL:
+        check_backend_available(name)
+        raise MissingBackendError(f"--moe-a2a-backend {name}: package {_EXTERNAL[name]!r} is "
+                                  f"installed but cpmoe has no adapter for it yet; use "
+                                  f"'alltoall'")
+    raise MissingBackendError(f"--moe-a2a-backend {name!r} is unknown")
+
+
+def check_backend_available(name: str) -> None:
+    """Fail early (before spawning ranks) when an external backend's package is missing."""
+    module = _EXTERNAL.get(name)
+    if module and importlib.util.find_spec(module) is None:
+        raise MissingBackendError(f"--moe-a2a-backend {name} needs the Python package "
+                                  f"{module!r}, which is not installed")

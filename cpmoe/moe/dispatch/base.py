@@ -1,4 +1,5 @@
-"""The token-dispatch interface every MoE backend implements, and the factory.
+"""The token-dispatch interface every MoE backend implements (the factory is the package's
+`create_dispatcher`).
 
     dispatch(x_NH, topk_ids_NK, topk_weights_NK)
         -> (recv_x_MH, recv_local_ids_MK, recv_weights_MK, handle)
@@ -15,7 +16,6 @@ Whether `out_NH` is final or a partial sum over the MoE group is a property of t
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -61,36 +61,3 @@ def unpack_rows(packed: torch.Tensor, hidden: int, top_k: int
     id_cols = packed.shape[1] - hidden - top_k
     ids = packed[:, hidden:hidden + id_cols].contiguous().view(torch.int32).long()
     return packed[:, :hidden], ids, packed[:, hidden + id_cols:]
-
-
-class MissingBackendError(RuntimeError):
-    pass
-
-
-_EXTERNAL = {"deepep": "deep_ep", "mori": "mori"}
-
-
-def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dispatcher:
-    if name == "none":
-        from cpmoe.moe.dispatch.local import LocalDispatcher
-        return LocalDispatcher(groups, num_experts)
-    if name == "alltoall":
-        from cpmoe.moe.dispatch.alltoall import AllToAllDispatcher
-        return AllToAllDispatcher(groups, num_experts)
-    if name == "alltoall_padded":
-        from cpmoe.moe.dispatch.padded import PaddedAllToAllDispatcher
-        return PaddedAllToAllDispatcher(groups, num_experts)
-    if name in _EXTERNAL:
-        check_backend_available(name)
-        raise MissingBackendError(f"--moe-a2a-backend {name}: package {_EXTERNAL[name]!r} is "
-                                  f"installed but cpmoe has no adapter for it yet; use "
-                                  f"'alltoall'")
-    raise MissingBackendError(f"--moe-a2a-backend {name!r} is unknown")
-
-
-def check_backend_available(name: str) -> None:
-    """Fail early (before spawning ranks) when an external backend's package is missing."""
-    module = _EXTERNAL.get(name)
-    if module and importlib.util.find_spec(module) is None:
-        raise MissingBackendError(f"--moe-a2a-backend {name} needs the Python package "
-                                  f"{module!r}, which is not installed")
