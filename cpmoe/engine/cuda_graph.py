@@ -100,12 +100,12 @@ class DecodeGraphs:
 
     def _update_table(self, keys: list[int]) -> None:
         """Write what changed in the block table since the last step (`table_updates`)."""
-        seqs = self.runner.kv.seqs
-        for key in keys:
-            if len(seqs[key].pages) > self.max_pages:
-                raise ValueError(f"sequence {key} holds {len(seqs[key].pages)} pages on this "
-                                 f"rank, the decode graphs were captured for {self.max_pages}")
-        rows, cols, vals = table_updates(self._rows, [seqs[k].pages for k in keys])
+        pages = [self.runner.kv.seqs[k].pages for k in keys]
+        for key, row in zip(keys, pages):
+            if len(row) > self.max_pages:
+                raise ValueError(f"sequence {key} holds {len(row)} pages on this rank, the "
+                                 f"decode graphs were captured for {self.max_pages}")
+        rows, cols, vals = table_updates(self._rows, pages)
         if rows:
             upd = torch.tensor([rows, cols, vals], dtype=torch.int64).pin_memory()
             upd = upd.to(self.ids.device, non_blocking=True)
