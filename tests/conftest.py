@@ -28,6 +28,8 @@ if str(REPO_ROOT) not in sys.path:  # cpmoe importable from the repo root withou
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests._threads import one_torch_thread  # noqa: E402
+
 from tests._full import REASON, full_run  # noqa: E402
 
 ROUTER_SCALE = 4.0
@@ -83,6 +85,13 @@ def make_hf_model(kind: str, out_dir: pathlib.Path | None = None, **overrides):
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out_dir))
     return model, out_dir
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The module's tests on one torch thread (tests/_threads.py says why)."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from cpmoe.models.deepseek_v4_cache import sequence_bytes
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout
+from tests._threads import one_torch_thread
 from tests.distributed._v4_tasks import cache_bytes_run, cache_bytes_task, make_v4_model
 
 PROMPT, NEW_TOKENS, CP, TOL = 4096, 6, 4, 1e-5
@@ -33,12 +34,8 @@ def prompt() -> list[int]:
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir, prompt) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return cache_bytes_run(ProcessGroups.single(), model_dir, prompt, NEW_TOKENS)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -65,12 +65,7 @@ def layout_id(lay: ParallelLayout) -> str:
             f"{lay.moe_a2a_backend}-{lay.cp_strategy}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the one-rank references: tiny matmuls
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread
 
 
 @pytest.fixture(scope="module")

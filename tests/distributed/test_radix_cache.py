@@ -20,6 +20,7 @@ from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._radix_tasks import Turn, engine_task, fork_task
 from tests._full import full_matrix
+from tests._threads import one_torch_thread
 from tests.distributed.test_layouts import MATRIX, TOL, layout_id
 
 # the suite's budget (15 minutes on 2 cores): by default one CP layout of each strategy,
@@ -69,12 +70,8 @@ def cases(cp: int = 1) -> dict:
 def one_rank(task, *args):
     """A rank task in this process, on one thread as a pool rank has: two OpenMP threads of
     tiny ops on a loaded 2-core machine ran ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return task(RankInfo(0, 1, torch.device("cpu")), *args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

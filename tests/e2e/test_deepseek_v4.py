@@ -39,13 +39,7 @@ PROMPT_LENGTHS = (5, 125)  # 125 + 16 crosses the HCA boundary at 128 while deco
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: thread hand-offs cost more than they save, badly so on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread
 
 
 @pytest.fixture(scope="module")

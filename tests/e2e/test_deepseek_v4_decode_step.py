@@ -42,12 +42,7 @@ TINY_V4 = {
 LENGTHS, STEPS, TOL = (61, 5, 30), 12, 1e-5  # 61 + 12 crosses the rate-16 window at 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread
 
 
 def _runner() -> ModelRunner:

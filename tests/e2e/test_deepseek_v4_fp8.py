@@ -23,12 +23,7 @@ TOL = 1e-4
 LENGTHS = (1, 7, 130)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread
 
 
 @pytest.fixture(scope="module")
