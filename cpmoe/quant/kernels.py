@@ -190,9 +190,25 @@ def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int]) ->
             and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0)
 
 
+def scaled_mm_weight_scale(w_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's [N/128, K/128] block scales as F.scaled_mm's 128x128 recipe reads them:
+    [L4, N/128] with strides (1, L4), L4 = K/128 rounded up to 4 (the rows past K/128 are
+    padding it never uses): a transposed view when K/128 is a multiple of 4, else a padded
+    copy (make it once per weight: `Fp8Linear` keeps it)."""
+    n, kb = w_scale.shape
+    l4 = -(-kb // 4) * 4
+    if l4 == kb and w_scale.is_contiguous():
+        return w_scale.t()
+    padded = torch.zeros(n, l4, dtype=w_scale.dtype, device=w_scale.device)
+    padded[:, :kb] = w_scale
+    return padded.t()
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]."""
+               block: tuple[int, int], bias: torch.Tensor | None = None,
+               mm_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]. mm_scale:
+    `scaled_mm_weight_scale(w_scale)` made ahead (else made here, per call)."""
     if not _use_triton(x):
         return fp8_linear_ref(x, w, w_scale, block, bias)
     shape = x.shape
@@ -203,10 +219,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if SCALED_MM_ERROR is None and _scaled_mm_fits(x, w, block):
         import torch.nn.functional as F
         try:
-            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
+            if mm_scale is None:
+                mm_scale = scaled_mm_weight_scale(w_scale)
+            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, mm_scale,
                             F.ScalingType.BlockWise128x128,
                             output_dtype=torch.bfloat16).to(x.dtype)  # as checked on H200
-        except RuntimeError as e:  # a torch build without the block-wise kernel: say so once
+        except (RuntimeError, ValueError) as e:  # a build without the kernel: say so once
             SCALED_MM_ERROR = str(e).splitlines()[0]
             warnings.warn(f"FP8 linear: F.scaled_mm refused block-wise scales "
                           f"({SCALED_MM_ERROR}); using the Triton GEMM", stacklevel=2)
