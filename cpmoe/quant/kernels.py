@@ -50,19 +50,26 @@ def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     return q.view(M, K), s
 
 
-def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
-    scaled_mm's BlockWise1x128 recipe reads; values are the same either way."""
+    scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
+    both padded to that many rows with zeros (values and scales)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
+    rows = M if rows is None else rows
     if not _use_triton(x) or M == 0:
         q, s = quantize_act_ref(x, group)
+        pad = rows - M
+        q = torch.cat([q, q.new_zeros(pad, K)]) if pad else q
+        s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
         return q, s.t().contiguous().t()
     x = x.contiguous()
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    s_t = torch.empty(K // group, M, dtype=torch.float32, device=x.device)
-    _quantize_act_kernel[(M, K // group)](x, q, s_t, M, K, GROUP=group)
+    alloc = torch.empty if rows == M else torch.zeros
+    q = alloc(rows, K, dtype=FP8, device=x.device)
+    s_t = alloc(K // group, rows, dtype=torch.float32, device=x.device)
+    _quantize_act_kernel[(M, K // group)](x, q, s_t, rows, K, GROUP=group)
     return q, s_t.t()
 
 
@@ -181,8 +188,10 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-# (rows class, N, K) -> why F.scaled_mm refused that shape (cuBLASLt has no block-wise
-# kernel for some, e.g. one row at K = 768 on the H200); such shapes take the Triton GEMM
+# cuBLASLt's block-wise FP8 kernels on the H200 refused every row count tried that is not a
+# multiple of 16 (1, 2, 13, 37, 1846) and took 64 and 4096: activations are padded to it
+SCALED_MM_ROWS = 16
+# (rows class, N, K) -> why F.scaled_mm refused that shape anyway; those take the Triton GEMM
 _SCALED_MM_REFUSED: dict[tuple[int, int, int], str] = {}
 
 
@@ -224,24 +233,28 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         return fp8_linear_ref(x, w, w_scale, block, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    q, s = quantize_act(x2, block[1])
+    m = x2.shape[0]
+    rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
+    key = _shape_key(rows, *w.shape)
+    mm = key not in _SCALED_MM_REFUSED and _scaled_mm_fits(x, w, block)
+    q, s = quantize_act(x2, block[1], rows if mm else m)
     y = None
-    key = _shape_key(x2.shape[0], *w.shape)
-    if key not in _SCALED_MM_REFUSED and _scaled_mm_fits(x, w, block):
+    if mm:
         import torch.nn.functional as F
         if mm_scale is None:
             mm_scale = scaled_mm_weight_scale(w_scale)
         try:
             y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, mm_scale,
                             F.ScalingType.BlockWise128x128,
-                            output_dtype=torch.bfloat16).to(x.dtype)  # as checked on H200
+                            output_dtype=torch.bfloat16)[:m].to(x.dtype)  # checked on H200
         except (RuntimeError, ValueError) as e:  # no kernel for this shape: say so once
             _SCALED_MM_REFUSED[key] = str(e).splitlines()[0]
             warnings.warn(f"FP8 linear {list(x2.shape)} x {list(w.shape)}: F.scaled_mm "
                           f"refused block-wise scales ({_SCALED_MM_REFUSED[key]}); this "
                           f"shape uses the Triton GEMM", stacklevel=2)
     if y is None:
-        offs = torch.full((1,), x2.shape[0], dtype=torch.int64, device=x.device)
+        q, s = q[:m], s[:m]
+        offs = torch.full((1,), m, dtype=torch.int64, device=x.device)
         y = grouped_fp8_gemm(q, s, w[None], w_scale[None], offs, block, out_dtype=x.dtype)
     if bias is not None:
         y = y + bias

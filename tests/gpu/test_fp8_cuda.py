@@ -40,7 +40,7 @@ def fp8_weight(n: int, k: int, experts: int | None = None):
 
 
 @cuda
-@pytest.mark.parametrize("m", [1, 37, 4096])
+@pytest.mark.parametrize("m", [1, 13, 37, 64, 4096])
 @pytest.mark.parametrize("n,k", [(2048, 768), (4096, 2048)])
 def test_fp8_linear_matches_dequantized_bf16(m, n, k):
     torch.manual_seed(0)

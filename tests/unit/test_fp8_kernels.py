@@ -101,8 +101,9 @@ for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
 # Below, activations are quantized by the torch reference (the kernel's carry differs in
 # the interpreter, see above), so the GEMM paths are compared exactly.
 import cpmoe.quant.experts as fp8_experts_module
-def act_ref(x, group=128):
+def act_ref(x, group=128, rows=None):
     q, s = k.quantize_act_ref(x, group)
+    assert rows in (None, x.shape[0])  # padding is for scaled_mm, which is CUDA only
     return q, s.t().contiguous().t()
 k.quantize_act = fp8_experts_module.quantize_act = act_ref
 
