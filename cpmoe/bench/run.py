@@ -255,10 +255,14 @@ class _Run:
     def finish(self) -> int:
         rp.relate_rows(self.rows, self.tp1)
         rp.write_json(self.out, self.head, self.rows)
-        active = self.head["active_params"]
+        active, where = self.head["active_params"], f"{self.head['gpu'] or self.device}"
+        arch = self.raw["architectures"][0]
+        has_flops = any(r.get("model_flops") for r in self.rows)
         print(f"shape {self.shape}: active params {active:,} (embedding and lm_head excluded); "
-              f"{self.head['gpu'] or self.device}, {self.head['dtype']}" if active else
-              f"shape {self.shape}: no FLOPs model for {self.raw['architectures'][0]} (MFU -)")
+              f"{where}, {self.head['dtype']}" if active else
+              f"shape {self.shape}: MFU by the {arch} FLOPs model (cpmoe/bench/v4_flops.py); "
+              f"{where}, {self.head['dtype']}" if has_flops else
+              f"shape {self.shape}: no FLOPs model for {arch} (MFU -)")
         print(rp.markdown_table(self.rows))
         print(f"wrote {self.out}")
         if self.args.plot:
