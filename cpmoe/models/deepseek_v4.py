@@ -137,10 +137,7 @@ class DeepseekV4Experts(LocalExperts):
 
     def __init__(self, *args, swiglu_limit: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.limit = swiglu_limit
-
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        return _clamped_swiglu(*h.chunk(2, dim=-1), self.limit)
+        self.swiglu_limit = swiglu_limit
 
 
 class DeepseekV4MLP(nn.Module):

@@ -27,11 +27,18 @@ class LocalExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
+        self.swiglu_limit: float | None = None  # clamped SwiGLU (DeepSeek-V4): see activation
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of gate/up rows packed [.., 2I] (gate first) -> [.., I]; models with another
-        gated activation override this alone, so both the CPU and the GPU path use it."""
-        return silu_and_mul(h)
+        """SwiGLU of gate/up rows packed [.., 2I] (gate first) -> [.., I]; with swiglu_limit,
+        DeepSeek-V4's clamped form SiLU(min(gate, limit)) * clamp(up, -limit, limit). Models
+        with another gated activation override this alone (every path then uses it, but
+        the fused decode kernel, which computes these two)."""
+        if self.swiglu_limit is None:
+            return silu_and_mul(h)
+        gate, up = h.chunk(2, dim=-1)
+        limit = self.swiglu_limit
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
@@ -42,7 +49,7 @@ class LocalExperts(nn.Module):
                 and (not fp8 or fused_moe.takes_block_scales(self))):
             scales = (self.gate_up_scale_inv, self.down_scale_inv) if fp8 else None
             return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,
-                                           self.down_proj, scales)
+                                           self.down_proj, scales, self.swiglu_limit)
         if fp8:
             from cpmoe.quant.experts import fp8_experts
             return fp8_experts(self, x_MH, local_ids_MK, weights_MK)

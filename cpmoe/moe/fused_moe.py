@@ -59,12 +59,14 @@ def takes_block_scales(experts) -> bool:
 
 def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: torch.Tensor,
                   gate_up_EnH: torch.Tensor, down_EHI: torch.Tensor,
-                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  swiglu_limit: float | None = None) -> torch.Tensor:
     """sum_k weights[m, k] * down[e] @ silu_and_mul(gate_up[e] @ x[m]) with e = ids[m, k]
     (id -1: another rank's expert, skipped) -> [M, H] in x's dtype. FP8 weights come with
     their 128 x 128 block scales (gate_up's, down's: [E, rows / 128, K / 128]); each weight
     tile is widened to x's dtype and its GEMM scaled in float32 (weights-only FP8: a decode
-    step reads half the bytes, the activations keep their precision)."""
+    step reads half the bytes, the activations keep their precision). swiglu_limit:
+    DeepSeek-V4's clamped SwiGLU, SiLU(min(gate, limit)) * clamp(up, -limit, limit)."""
     M, K = local_ids_MK.shape
     E, two_i, H = gate_up_EnH.shape
     I = two_i // 2
@@ -77,7 +79,7 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     gate_up_s, down_s = scales or (None, None)
     _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
-          scale=gate_up_s)
+          scale=gate_up_s, limit=swiglu_limit)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False, scale=down_s)
     out = torch.empty_like(x_MH)
@@ -113,7 +115,8 @@ def gemm_config(slots: int, experts: int, k_dim: int) -> dict:
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
-          config: dict | None = None, scale: torch.Tensor | None = None) -> None:
+          config: dict | None = None, scale: torch.Tensor | None = None,
+          limit: float | None = None) -> None:
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
@@ -126,7 +129,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         a, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), E,
         s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
-        GATED=gated, E_POW2=_pow2(E), SCALED=scale is not None, **cfg)
+        0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
+        SCALED=scale is not None, CLAMP=limit is not None, **cfg)
 
 
 if triton is not None:
@@ -161,15 +165,17 @@ if triton is not None:
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM,
                             cap, rows_per_a, stride_a, stride_we, stride_wn, stride_out, E,
-                            stride_se, stride_sn, GATED: tl.constexpr, E_POW2: tl.constexpr,
-                            SCALED: tl.constexpr, COMPACT: tl.constexpr,
+                            stride_se, stride_sn, limit, GATED: tl.constexpr,
+                            E_POW2: tl.constexpr, SCALED: tl.constexpr, CLAMP: tl.constexpr,
+                            COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
         COMPACT the t-th expert (in id order) that has slots. SCALED: w is FP8 with one
-        float32 scale per 128 x 128 block (s [E, rows / 128, K_DIM / 128])."""
+        float32 scale per 128 x 128 block (s [E, rows / 128, K_DIM / 128]). CLAMP: the
+        gate is clamped to <= limit and up to [-limit, limit] before SiLU(gate) * up."""
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)
@@ -214,6 +220,9 @@ if triton is not None:
                     else:
                         acc_up = tl.dot(a, u, acc_up)
             if GATED:
+                if CLAMP:
+                    acc = tl.minimum(acc, limit)
+                    acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

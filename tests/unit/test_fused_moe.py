@@ -51,6 +51,17 @@ x, ids, w = torch.randn(7, H), torch.randint(-1, E, (7, 2)), torch.rand(7, 2)
 want = m._forward_loop(x, ids, w)
 got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d))
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+# DeepSeek-V4's clamped SwiGLU (limit 0.5 clamps many of these gate/up values)
+m = LocalExperts(4, 64, 32, torch.float32)
+torch.nn.init.normal_(m.gate_up_proj, std=0.3)
+torch.nn.init.normal_(m.down_proj, std=0.3)
+m.swiglu_limit = 0.5
+x, ids, w = torch.randn(6, 64), torch.randint(-1, 4, (6, 3)), torch.rand(6, 3)
+want = m._forward_loop(x, ids, w)
+got = fused_moe.fused_experts(x, ids, w, m.gate_up_proj, m.down_proj, swiglu_limit=0.5)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+m.swiglu_limit = None
+assert not torch.allclose(got, m._forward_loop(x, ids, w), atol=1e-3)  # the clamp mattered
 print("fused moe ok")
 """
 
