@@ -81,7 +81,9 @@ def test_graph_replay_follows_eager_decode(rows, quantization):
         decisive = (top2[:, 0] - top2[:, 1]) > 2 * d
         checked += int(decisive.sum())
         assert not (decisive & (lg.argmax(-1) != le.argmax(-1))).any(), f"step {step}"
-    assert checked > 0.5 * 24 * len(seqs)
+    # FP8 activations turn a rounding difference into a quantization step, so fewer steps
+    # are decisive (at 5800ba7 on the H200: 145 of 312 at 13 rows, 0.46)
+    assert checked > (0.5 if quantization is None else 0.4) * 24 * len(seqs)
 
 
 @cuda

@@ -132,4 +132,9 @@ def test_fp8_engine_vs_dequantized_bf16_engine(tmp_path):
     diff = (got - want).abs().max().item()
     print(f"\nFP8 vs dequantized bf16: first-token matches {matches}/{len(prompts)}, "
           f"max |logit diff| {diff:.3e}, mean {(got - want).abs().mean().item():.3e}")
-    assert matches >= 0.8 * len(prompts)
+    # random tiny weights leave small top-2 gaps, which FP8 activations flip: at 5800ba7 on
+    # the H200, 30/40 first tokens matched, max |diff| 0.248, mean 0.035; the bounds below
+    # leave room for kernel choice, and catch a wrong scale or layout (which scrambles the
+    # logits: mean |diff| of order 1, matches by chance, ~1/4096)
+    assert matches >= 0.6 * len(prompts)
+    assert (got - want).abs().mean().item() < 0.1
