@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 
 
 def batch_buckets(max_bs: int) -> list[int]:

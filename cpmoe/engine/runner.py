@@ -15,9 +15,9 @@ import torch
 
 from cpmoe.config import QwenMoeConfig, read_config_json
 from cpmoe.cp.attention import query_runs
+from cpmoe.cp.forward_batch import ForwardBatch, PrefixPart
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.forward import ForwardBatch, PrefixPart
-from cpmoe.engine.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
 from cpmoe.models.registry import config_from_dict, load_model_config

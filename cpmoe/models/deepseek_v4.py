@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention

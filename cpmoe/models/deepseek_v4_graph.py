@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.engine.cuda_graph import batch_buckets
-from cpmoe.engine.forward import ForwardBatch
 from cpmoe.models.deepseek_v4_cache import V4Cache, _owned
 from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, DecodeStep
 

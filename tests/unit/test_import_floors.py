@@ -65,8 +65,8 @@ def imports(module: str, *, module_level_only: bool) -> list[tuple[int, str]]:
     """(line, imported module) for each cpmoe import in `module`."""
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
     nodes = tree.body if module_level_only else ast.walk(tree)
-    return [(n.lineno, t) for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
-            for t in _targets(n, module)]
+    return sorted({(n.lineno, t) for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
+                   for t in _targets(n, module)})
 
 
 def test_every_module_is_on_a_floor():
