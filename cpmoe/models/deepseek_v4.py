@@ -35,13 +35,14 @@ import torch.nn.functional as F
 
 from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.linear import Linear
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import CausalLMHead, Linear
+from cpmoe.models.layers import CausalLMHead
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.linear import Linear
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

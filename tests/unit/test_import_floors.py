@@ -22,7 +22,7 @@ FLOORS = (
     ("engine", ("engine",)),
     ("models", ("models", "loader", "default_model")),
     ("communicator", ("communicator",)),
-    ("kernels", ("cp", "moe", "quant", "ops", "graph_capture")),
+    ("kernels", ("cp", "moe", "quant", "ops", "linear", "graph_capture")),
     ("parallel", ("parallel",)),
     ("config", ("config", "context", "")),
 )
