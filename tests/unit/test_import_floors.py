@@ -9,6 +9,7 @@ The cycle check reads module-level imports only, the ones that run when a module
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,28 @@ def test_no_import_cycle():
 ])
 def test_the_cycle_finder_finds_cycles(graph, cycle):
     assert _cycle(graph) == cycle
+
+
+def test_readme_layout_of_the_code_lists_the_floors():
+    """README's "Layout of the code" names the floors in this order, and under each floor
+    the top-level modules and packages of cpmoe on it."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## Layout of the code\n", 1)[1].split("\n## ", 1)[0]
+    names = [name for name, _ in FLOORS]
+    floors: dict[str, str] = {}
+    current = None
+    for line in section.splitlines():
+        words = line.split("  ")
+        if line.startswith("    ") and words[2].strip() in names:
+            current = words[2].strip()
+        elif not line.strip():
+            current = None
+        if current:
+            floors[current] = floors.get(current, "") + line
+    assert list(floors) == names
+    tops = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.iterdir()
+            if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    for name, modules in FLOORS:
+        named = {t for t in tops
+                 if re.search(rf"(cpmoe/|\s|, ){t}(\.py|/)", floors[name])}
+        assert named == set(modules) - {""}, name
