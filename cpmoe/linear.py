@@ -9,6 +9,9 @@ an `Fp8Linear` (quant/modules.py).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,26 +37,40 @@ class Linear(nn.Module):
 
 
 @torch.no_grad()
-def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) computing every given Linear's outputs, concatenated, with one GEMM;
-    each module's weight (and bias) becomes a view into the fused tensors, so no memory is
-    added, a later write to either is seen by both, and the parameters stay as they were
-    (the fused tensors are not parameters). None where they cannot be fused (another module
-    type, such as an FP8 linear, or mixed dtypes or biases)."""
-    if any(type(m) is not Linear for m in linears):
+def fuse_linears(linears: list[Linear]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """One GEMM computing every given Linear's outputs, concatenated, as a function of x;
+    each module's weight (and bias, and FP8 block scales) becomes a view into the fused
+    tensors, so no memory is added, a later write to either is seen by both, and the
+    parameters stay as they were (the fused tensors are not parameters). FP8 linears fuse
+    when every output width is whole scale blocks. None where they cannot be fused (mixed
+    module types, dtypes, blocks or biases)."""
+    kinds = {(type(m), m.weight.dtype, m.weight.shape[1], m.bias is None,
+              getattr(m, "block", None)) for m in linears}
+    if len(kinds) != 1:
         return None
-    if len({(m.weight.dtype, m.weight.shape[1], m.bias is None) for m in linears}) != 1:
+    fp8 = linears[0].weight.dtype == torch.float8_e4m3fn
+    if type(linears[0]) is not Linear and not (
+            fp8 and all(m.weight.shape[0] % m.block[0] == 0 for m in linears)):
         return None
-    weight = torch.cat([m.weight for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    weight = _fuse_rows(linears, "weight")
+    bias = None if linears[0].bias is None else _fuse_rows(linears, "bias")
+    if not fp8:
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale
+    scale = _fuse_rows(linears, "weight_scale_inv")
+    return functools.partial(fp8_linear, w=weight, w_scale=scale, block=linears[0].block,
+                             bias=bias, mm_scale=scaled_mm_weight_scale(scale))
+
+
+def _fuse_rows(linears: list[Linear], name: str) -> torch.Tensor:
+    """The modules' `name` tensors concatenated along rows; each becomes a view into it."""
+    fused = torch.cat([getattr(m, name) for m in linears])
     start = 0
     for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        n = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(fused[start:start + n], requires_grad=False))
         start += n
-    return weight, bias
+    return fused
 
 
 def column_shard(rank: int, size: int) -> Shard:

@@ -228,7 +228,8 @@ def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     T, H, D = o1.shape
     if (not _use_triton(o1) or T == 0 or D & (D - 1) or o1.stride(2) != 1
             or o2.stride(2) != 1 or out.stride(2) != 1):
-        return out.copy_(merge_partials(torch.stack([o1, o2]), torch.stack([lse1, lse2])))
+        return out.copy_(merge_partials(torch.stack([o1.float(), o2.float()]),
+                                        torch.stack([lse1, lse2])))
     block = 64
     _merge_two_kernel[(triton.cdiv(T, block), H)](
         o1, lse1, o2, lse2, out, T, o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),

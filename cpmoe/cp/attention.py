@@ -9,12 +9,17 @@
   long prompt, to be merged with its attention over the cached prefix).
 - `prefix_partial`: queries of several sequences against this rank's shard of each one's
   cached prefix (every cached key precedes every query: no mask).
+- `PackedRuns` / `PackedPrefix`: the host-built metadata that lets CUDA run either of the
+  last two for every sequence of a step in one varlen flash-attention launch per layer
+  (`varlen_attention`) instead of a few launches per sequence.
 
 Legend: T = local query tokens, N = keys, H = local query heads, Hkv = local KV heads,
 D = head dim. GQA: query head h reads KV head h // (H / Hkv).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,78 @@ from cpmoe import ops
 
 # Rows of queries processed at once: bounds the [H, rows, keys] mask/score memory.
 _QUERY_CHUNK = 1024
+# CUDA prefill without log-sum-exp: up to this many runs, cuDNN per run (about twice flash's
+# speed on long runs); beyond, one varlen flash launch for all (launches dominate short runs)
+_RUNS_PER_LAUNCH = 16
+
+
+@dataclass
+class PackedRuns:
+    """The query runs of a step (`query_runs`) as varlen flash-attention sequences: run i is
+    local query rows cu_q[i]:cu_q[i+1] against keys cu_k[i]:cu_k[i+1] of k_flat[keys] (keys
+    None: k_flat itself, when the runs' key ranges tile it in order, as at CP 1). A run of
+    n queries at positions p0.. of its sequence sees the sequence's keys [0, p0 + n), so the
+    causal mask is bottom-right aligned: exactly flash attention's for unequal lengths."""
+
+    keys: torch.Tensor | None  # int64 [K] rows of k_flat, run after run (on the device)
+    cu_q: torch.Tensor  # int32 [runs + 1] (on the device)
+    cu_k: torch.Tensor  # int32 [runs + 1]
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, runs: list[tuple[int, int, int, int]], cu_seqlens: list[int],
+              device: torch.device) -> PackedRuns:
+        spans = [(cu_seqlens[s], cu_seqlens[s] + p0 + row1 - row0)
+                 for row0, row1, s, p0 in runs]
+        cu_q = [0] + [row1 for _, row1, _, _ in runs]
+        cu_k = [0]
+        for a, b in spans:
+            cu_k.append(cu_k[-1] + b - a)
+        tiled = all(a == k0 for (a, _), k0 in zip(spans, cu_k)) and cu_k[-1] == cu_seqlens[-1]
+        keys = None if tiled else torch.cat([torch.arange(a, b) for a, b in spans])
+        meta = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
+        return cls(None if keys is None else keys.to(device), meta[0], meta[1],
+                   max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
+                   max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0))
+
+
+@dataclass
+class PackedPrefix:
+    """The sequences of an extend step with cached tokens on this rank, packed: rows of the
+    CP-gathered queries grouped by sequence (`q_rows`) and this rank's slots of each one's
+    cached prefix (`slots`, in order), both on the device; `counts` (host) gives each packed
+    sequence's (rows, slots), never 0. Sequences with no rows or no slots here are left out:
+    their rows see no cached key on this rank (lse -inf); all may be (the step still takes
+    the cached-prefix path on every rank: it has collectives)."""
+
+    q_rows: torch.Tensor  # int64 [R]
+    slots: torch.Tensor  # int64 [N]
+    counts: list[tuple[int, int]]
+    cu_q: torch.Tensor  # int32 [n + 1]
+    cu_k: torch.Tensor  # int32 [n + 1]
+
+    @classmethod
+    def build(cls, rows: list[torch.Tensor], slots: list[torch.Tensor],
+              device: torch.device) -> PackedPrefix:
+        keep = [(r, s) for r, s in zip(rows, slots) if r.numel() and s.numel()]
+        counts = [(int(r.numel()), int(s.numel())) for r, s in keep]
+        cu = torch.tensor([(0, 0)] + counts, dtype=torch.int64).cumsum(0)
+        cu_q, cu_k = cu.t().contiguous().to(device, torch.int32)
+        none = torch.zeros(0, dtype=torch.int64)
+        return cls(torch.cat([r for r, _ in keep] or [none]).to(device),
+                   torch.cat([s for _, s in keep] or [none]).to(device), counts, cu_q, cu_k)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences on CUDA (16-bit, GQA heads as they are): q [Tq, H, D] rows
+    cu_q[i]:cu_q[i+1] against k/v [Tk, Hkv, D] rows cu_k[i]:cu_k[i+1], causal bottom-right
+    aligned -> (o [Tq, H, D], lse [Tq, H] fp32). One flash-attention launch."""
+    o, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0,
+                                                     causal, False, scale=scale)[:2]
+    return o, lse.t()  # varlen flash returns lse as [H, Tq]
 
 
 def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -38,11 +115,14 @@ def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int
 
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
-                      scale: float, runs: list[tuple[int, int, int, int]] | None = None
-                      ) -> torch.Tensor:
+                      scale: float, runs: list[tuple[int, int, int, int]] | None = None,
+                      packed: PackedRuns | None = None) -> torch.Tensor:
     """q [T, H, D] with positions/sequence ids [T] against k/v_flat [sum L, Hkv, D] in flat
-    order. On CUDA, given the query runs, fused kernels run per run with no host sync."""
+    order. On CUDA, given the query runs, fused kernels run per run with no host sync (many
+    runs, given `packed`: one varlen launch for all)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
+    if fused and packed is not None and runs is not None and len(runs) > _RUNS_PER_LAUNCH:
+        return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
         return _prefill_runs_cuda(q, k_flat, v_flat, cu_seqlens, scale, runs)
     out = torch.empty_like(q)
@@ -111,6 +191,14 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
     return out
 
 
+def _varlen_runs(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                 packed: PackedRuns, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = (k_flat, v_flat) if packed.keys is None else (k_flat[packed.keys],
+                                                         v_flat[packed.keys])
+    return varlen_attention(q, k, v, packed.cu_q, packed.cu_k, packed.max_q, packed.max_k,
+                            True, scale)
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)[None]  # [n, heads, D] -> [1, heads, n, D]
 
@@ -155,28 +243,16 @@ def merge_with_lse(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
 
 def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                              k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
-                             scale: float, runs: list[tuple[int, int, int, int]] | None
+                             scale: float, packed: PackedRuns | None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `prefill_attention` (positions relative to the chunk's first token), returning
-    (o [T, H, D] fp32, lse [T, H] fp32)."""
+    (o [T, H, D], lse [T, H] fp32); on CUDA given `packed`, one varlen launch (o in q's
+    dtype), else per sequence (o fp32)."""
     T, H, D = q.shape
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and packed is not None:
+        return _varlen_runs(q, k_flat, v_flat, packed, scale)
     o = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
     lse = torch.full((T, H), float("-inf"), device=q.device)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and runs is not None:
-        for row0, row1, s, p0 in runs:
-            n, base = row1 - row0, cu_seqlens[s]
-            qr = _heads_first(q[row0:row1])
-            parts = [attention_with_lse(qr, _heads_first(k_flat[base + p0:base + p0 + n]),
-                                        _heads_first(v_flat[base + p0:base + p0 + n]), True,
-                                        scale)]
-            if p0 > 0:
-                parts.append(attention_with_lse(qr, _heads_first(k_flat[base:base + p0]),
-                                                _heads_first(v_flat[base:base + p0]), False,
-                                                scale))
-            om, lm = merge_with_lse(torch.stack([p[0][0].transpose(0, 1) for p in parts]),
-                                    torch.stack([p[1][0].transpose(0, 1) for p in parts]))
-            o[row0:row1], lse[row0:row1] = om, lm
-        return o, lse
     for s in range(len(cu_seqlens) - 1):
         rows = (q_seq == s).nonzero().flatten()
         if rows.numel() == 0:
@@ -187,27 +263,31 @@ def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.
     return o, lse
 
 
-def prefix_partial(q: torch.Tensor, parts, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [R, H, D]; each part names rows of q (`q_rows`) and this rank's cached slots of
-    their sequence (`slots`, into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
-    lse [R, H] fp32 (-inf for rows no part names or whose shard here is empty)."""
+def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
+    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
+    lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
+    one varlen launch for every sequence, else sequence by sequence."""
     R, H, D = q.shape
     o = torch.zeros(R, H, D, dtype=torch.float32, device=q.device)
     lse = torch.full((R, H), float("-inf"), device=q.device)
+    if not prefix.counts:
+        return o, lse
     k_all = k_pool.view(-1, *k_pool.shape[-2:])
     v_all = v_pool.view(-1, *v_pool.shape[-2:])
-    for part in parts:
-        if part.slots.numel() == 0 or part.q_rows.numel() == 0:
-            continue
-        qs, k, v = q[part.q_rows], k_all[part.slots], v_all[part.slots]
-        if qs.is_cuda and qs.dtype in (torch.bfloat16, torch.float16):
-            om, lm = attention_with_lse(_heads_first(qs), _heads_first(k), _heads_first(v),
-                                        False, scale)
-            om, lm = om[0].transpose(0, 1).float(), lm[0].transpose(0, 1)
-        else:
-            zero = torch.zeros(1, dtype=torch.int64, device=q.device)
-            om, lm = partial_attention(qs, zero.expand(qs.shape[0]), k, v,
-                                       zero.expand(k.shape[0]), scale)
-        o[part.q_rows], lse[part.q_rows] = om, lm
+    qs, k, v = q[prefix.q_rows], k_all[prefix.slots], v_all[prefix.slots]
+    if qs.is_cuda and qs.dtype in (torch.bfloat16, torch.float16):
+        om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k,
+                                  max(n for n, _ in prefix.counts),
+                                  max(n for _, n in prefix.counts), False, scale)
+        o[prefix.q_rows], lse[prefix.q_rows] = om.float(), lm
+        return o, lse
+    zero = torch.zeros(1, dtype=torch.int64, device=q.device)
+    row = key = 0
+    for rows, slots in prefix.counts:
+        om, lm = partial_attention(qs[row:row + rows], zero.expand(rows), k[key:key + slots],
+                                   v[key:key + slots], zero.expand(slots), scale)
+        o[prefix.q_rows[row:row + rows]], lse[prefix.q_rows[row:row + rows]] = om, lm
+        row, key = row + rows, key + slots
     return o, lse

@@ -17,16 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpmoe.cp.attention import PackedPrefix, PackedRuns
 from cpmoe.cp.split import CPSplit
-
-
-@dataclass
-class PrefixPart:
-    """One sequence of an extend step that already holds tokens in the cache."""
-
-    seq: int  # index of the sequence in the step
-    slots: torch.Tensor  # int64 [n] this rank's slots of the cached prefix, in order
-    q_rows: torch.Tensor  # int64 [m] rows of the CP-gathered queries that belong to `seq`
 
 
 @dataclass
@@ -38,11 +30,12 @@ class ForwardBatch:
     split: CPSplit | None = None  # extend: the split of the step's new tokens
     rel_positions: torch.Tensor | None = None  # extend: position within the step's tokens
     q_runs: list[tuple[int, int, int, int]] | None = None  # extend: cp.attention.query_runs
+    packed_runs: PackedRuns | None = None  # extend on CUDA: q_runs for varlen attention
     kv: object | None = None  # the KV cache (PagedKVCache, or a model's own cache)
     write_slots: torch.Tensor | None = None  # int64: extend [T] / decode [B] cache slots
     block_table: torch.Tensor | None = None  # decode: int32 [B, W] this rank's pages
     kv_lens: torch.Tensor | None = None  # decode: int32 [B] tokens this rank stores
-    prefix: list[PrefixPart] | None = None  # extend: sequences with cached tokens
+    prefix: PackedPrefix | None = None  # extend: sequences with cached tokens on this rank
     seq_keys: list[int] | None = None  # cache key of each sequence (models with own caches)
 
     @property

@@ -247,6 +247,20 @@ class PagedKVCache:
     def fork(self, key: int, src: int, tokens: int) -> None:
         """A new sequence `key` holding the first `tokens` tokens of `src`: whole pages are
         shared, the tokens of a partly covered page are copied into a new page."""
+        self.fork_many([(key, src, tokens)])
+
+    def fork_many(self, forks: list[tuple[int, int, int]]) -> None:
+        """`fork` of each (key, src, tokens) in turn, the partly covered pages of all of them
+        copied at once (one copy per pool, not one per fork and pool)."""
+        copies = [c for key, src, tokens in forks for c in self._fork(key, src, tokens)]
+        assert not {s for s, _ in copies} & {d for _, d in copies}, "fork of a fork: one step"
+        if copies:
+            src, dst = torch.tensor(copies, dtype=torch.int64).t().to(self.k[0].device)
+            for pool in (*self.k, *self.v):
+                pool[dst] = pool[src]  # whole pages: slots past the fork are written first
+
+    def _fork(self, key: int, src: int, tokens: int) -> list[tuple[int, int]]:
+        """The bookkeeping of `fork` -> (source page, new page) to copy on this rank."""
         if key in self.seqs:
             raise ValueError(f"sequence {key} exists already")
         need = self.fork_pages_needed(src, tokens)
@@ -259,6 +273,7 @@ class PagedKVCache:
         counts = self.fork_counts(src, tokens)
         owners = None if source.owners is None else source.owners[:tokens]
         seq = self._new_seq(counts, owners)
+        copies = []
         for r, c in enumerate(counts):
             shared = source.rank_pages[r][:c // ps]
             for page in shared:
@@ -271,12 +286,9 @@ class PagedKVCache:
                 page = self._alloc(r)
                 seq.rank_pages[r].append(page)
                 if r == self.cp_rank:
-                    self._copy_page(source.rank_pages[r][c // ps], page, c % ps)
+                    copies.append((source.rank_pages[r][c // ps], page))
         self.seqs[key] = seq
-
-    def _copy_page(self, src: int, dst: int, tokens: int) -> None:
-        for pool in (*self.k, *self.v):
-            pool[dst, :tokens] = pool[src, :tokens]
+        return copies
 
     def pages_freed(self, keys: list[int]) -> list[int]:
         """Pages each CP rank gets back once all of `keys` are freed (shared pages that

@@ -111,8 +111,7 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
         runner.kv.free(rid)
     for rid in plan.cache:
         runner.kv.mark_cached(rid)
-    for rid, src, tokens in plan.fork:
-        runner.kv.fork(rid, src, tokens)
+    runner.kv.fork_many(plan.fork)
     parts = []
     if plan.decode:
         parts.append(runner.decode([r for r, _ in plan.decode], [t for _, t in plan.decode]))

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from cpmoe.config import read_config_json
-from cpmoe.cp.attention import query_runs
-from cpmoe.cp.forward_batch import ForwardBatch, PrefixPart
+from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.cp.split import CPSplit
 from cpmoe.loader import fill_parameters, load_checkpoint
@@ -268,10 +268,14 @@ class ModelRunner:
         flat = self._ids([t for s in segments for t in s.ids])
         rel, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
         starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
+        runs = query_runs(rel, seq_ids)
+        packed = (PackedRuns.build(runs, split.cu_seqlens, self.device)
+                  if self.device.type == "cuda" and runs else None)
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=(rel + starts[seq_ids]).to(self.device),
                              seq_ids=seq_ids.to(self.device), split=split,
-                             rel_positions=rel.to(self.device), q_runs=query_runs(rel, seq_ids))
+                             rel_positions=rel.to(self.device), q_runs=runs,
+                             packed_runs=packed)
         if self.kv is not None:
             self._store_extend(batch, segments)
         elif any(s.start for s in segments):
@@ -304,28 +308,31 @@ class ModelRunner:
             raise CacheFullError(f"KV cache full: this step needs {need[r]} pages of "
                                  f"{kv.page_size} tokens on CP rank {r}, {kv.free_pages(r)} of "
                                  f"{kv.num_pages} free (--max-total-tokens {kv.capacity})")
-        prefix, slots = [], []
-        gathered_seq = self._gathered_seq_ids(split) if any(s.start for s in segments) else None
-        for s, (seg, new) in enumerate(zip(segments, news)):
-            if seg.start and not self.own_cache:
-                q_rows = (gathered_seq == s).nonzero().flatten()
-                prefix.append(PrefixPart(s, kv.local_slots(seg.key).to(self.device),
-                                         q_rows.to(self.device)))
+        if any(seg.start for seg in segments) and not self.own_cache:
+            rows = self._gathered_rows(split, len(segments))
+            batch.prefix = PackedPrefix.build(
+                [rows[s] for s, seg in enumerate(segments) if seg.start],
+                [kv.local_slots(seg.key) for seg in segments if seg.start], self.device)
+        slots = []
+        for seg, new in zip(segments, news):
             slots += kv.extend(seg.key, new)
         batch.kv, batch.seq_keys = kv, [s.key for s in segments]
         batch.write_slots = self._ids(slots)
-        batch.prefix = prefix or None
 
-    def _gathered_seq_ids(self, split: CPSplit) -> torch.Tensor:
-        """Sequence of every row of the queries all-gathered over CP (-1 for padding)."""
+    def _gathered_rows(self, split: CPSplit, n: int) -> list[torch.Tensor]:
+        """Rows of each of the n sequences among the queries all-gathered over CP (every
+        rank's local rows padded to split.max_count), in order (host int64)."""
         cp = self.groups.attn_cp
         if cp.size == 1:
-            return split.local_seq_ids(0)
-        out = torch.full((cp.size, split.max_count), -1, dtype=torch.int64)
-        for r in range(cp.size):
-            ids = split.local_seq_ids(r)
-            out[r, :ids.numel()] = ids
-        return out.flatten()
+            seq = split.local_seq_ids(0)
+        else:
+            seq = torch.full((cp.size, split.max_count), n, dtype=torch.int64)
+            for r in range(cp.size):
+                ids = split.local_seq_ids(r)
+                seq[r, :ids.numel()] = ids
+            seq = seq.flatten()
+        order = torch.argsort(seq, stable=True)
+        return list(order.split(torch.bincount(seq, minlength=n + 1).tolist()))[:n]
 
     @torch.no_grad()
     def decode(self, keys: list[int], tokens: list[int]) -> torch.Tensor:

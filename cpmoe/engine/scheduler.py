@@ -28,6 +28,11 @@ the token (no rounding to pages: a partly covered page is copied). A finished (o
 request's sequence stays in the cache as an index entry instead of being freed. Pages are
 reference counted; when a step's pages do not fit, finished entries are evicted in LRU order
 (their pages no running request shares return) before any request is preempted.
+A waiting request that shares at least `DEFER_SHARED` more tokens with a prompt still being
+prefilled (admitted, not yet in the index) than the index gives it waits until that prompt
+is in the index, then forks it, as SGLang's in-batch prefix check does: a burst of
+requests over one system prompt then prefills the prompt once, not once per request.
+Requests behind it are still admitted (no head-of-line blocking).
 
 Pure bookkeeping over the cache's accounting (no forward, no collective): testable alone.
 """
@@ -41,6 +46,8 @@ from cpmoe.cp.kv_cache import PagedKVCache, PageRelease
 from cpmoe.cp.split import balancing_rotation, rank_counts
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
+
+DEFER_SHARED = 32  # tokens (SGLang's in-batch prefix-caching threshold)
 
 
 @dataclass
@@ -124,6 +131,8 @@ class Scheduler:
         # the prefix cache needs the paged cache's page lists (not a model's own cache)
         self.index = (RadixIndex(kv.page_size) if radix and isinstance(kv, PagedKVCache)
                       else None)
+        # prompts admitted but not yet in `index` (being prefilled), to defer their sharers
+        self.inflight = RadixIndex(kv.page_size) if self.index is not None else None
         self.chunk_size = chunk_size if chunk_size > 0 else None  # None: no chunking
         self.max_running = max_running
         self.eos_ids = frozenset(eos_ids)
@@ -162,6 +171,8 @@ class Scheduler:
 
     def _drop(self, req: Request) -> None:
         """A request that left: its KV stays as a prefix-cache entry, or is freed."""
+        if self.inflight is not None:
+            self.inflight.remove(req.rid)
         if not req.cached:
             return
         if self.index is not None:
@@ -217,6 +228,7 @@ class Scheduler:
     def _preempt(self, req: Request, step: "_StepPages") -> None:
         if self.index is not None:
             self.index.remove(req.rid)
+            self.inflight.remove(req.rid)
         step.add_free(req.rid)
         del self.running[req.rid]
         req.cached = 0
@@ -252,6 +264,9 @@ class Scheduler:
                and len(self.running) < self.max_running):
             req = self.waiting.popleft()
             src, hit = self._match(req)
+            if self._shares_inflight(req, hit):
+                skipped.append(req)
+                continue
             n = req.pending - hit
             if n > budget:
                 if out:  # room for a whole prompt next step rather than a sliver now
@@ -263,6 +278,8 @@ class Scheduler:
                 req.admitted = self._admissions
                 req.cached_prompt = min(hit, len(req.prompt))
                 self.running[req.rid] = req
+                if self.inflight is not None and req.cached < len(req.prompt):
+                    self.inflight.insert(req.rid, req.prompt)
                 budget -= n
                 if req.pending > n:
                     break  # chunked: the rest of it goes first in the next steps
@@ -270,6 +287,14 @@ class Scheduler:
                 skipped.append(req)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _shares_inflight(self, req: Request, hit: int) -> bool:
+        """Whether `req` should wait for a prompt being prefilled that holds DEFER_SHARED
+        more of its tokens than the index does."""
+        if self.inflight is None or req.cached:
+            return False
+        _, shared = self.inflight.match(req.tokens)
+        return min(shared, len(req.tokens) - 1) - hit >= DEFER_SHARED
 
     def _take(self, req: Request, n: int, step: "_StepPages",
               out: list[tuple[int, list[int], int]], src: int | None = None, hit: int = 0
@@ -323,6 +348,7 @@ class Scheduler:
             req.cached += len(ids)
             if self.index is not None and req.pending == 0:  # a prefilled prompt: shareable
                 self.index.insert(rid, req.tokens[:req.cached])
+                self.inflight.remove(rid)
         events = []
         logprobs = logprobs or [None] * len(rows)
         for req, token, lp in zip(rows, tokens, logprobs, strict=True):

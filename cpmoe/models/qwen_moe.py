@@ -12,6 +12,8 @@ Legend: T = tokens of this rank (its CP chunk), H = hidden, D = head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,7 +29,7 @@ from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
-from cpmoe.ops import merge_partials, norm_rope, qkv_norm_rope_store
+from cpmoe.ops import merge_two_attention, norm_rope, qkv_norm_rope_store
 from cpmoe.parallel.groups import ProcessGroups
 
 
@@ -52,7 +54,7 @@ class QwenMoeAttention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_qkv
+        self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = None  # see fuse_qkv
 
     def fuse_qkv(self) -> None:
         """One GEMM for q, k and v (their weights become views into the fused one)."""
@@ -63,7 +65,7 @@ class QwenMoeAttention(nn.Module):
         """-> o_proj output, a partial sum over attention TP."""
         T, D = x_TH.shape[0], self.head_dim
         if self.qkv is not None:
-            qkv = F.linear(x_TH, *self.qkv)
+            qkv = self.qkv(x_TH)
         else:
             qkv = torch.cat([self.q_proj(x_TH), self.k_proj(x_TH), self.v_proj(x_TH)], dim=-1)
         if batch.is_decode:
@@ -91,14 +93,14 @@ class QwenMoeAttention(nn.Module):
         assert batch.split is not None
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
         cu = list(batch.split.cu_seqlens)
-        if not batch.prefix:
+        if batch.prefix is None:
             return prefill_attention(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat, cu,
-                                     self.scale, batch.q_runs)
+                                     self.scale, batch.q_runs, batch.packed_runs)
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat,
-                                          cu, self.scale, batch.q_runs)
+                                          cu, self.scale, batch.packed_runs)
         o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
-                                                 kv.v[layer], self.scale)
-        return merge_partials(torch.stack([o, o_pre]), torch.stack([lse, lse_pre])).to(q.dtype)
+                                                           kv.v[layer], self.scale)
+        return merge_two_attention(o, lse, o_pre, lse_pre, torch.empty_like(q))
 
     def _decode(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, layer: int) -> torch.Tensor:

@@ -36,13 +36,16 @@ class LocalExperts(nn.Module):
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
-        if self.gate_up_proj.dtype == torch.float8_e4m3fn:  # FP8 weights (cpmoe/quant)
+        fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn  # FP8 weights (cpmoe/quant)
+        if (x_MH.is_cuda and type(self).activation is LocalExperts.activation
+                and fused_moe.usable(x_MH, local_ids_MK.numel())  # decode: few rows
+                and (not fp8 or fused_moe.takes_block_scales(self))):
+            scales = (self.gate_up_scale_inv, self.down_scale_inv) if fp8 else None
+            return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,
+                                           self.down_proj, scales)
+        if fp8:
             from cpmoe.quant.experts import fp8_experts
             return fp8_experts(self, x_MH, local_ids_MK, weights_MK)
-        if (x_MH.is_cuda and type(self).activation is LocalExperts.activation
-                and fused_moe.usable(x_MH, local_ids_MK.numel())):  # decode: few rows
-            return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,
-                                           self.down_proj)
         if x_MH.is_cuda and x_MH.dtype == torch.bfloat16 and _grouped_mm is not None:
             return self._forward_grouped(x_MH, local_ids_MK, weights_MK)
         return self._forward_loop(x_MH, local_ids_MK, weights_MK)

@@ -49,10 +49,22 @@ def usable(x_MH: torch.Tensor, slots: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def takes_block_scales(experts) -> bool:
+    """FP8 experts this path serves: 128 x 128 blocks, and widths that are whole blocks (a
+    64-column tile then never straddles two scales)."""
+    E, two_i, H = experts.gate_up_proj.shape
+    return (tuple(getattr(experts, "fp8_block", ())) == (128, 128) and two_i % 256 == 0
+            and H % 128 == 0)
+
+
 def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: torch.Tensor,
-                  gate_up_EnH: torch.Tensor, down_EHI: torch.Tensor) -> torch.Tensor:
+                  gate_up_EnH: torch.Tensor, down_EHI: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k weights[m, k] * down[e] @ silu_and_mul(gate_up[e] @ x[m]) with e = ids[m, k]
-    (id -1: another rank's expert, skipped) -> [M, H] in x's dtype."""
+    (id -1: another rank's expert, skipped) -> [M, H] in x's dtype. FP8 weights come with
+    their 128 x 128 block scales (gate_up's, down's: [E, rows / 128, K / 128]); each weight
+    tile is widened to x's dtype and its GEMM scaled in float32 (weights-only FP8: a decode
+    step reads half the bytes, the activations keep their precision)."""
     M, K = local_ids_MK.shape
     E, two_i, H = gate_up_EnH.shape
     I = two_i // 2
@@ -63,9 +75,11 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)))
     act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
-    _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True)
+    gate_up_s, down_s = scales or (None, None)
+    _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
+          scale=gate_up_s)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
-    _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False)
+    _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False, scale=down_s)
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
@@ -99,16 +113,20 @@ def gemm_config(slots: int, experts: int, k_dim: int) -> dict:
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
-          config: dict | None = None) -> None:
+          config: dict | None = None, scale: torch.Tensor | None = None) -> None:
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
     cfg = config or gemm_config(P, E, k_dim)
+    if scale is not None:  # one scale per tile: tiles must not straddle 128 x 128 blocks
+        assert 128 % cfg["BLOCK_N"] == 0 and 128 % cfg["BLOCK_K"] == 0 and N % 128 == 0
     rows = min(E, P) if cfg["COMPACT"] else E
+    s = scale if scale is not None else w  # any pointer when not SCALED
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
-        a, w, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
+        a, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), E,
-        GATED=gated, E_POW2=_pow2(E), **cfg)
+        s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
+        GATED=gated, E_POW2=_pow2(E), SCALED=scale is not None, **cfg)
 
 
 if triton is not None:
@@ -141,15 +159,17 @@ if triton is not None:
         tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _expert_gemm_kernel(a_ptr, w_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM, cap,
-                            rows_per_a, stride_a, stride_we, stride_wn, stride_out, E,
-                            GATED: tl.constexpr, E_POW2: tl.constexpr, COMPACT: tl.constexpr,
+    def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM,
+                            cap, rows_per_a, stride_a, stride_we, stride_wn, stride_out, E,
+                            stride_se, stride_sn, GATED: tl.constexpr, E_POW2: tl.constexpr,
+                            SCALED: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
-        COMPACT the t-th expert (in id order) that has slots."""
+        COMPACT the t-th expert (in id order) that has slots. SCALED: w is FP8 with one
+        float32 scale per 128 x 128 block (s [E, rows / 128, K_DIM / 128])."""
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)
@@ -164,6 +184,9 @@ if triton is not None:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
+            stride_sn
+        s_up = s_gate + (N // 128) * stride_sn
         for m0 in range(0, count, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < count
@@ -179,11 +202,17 @@ if triton is not None:
                 w_mask = k_ok[:, None] & n_ok[None, :]
                 w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask,
                             other=0.0)
-                acc = tl.dot(a, w, acc)
+                if SCALED:
+                    acc += tl.dot(a, w.to(a.dtype)) * tl.load(s_gate + k0 // 128)
+                else:
+                    acc = tl.dot(a, w, acc)
                 if GATED:
                     u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
                                 mask=w_mask, other=0.0)
-                    acc_up = tl.dot(a, u, acc_up)
+                    if SCALED:
+                        acc_up += tl.dot(a, u.to(a.dtype)) * tl.load(s_up + k0 // 128)
+                    else:
+                        acc_up = tl.dot(a, u, acc_up)
             if GATED:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],

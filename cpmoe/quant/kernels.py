@@ -181,7 +181,18 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-SCALED_MM_ERROR: str | None = None  # set once if scaled_mm refuses; the GPU tests read it
+# (rows class, N, K) -> why F.scaled_mm refused that shape (cuBLASLt has no block-wise
+# kernel for some, e.g. one row at K = 768 on the H200); such shapes take the Triton GEMM
+_SCALED_MM_REFUSED: dict[tuple[int, int, int], str] = {}
+
+
+def _shape_key(m: int, n: int, k: int) -> tuple[int, int, int]:
+    return (min(m, 256), n, k)  # row counts past 256 share their fate (and one entry)
+
+
+def scaled_mm_refusal(m: int, n: int, k: int) -> str | None:
+    """Why F.scaled_mm refused an [m, k] x [k, n] FP8 GEMM here (None: it did not)."""
+    return _SCALED_MM_REFUSED.get(_shape_key(m, n, k))
 
 
 def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -190,26 +201,45 @@ def _scaled_mm_fits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int]) ->
             and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0)
 
 
+def scaled_mm_weight_scale(w_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's [N/128, K/128] block scales as F.scaled_mm's 128x128 recipe reads them:
+    [L4, N/128] with strides (1, L4), L4 = K/128 rounded up to 4 (the rows past K/128 are
+    padding it never uses): a transposed view when K/128 is a multiple of 4, else a padded
+    copy (make it once per weight: `Fp8Linear` keeps it)."""
+    n, kb = w_scale.shape
+    l4 = -(-kb // 4) * 4
+    if l4 == kb and w_scale.is_contiguous():
+        return w_scale.t()
+    padded = torch.zeros(n, l4, dtype=w_scale.dtype, device=w_scale.device)
+    padded[:, :kb] = w_scale
+    return padded.t()
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]."""
+               block: tuple[int, int], bias: torch.Tensor | None = None,
+               mm_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]. mm_scale:
+    `scaled_mm_weight_scale(w_scale)` made ahead (else made here, per call)."""
     if not _use_triton(x):
         return fp8_linear_ref(x, w, w_scale, block, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     q, s = quantize_act(x2, block[1])
-    global SCALED_MM_ERROR
     y = None
-    if SCALED_MM_ERROR is None and _scaled_mm_fits(x, w, block):
+    key = _shape_key(x2.shape[0], *w.shape)
+    if key not in _SCALED_MM_REFUSED and _scaled_mm_fits(x, w, block):
         import torch.nn.functional as F
+        if mm_scale is None:
+            mm_scale = scaled_mm_weight_scale(w_scale)
         try:
-            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, w_scale.t(),
+            y = F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, mm_scale,
                             F.ScalingType.BlockWise128x128,
                             output_dtype=torch.bfloat16).to(x.dtype)  # as checked on H200
-        except RuntimeError as e:  # a torch build without the block-wise kernel: say so once
-            SCALED_MM_ERROR = str(e).splitlines()[0]
-            warnings.warn(f"FP8 linear: F.scaled_mm refused block-wise scales "
-                          f"({SCALED_MM_ERROR}); using the Triton GEMM", stacklevel=2)
+        except (RuntimeError, ValueError) as e:  # no kernel for this shape: say so once
+            _SCALED_MM_REFUSED[key] = str(e).splitlines()[0]
+            warnings.warn(f"FP8 linear {list(x2.shape)} x {list(w.shape)}: F.scaled_mm "
+                          f"refused block-wise scales ({_SCALED_MM_REFUSED[key]}); this "
+                          f"shape uses the Triton GEMM", stacklevel=2)
     if y is None:
         offs = torch.full((1,), x2.shape[0], dtype=torch.int64, device=x.device)
         y = grouped_fp8_gemm(q, s, w[None], w_scale[None], offs, block, out_dtype=x.dtype)

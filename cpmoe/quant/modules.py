@@ -26,7 +26,7 @@ from cpmoe.config import Fp8Config
 from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8, scale_grid
-from cpmoe.quant.kernels import fp8_linear
+from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale
 from cpmoe.quant.layout import converts
 
 # Linear modules whose weight a model reads directly (DeepSeek-V4's grouped output LoRA):
@@ -47,9 +47,20 @@ class Fp8Linear(Linear):
         self.weight_scale_inv = _param(torch.empty(scale_grid((N, K), block),
                                                    dtype=torch.float32, device=dev))
         self.bias, self.shard, self.block = linear.bias, linear.shard, block
+        self._mm_scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (whose, padded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias,
+                          self._scaled_mm_scale() if x.is_cuda else None)
+
+    def _scaled_mm_scale(self) -> torch.Tensor:
+        """The scales in scaled_mm's padded layout, made again only when they were written
+        (the loader fills them after construction; decode graphs replay the eager ones)."""
+        s = self.weight_scale_inv
+        whose = (s.data_ptr(), s._version)
+        if self._mm_scale is None or self._mm_scale[0] != whose:
+            self._mm_scale = (whose, scaled_mm_weight_scale(s.detach()))
+        return self._mm_scale[1]
 
 
 def kernel_block_ok(block: tuple[int, int]) -> bool:

@@ -53,6 +53,63 @@ def test_cuda_attention_runs_match_reference(cp, dtype, tol):
 
 
 @cuda
+@pytest.mark.parametrize("cp", [1, 2])
+def test_varlen_runs_match_reference(cp):
+    """Many short sequences (past the per-run launch threshold): prefill and the chunk's
+    attention with lse in one varlen flash launch, bf16 against the CPU float32 path. The
+    tolerance is bf16's: inputs rounded to 8 bits of mantissa (2^-9 relative) and the
+    output once more; 2e-2 relative in norm, as for the per-run kernels above."""
+    torch.manual_seed(4)
+    lens = torch.randint(1, 300, (40,)).tolist()
+    split = CPSplit.build(lens, cp, "zigzag")
+    cu = list(split.cu_seqlens)
+    k = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = k.float().cpu(), v.float().cpu()
+    for r in range(cp):
+        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        q = torch.randn(pos.numel(), 32, 128, device="cuda", dtype=torch.bfloat16)
+        runs = att.query_runs(pos, seq)
+        packed = att.PackedRuns.build(runs, cu, torch.device("cuda"))
+        want = att.prefill_attention(q.float().cpu(), pos, seq, kc, vc, cu, 128 ** -0.5)
+        got = att.prefill_attention(q, pos.cuda(), seq.cuda(), k, v, cu, 128 ** -0.5, runs,
+                                    packed).float().cpu()
+        assert (got - want).norm() / want.norm() < 2e-2, r
+        want_o, want_lse = att.chunk_attention_with_lse(q.float().cpu(), pos, seq, kc, vc, cu,
+                                                        128 ** -0.5, None)
+        o, lse = att.chunk_attention_with_lse(q, pos.cuda(), seq.cuda(), k, v, cu,
+                                              128 ** -0.5, packed)
+        assert (o.float().cpu() - want_o).norm() / want_o.norm() < 2e-2, r
+        assert (lse.cpu() - want_lse).abs().max() < 5e-2, r  # lse of O(1) scores, bf16 inputs
+
+
+@cuda
+def test_prefix_partial_varlen_matches_reference():
+    """Rows of several sequences against their cached slots in a paged pool (one sequence
+    without slots here): one gather + one varlen launch, bf16, against the CPU float32
+    path; tolerances as above."""
+    torch.manual_seed(5)
+    pool_k = torch.randn(64, 16, 4, 128, device="cuda", dtype=torch.bfloat16)
+    pool_v = torch.randn(64, 16, 4, 128, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(64 * 16)
+    rows, slots, row = [], [], 0
+    for n_rows, n_slots in [(100, 700), (3, 1), (50, 0), (1, 200)]:
+        rows.append(torch.arange(row, row + n_rows))
+        slots.append(perm[:n_slots])
+        perm, row = perm[n_slots:], row + n_rows
+    q = torch.randn(row + 5, 32, 128, device="cuda", dtype=torch.bfloat16)
+    want_o, want_lse = att.prefix_partial(
+        q.float().cpu(), att.PackedPrefix.build(rows, slots, torch.device("cpu")),
+        pool_k.float().cpu(), pool_v.float().cpu(), 128 ** -0.5)
+    o, lse = att.prefix_partial(q, att.PackedPrefix.build(rows, slots, torch.device("cuda")),
+                                pool_k, pool_v, 128 ** -0.5)
+    assert (o.cpu() - want_o).norm() / want_o.norm() < 2e-2
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert (lse.cpu()[seen] - want_lse[seen]).abs().max() < 5e-2
+
+
+@cuda
 def test_model_on_cuda_matches_cpu_float32(tmp_path, monkeypatch):
     monkeypatch.setenv("CPMOE_CACHE_DIR", str(tmp_path))
     from cpmoe.default_model import ensure_default_model

@@ -24,8 +24,9 @@ CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", voc
               tie_word_embeddings=False)
 
 
-def runner(dtype: torch.dtype) -> ModelRunner:
-    return ModelRunner.from_config(CONFIG, ProcessGroups.single("cuda"), dtype, seed=3)
+def runner(dtype: torch.dtype, quantization: str | None = None) -> ModelRunner:
+    return ModelRunner.from_config(CONFIG, ProcessGroups.single("cuda"), dtype, seed=3,
+                                   quantization=quantization)
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -33,8 +34,10 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(0, 4096, (length + 7 * i,), generator=gen).tolist() for i in range(n)]
 
 
-def _graph_runner(graphs: bool) -> ModelRunner:
-    r = runner(torch.bfloat16)
+def _graph_runner(graphs: bool, quantization: str | None = None) -> ModelRunner:
+    r = runner(torch.bfloat16, quantization)
+    fp8 = any(p.dtype == torch.float8_e4m3fn for p in r.model.parameters())
+    assert fp8 == (quantization == "fp8")
     opts = EngineOptions(page_size=16, disable_cuda_graph=not graphs, cuda_graph_max_bs=32,
                          max_total_tokens=8192)
     prepare_runner(r, opts, None)
@@ -53,19 +56,22 @@ def _forced_decode(r: ModelRunner, seqs: list[list[int]], tokens: list[list[int]
 
 
 @cuda
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("rows", [16, 13])
-def test_graph_replay_follows_eager_decode(rows):
-    """16 rows fill a graph bucket, 13 are padded to it. cuBLAS may pick other kernels under
-    stream capture and for the padded shape, so the bf16 logits may differ by rounding (|d|
-    measured per step): with the eager run's tokens fed to both, every step whose eager
-    top-2 gap exceeds 2|d| must pick the same token, and the logits stay within bf16's 2^-8
-    relative error per layer (a wrong page, slot or stale buffer moves them by far more)."""
+def test_graph_replay_follows_eager_decode(rows, quantization):
+    """16 rows fill a graph bucket, 13 are padded to it; bf16, and `--quantization fp8`
+    (FP8 GEMMs, FP8 decode experts). cuBLAS may pick other kernels under stream capture and
+    for the padded shape, so the logits may differ by rounding (|d| measured per step; FP8
+    activations can turn such a difference into one quantization step): with the eager
+    run's tokens fed to both, every step whose eager top-2 gap exceeds 2|d| must pick the
+    same token, and the logits stay within bf16's 2^-8 relative error per layer (a wrong
+    page, slot, scale or stale buffer moves them by far more)."""
     seqs = prompts(rows, 100)
-    tokens = generate(_graph_runner(False), seqs, 24,
+    tokens = generate(_graph_runner(False, quantization), seqs, 24,
                       options=EngineOptions(page_size=16, disable_cuda_graph=True,
                                             max_total_tokens=8192))
-    eager = _forced_decode(_graph_runner(False), seqs, tokens)
-    graph = _forced_decode(_graph_runner(True), seqs, tokens)
+    eager = _forced_decode(_graph_runner(False, quantization), seqs, tokens)
+    graph = _forced_decode(_graph_runner(True, quantization), seqs, tokens)
     checked = 0
     for step, (le, lg) in enumerate(zip(eager, graph)):
         le, lg = le.float(), lg.float()

@@ -112,3 +112,65 @@ def test_merge_of_shards_equals_full_attention_and_empty_shard_weighs_zero():
                                 torch.stack([p[1] for p in parts]))
     assert (merged.double() - want_o).abs().max() < 1e-5
     assert torch.isfinite(merged).all()
+
+
+def _ref_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Varlen flash attention's contract, in fp64 from `_masked_softmax`: sequence i is rows
+    cu_q[i]:cu_q[i+1] against keys cu_k[i]:cu_k[i+1], causal aligned bottom-right."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
+    for i in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        assert b - a <= max_q and d - c <= max_k
+        q_pos = torch.arange(b - a) + (d - c) - (b - a) if causal else torch.full((b - a,), d)
+        o[a:b], lse[a:b] = _masked_softmax(q[a:b], q_pos, k[c:d], v[c:d], torch.arange(d - c),
+                                           scale)
+    return o, lse
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_packed_runs_give_every_run_its_causal_keys(monkeypatch, cp):
+    """The CUDA chunk path's one varlen launch (PackedRuns: which keys each run sees, how
+    they are packed) against the per-row masked reference, at CP 1 (keys used in place) and
+    zigzag CP 2 / 4 (two runs per sequence, keys gathered)."""
+    monkeypatch.setattr(att, "varlen_attention", _ref_varlen)
+    torch.manual_seed(2)
+    lens = [37, 5, 64, 1]
+    split = CPSplit.build(lens, cp, "zigzag")
+    cu = list(split.cu_seqlens)
+    k_flat, v_flat = torch.randn(sum(lens), 2, 16), torch.randn(sum(lens), 2, 16)
+    for r in range(cp):
+        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        q = torch.randn(pos.numel(), 8, 16)
+        packed = att.PackedRuns.build(att.query_runs(pos, seq), cu, torch.device("cpu"))
+        assert (packed.keys is None) == (cp == 1)
+        got, lse = att._varlen_runs(q, k_flat, v_flat, packed, 0.25)
+        want = _reference_prefill(q, pos, seq, k_flat, v_flat, cu, 0.25)
+        assert (got - want).abs().max() < 1e-5
+        _, want_lse = att.chunk_attention_with_lse(q, pos, seq, k_flat, v_flat, cu, 0.25, None)
+        assert (lse - want_lse.double()).abs().max() < 1e-5
+
+
+def test_packed_prefix_leaves_out_empty_shards_and_matches_per_sequence_attention():
+    """PackedPrefix over three sequences (one with no slots on this rank, one with no query
+    rows): the packed rows/slots and the CPU path of prefix_partial against each sequence's
+    rows attending its slots alone; rows of left-out sequences see nothing (lse -inf)."""
+    torch.manual_seed(3)
+    pool_k, pool_v = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)  # [pages, page, Hkv, D]
+    rows = [torch.tensor([0, 1, 2]), torch.tensor([3]), torch.tensor([], dtype=torch.int64)]
+    slots = [torch.tensor([4, 5, 6, 9]), torch.tensor([], dtype=torch.int64),
+             torch.tensor([1, 2])]
+    prefix = att.PackedPrefix.build(rows, slots, torch.device("cpu"))
+    assert prefix.counts == [(3, 4)] and prefix.cu_q.tolist() == [0, 3]
+    assert prefix.cu_k.tolist() == [0, 4] and prefix.slots.tolist() == [4, 5, 6, 9]
+    q = torch.randn(5, 8, 16)
+    o, lse = att.prefix_partial(q, prefix, pool_k, pool_v, 0.3)
+    k_all, v_all = pool_k.view(-1, 2, 16), pool_v.view(-1, 2, 16)
+    want_o, want_lse = _masked_softmax(q[:3], torch.zeros(3), k_all[slots[0]], v_all[slots[0]],
+                                       torch.zeros(4), 0.3)
+    assert (o[:3].double() - want_o).abs().max() < 1e-5
+    assert (lse[:3].double() - want_lse).abs().max() < 1e-5
+    assert torch.isinf(lse[3:]).all() and (o[3:] == 0).all()
+    none = att.PackedPrefix.build(rows[1:], slots[1:], torch.device("cpu"))
+    o, lse = att.prefix_partial(q, none, pool_k, pool_v, 0.3)
+    assert none.counts == [] and torch.isinf(lse).all()

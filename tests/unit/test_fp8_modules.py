@@ -139,3 +139,31 @@ def test_uniform_routing_scales_fp8_residual_writers_through_their_scales(fp8_di
     d = "model.layers.0.mlp.experts.down_proj"
     torch.testing.assert_close(got[d], want[d], rtol=1e-6, atol=0)
     assert RESIDUAL_SCALE != 1
+
+
+def test_fused_fp8_projections_equal_the_separate_ones_and_share_their_tensors():
+    """fuse_linears over FP8 linears (q/k/v on CUDA): one FP8 GEMM whose output is the
+    separate modules' outputs side by side, the modules' weights and scales now views of
+    the fused tensors; output widths that are not whole 128-row scale blocks do not fuse."""
+    from cpmoe.linear import Linear, fuse_linears
+    from cpmoe.quant.formats import quantize_block_fp8
+    from cpmoe.quant.modules import Fp8Linear
+    torch.manual_seed(0)
+    linears = []
+    for n in (256, 128, 128):
+        dense = Linear(256, n, bias=False, dtype=torch.float32)
+        torch.nn.init.normal_(dense.weight)
+        fp8 = Fp8Linear(dense, (128, 128))
+        q, s = quantize_block_fp8(dense.weight.data)
+        fp8.weight.data.copy_(q)
+        fp8.weight_scale_inv.data.copy_(s)
+        linears.append(fp8)
+    x = torch.randn(5, 256)
+    want = torch.cat([m(x) for m in linears], dim=-1)
+    fused = fuse_linears(linears)
+    assert torch.equal(fused(x), want)
+    assert linears[1].weight.data_ptr() == linears[0].weight.data_ptr() + 256 * 256
+    assert linears[2].weight_scale_inv.data_ptr() == \
+        linears[0].weight_scale_inv.data_ptr() + 3 * 2 * 4
+    odd = Linear(256, 64, bias=False, dtype=torch.float32)
+    assert fuse_linears([linears[0], Fp8Linear(odd, (128, 128))]) is None

@@ -35,6 +35,22 @@ for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16),
     none = torch.full_like(ids, -1)  # no slot on this rank: zeros, nothing read
     assert torch.equal(fused_moe.fused_experts(x, none, w, m.gate_up_proj, m.down_proj),
                        torch.zeros_like(x))
+# FP8 weights with 128 x 128 block scales (weights-only: x stays float32 here) against the
+# loop over the dequantized weights; 2 x 2 blocks of gate, of up and of down
+from cpmoe.quant.formats import dequantize, quantize_block_fp8
+E, H, I = 3, 256, 256
+m = LocalExperts(E, H, I, torch.float32)
+torch.nn.init.normal_(m.gate_up_proj, std=0.05)
+torch.nn.init.normal_(m.down_proj, std=0.05)
+qs = [[quantize_block_fp8(w[e]) for e in range(E)] for w in (m.gate_up_proj, m.down_proj)]
+q_gu, q_d = (torch.stack([q for q, _ in ws]) for ws in qs)
+s_gu, s_d = (torch.stack([s for _, s in ws]) for ws in qs)
+m.gate_up_proj.data = torch.stack([dequantize(q, s, (128, 128)) for q, s in qs[0]])
+m.down_proj.data = torch.stack([dequantize(q, s, (128, 128)) for q, s in qs[1]])
+x, ids, w = torch.randn(7, H), torch.randint(-1, E, (7, 2)), torch.rand(7, 2)
+want = m._forward_loop(x, ids, w)
+got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d))
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 print("fused moe ok")
 """
 

@@ -150,3 +150,24 @@ def test_decode_graph_table_rewrites_a_request_stored_again_under_its_old_id() -
     again = [4, 8, 2]  # request a freed and stored again: same id, same page count
     assert table_updates(written, [again, b]) == ([0, 0, 0], [0, 1, 2], [4, 8, 2])
     assert table_updates(written, [b]) == ([0], [0], [5])  # another sequence in row 0
+
+
+def test_requests_sharing_a_prompt_being_prefilled_wait_for_it_and_fork_it():
+    """Three requests over one 40-token system prompt arrive together, with one unrelated
+    request behind them: the first prefills the prompt, the other two wait (the unrelated
+    one is admitted at once), and once the prompt is in the index both fork its 40 tokens
+    and prefill only their own 4."""
+    kv = PagedKVCache(1, 128, 4, 1, 1, torch.float32, torch.device("cpu"))
+    s = Scheduler(kv, "zigzag", 256, 8, (EOS,), radix=True)
+    system = list(range(100, 140))
+    for rid in range(3):
+        s.add(Request(rid, system + [7 + rid] * 4, SamplingParams(), 3))
+    s.add(req(9, 6))
+    plan = s.plan()
+    assert [(rid, len(ids), start) for rid, ids, start in plan.extend] == [(0, 44, 0),
+                                                                             (9, 6, 0)]
+    run(s, plan)
+    plan = s.plan()
+    assert plan.fork == [(1, 0, 40), (2, 0, 40)]
+    assert [(rid, len(ids), start) for rid, ids, start in plan.extend] == [(1, 4, 40),
+                                                                             (2, 4, 40)]
