@@ -22,11 +22,11 @@ from cpmoe import communicator
 from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.context import context_length, over_context
+from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from cpmoe.engine.kv_cache import CacheFullError
-from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, check_model_fit, with_quantization
+from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, with_quantization
 from cpmoe.loader import LoadError
-from cpmoe.models.registry import load_model_config
+from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.moe.dispatch import MissingBackendError, check_backend_available
 from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout

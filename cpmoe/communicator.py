@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from cpmoe.cp.attention import merge_with_lse, prefix_partial
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.ops import merge_partials
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group, ProcessGroups

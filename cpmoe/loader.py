@@ -31,7 +31,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from cpmoe.config import Fp8Config
-from cpmoe.models.layers import Linear
+from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.quant.formats import (FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid,
                                  scale_to_float)

@@ -31,8 +31,8 @@ from cpmoe.bench import report as rp
 from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.timing import device_name, keep_multicast_off, median, sync, timed
 from cpmoe.cp.attention import prefill_attention, query_runs
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.forward import ForwardBatch
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo

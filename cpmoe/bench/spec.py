@@ -17,9 +17,8 @@ from pathlib import Path
 
 from cpmoe.config import ARCHITECTURES, QwenMoeConfig, read_json_file
 from cpmoe.bench.v4_flops import v4_prefill_flops
-from cpmoe.engine.runner import check_model_fit
 from cpmoe.models.deepseek_v4_config import DeepseekV4Config
-from cpmoe.models.registry import config_from_dict
+from cpmoe.models.registry import check_model_fit, config_from_dict
 from cpmoe.moe.dispatch import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 

@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.forward import ForwardBatch
-
-
-def batch_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to max_bs (and max_bs itself)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
-    return sorted(set(sizes))
+from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.graph_capture import batch_buckets, capture
 
 
 class DecodeGraphs:
@@ -65,15 +60,7 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._batch(bs)
-        stream = torch.cuda.Stream(self.ids.device)
-        stream.wait_stream(torch.cuda.current_stream(self.ids.device))
-        with torch.cuda.stream(stream), torch.no_grad():
-            self._forward(batch)  # warm-up: kernels compiled, collectives initialised
-        torch.cuda.current_stream(self.ids.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
-            out = self._forward(batch)
-        return graph, out
+        return capture(lambda: self._forward(batch), self.ids.device, pool)
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpmoe.engine.kv_cache import CacheFullError
+from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.engine.logits import adjust_logits, token_logprobs
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+from cpmoe.cp.kv_cache import CacheFullError, pages_for, request_rank_tokens
 from cpmoe.engine.engine import (BatchFrontend, Driver, EngineOptions, engine_loop,
                                  prefill_chunk, radix_cache)
-from cpmoe.engine.kv_cache import CacheFullError, pages_for, request_rank_tokens
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.engine.scheduler import Request, Scheduler

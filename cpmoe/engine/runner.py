@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.config import QwenMoeConfig, read_config_json
+from cpmoe.config import read_config_json
 from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
+from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.forward import ForwardBatch
-from cpmoe.engine.kv_cache import CacheFullError, PagedKVCache, pages_for
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
-from cpmoe.models.registry import config_from_dict, load_model_config
+from cpmoe.models.registry import check_model_fit, config_from_dict, load_model_config
 from cpmoe.moe import placement
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.layout import LayoutError, ParallelLayout
+from cpmoe.parallel.layout import ParallelLayout
 
 DEFAULT_PAGE_SIZE = 16
 QUANTIZATIONS = ("fp8",)
@@ -42,25 +42,6 @@ def with_quantization(config, quantization: str | None):
     from cpmoe.config import Fp8Config
     return dataclasses.replace(config, quantization=Fp8Config(online=True))
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
-    """All model-fit rules; run before spawning ranks."""
-    check_layout = getattr(cfg, "check_layout", None)  # model-specific rules (DeepSeek-V4)
-    if check_layout is not None:
-        check_layout(layout)
-    layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads,
-                       moe_intermediate_size=cfg.moe_intermediate_size)
-    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
-    if dense and cfg.intermediate_size % layout.attn_tp_size:
-        raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
-                          f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
-    quant = getattr(cfg, "quantization", None)
-    if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
-        from cpmoe.models.registry import model_class
-        from cpmoe.quant.layout import check_fp8_layout
-        check_fp8_layout(layout, cfg, model_class(cfg.architecture))
 
 
 def memory_per_rank(config, model_cls: type, layout: ParallelLayout,

@@ -6,7 +6,7 @@ has finished its prompt). Decode streams therefore keep producing tokens while a
 is prefilled chunk by chunk (`--chunked-prefill-size` tokens per step).
 
 Memory is accounted in KV pages of every CP rank, read off rank 0's own cache (which mirrors
-every rank's page use, see kv_cache.py):
+every rank's page use, see cp/kv_cache.py):
 - a decode step needs a page on a sequence's owner rank when its shard there is page-aligned;
   if some rank lacks them, the newest decoding requests are preempted (their pages freed, the
   request queued again at the front with its tokens so far, re-prefilled later and continued
@@ -42,8 +42,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cpmoe.cp.kv_cache import PagedKVCache, PageRelease
 from cpmoe.cp.split import balancing_rotation, rank_counts
-from cpmoe.engine.kv_cache import PagedKVCache, PageRelease
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 

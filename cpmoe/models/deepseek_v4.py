@@ -34,14 +34,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import CausalLMHead, Linear
+from cpmoe.models.layers import CausalLMHead
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
@@ -89,10 +90,6 @@ def checkpoint_param_name(name: str) -> str:
     return name
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -109,11 +106,11 @@ class DeepseekV4Router(nn.Module):
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         self.top_k, self.hashed, self.scoring = k, hashed, cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
-        self.weight = _param(E, cfg.hidden_size, dtype=dtype)
+        self.weight = param(E, cfg.hidden_size, dtype=dtype)
         if hashed:
-            self.tid2eid = _param(cfg.vocab_size, k, dtype=torch.int64)
+            self.tid2eid = param(cfg.vocab_size, k, dtype=torch.int64)
         else:
-            self.e_score_correction_bias = _param(E, dtype=torch.float32)
+            self.e_score_correction_bias = param(E, dtype=torch.float32)
 
     def forward(self, x_NH: torch.Tensor, ids_N: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,9 +198,9 @@ class DeepseekV4HyperConnection(nn.Module):
         n = cfg.hc_mult
         self.hc, self.iters, self.eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps
         self.norm_eps = cfg.rms_norm_eps
-        self.fn = _param((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32)
-        self.base = _param((2 + n) * n, dtype=torch.float32)
-        self.scale = _param(3, dtype=torch.float32)
+        self.fn = param((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32)
+        self.base = param((2 + n) * n, dtype=torch.float32)
+        self.scale = param(3, dtype=torch.float32)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (post [T, hc], comb [T, hc, hc], collapsed block input [T, H])."""
@@ -236,9 +233,9 @@ class DeepseekV4HyperHead(nn.Module):
         super().__init__()
         n = cfg.hc_mult
         self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
-        self.hc_fn = _param(n, n * cfg.hidden_size, dtype=torch.float32)
-        self.hc_base = _param(n, dtype=torch.float32)
-        self.hc_scale = _param(1, dtype=torch.float32)
+        self.hc_fn = param(n, n * cfg.hidden_size, dtype=torch.float32)
+        self.hc_base = param(n, dtype=torch.float32)
+        self.hc_scale = param(1, dtype=torch.float32)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mix = F.linear(_flat_rms(h, self.norm_eps), self.hc_fn)

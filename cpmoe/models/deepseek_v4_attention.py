@@ -36,24 +36,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import Linear
 from cpmoe.parallel.groups import ProcessGroups
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
 
 class Fp32RMSNorm(nn.Module):
     """RMSNorm whose weight stays float32 (as in the V4 reference); output in x's dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = _param(dim, dtype=torch.float32)
+        self.weight = param(dim, dtype=torch.float32)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +144,7 @@ class DeepseekV4Compressor(nn.Module):
         self.width = (2 if overlap else 1) * dim
         self.kv_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
         self.gate_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
-        self.position_bias = _param(rate, self.width, dtype=torch.float32)
+        self.position_bias = param(rate, self.width, dtype=torch.float32)
         self.kv_norm = Fp32RMSNorm(dim, eps)
         self.indexer: DeepseekV4Indexer | None = None  # set on CSA compressors
 
@@ -272,7 +268,7 @@ class DeepseekV4Attention(nn.Module):
         # Grouped output projection: block-diagonal [g * o_lora, Hq*D/g], one block per group.
         self.o_a_proj = Linear(Hq * D // g, g * cfg.o_lora_rank, bias=False, dtype=dtype)
         self.o_b_proj = Linear(g * cfg.o_lora_rank, H, bias=False, dtype=dtype)
-        self.sinks = _param(Hq, dtype=torch.float32)
+        self.sinks = param(Hq, dtype=torch.float32)
         self.compressor: DeepseekV4Compressor | None = None
         if self.kind != SLIDING:
             self.compressor = DeepseekV4Compressor(H, D, cfg.compress_rate(layer),

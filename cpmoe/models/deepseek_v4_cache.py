@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpmoe.engine.kv_cache import CacheFullError, PagedKVCache
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache
 from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep, LayerCache
 

@@ -118,8 +118,9 @@ def check_v4_layout(layout: ParallelLayout) -> None:
     if cp != tp:
         raise LayoutError(f"DeepSeek-V4 attention is not head-sharded: --attn-cp-size {cp} "
                           f"must equal --tp-size {tp}")
+    from cpmoe.moe.dispatch import EXTERNAL_PACKAGES
     backend = layout.moe_a2a_backend
-    module = {"deepep": "deep_ep", "mori": "mori"}.get(backend)
+    module = EXTERNAL_PACKAGES.get(backend)
     if module and importlib.util.find_spec(module) is None:
         raise LayoutError(f"DeepSeek-V4 with --moe-a2a-backend {backend} needs the Python "
                           f"package {module!r}, which is not installed (use none or alltoall)")

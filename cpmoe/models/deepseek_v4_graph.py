@@ -1,5 +1,5 @@
 """CUDA graphs of the DeepSeek-V4 decode step (the runner's `graphs` for V4; Qwen's are
-engine/cuda_graph.py, whose batch buckets this shares).
+engine/cuda_graph.py; both capture through graph_capture.py).
 
 A V4 step reads each row's compressed entries through page columns (`DecodeStep`), so the
 work of a step grows with the longest row's context: a graph is captured per (batch bucket,
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.cuda_graph import batch_buckets
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
+from cpmoe.graph_capture import batch_buckets, capture
 from cpmoe.models.deepseek_v4_cache import V4Cache, _owned
 from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, DecodeStep
 
@@ -113,14 +113,8 @@ class V4DecodeGraphs:
         dev = self.ids.device
         batch = self._batch(bs)
         before = torch.cuda.memory_allocated(dev)
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream), torch.no_grad():
-            self._forward(batch, step)  # warm-up (a real, idempotent step; see above)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(batch, step)
+        # the warm-up is a real step, idempotent (see above)
+        graph, out = capture(lambda: self._forward(batch, step), dev, self.pool)
         self.pool = graph.pool()
         self.memory_bytes += max(0, torch.cuda.memory_allocated(dev) - before)
         return graph, out

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from cpmoe.models.deepseek_v4_cache import V4Cache
 

@@ -1,11 +1,14 @@
-"""Architecture name (config.json `architectures`) -> config parser and model class."""
+"""Architecture name (config.json `architectures`) -> config parser and model class, and
+whether a model fits a parallel layout (`check_model_fit`, every rule in one place)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
 
-from cpmoe.config import ConfigError, architecture_of, parse_qwen_moe, read_config_json
+from cpmoe.config import (ConfigError, QwenMoeConfig, architecture_of, parse_qwen_moe,
+                          read_config_json)
+from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 
 def _qwen() -> tuple[Callable, type]:
@@ -44,3 +47,21 @@ def config_from_dict(raw: dict, where: str = "config.json") -> tuple[Any, type]:
 def model_class(architecture: str) -> type:
     """The model class of a (registered) architecture name."""
     return _REGISTRY[architecture]()[1]
+
+
+def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
+    """All model-fit rules; run before spawning ranks."""
+    check_layout = getattr(cfg, "check_layout", None)  # model-specific rules (DeepSeek-V4)
+    if check_layout is not None:
+        check_layout(layout)
+    layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads,
+                       moe_intermediate_size=cfg.moe_intermediate_size)
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
+    if dense and cfg.intermediate_size % layout.attn_tp_size:
+        raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
+                          f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
+    quant = getattr(cfg, "quantization", None)
+    if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
+        from cpmoe.quant.layout import check_fp8_layout
+        check_fp8_layout(layout, cfg, model_class(cfg.architecture))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cpmoe.config import Fp8Config
-from cpmoe.models.layers import Linear
+from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 from cpmoe.quant.formats import MXFP4_BLOCK

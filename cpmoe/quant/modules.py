@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from cpmoe.config import Fp8Config
-from cpmoe.models.layers import Linear
+from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8, scale_grid
 from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale

@@ -21,7 +21,7 @@ import contextlib
 import pytest
 import torch
 
-from cpmoe.engine.forward import ForwardBatch
+from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.moe.experts import LocalExperts

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.engine.runner import ModelRunner, check_model_fit
-from cpmoe.models.registry import load_model_config
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import LayoutError, ParallelLayout

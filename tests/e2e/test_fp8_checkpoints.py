@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpmoe.config import ConfigError
-from cpmoe.engine.runner import ModelRunner, check_model_fit
+from cpmoe.engine.runner import ModelRunner
 from cpmoe.loader import LoadError
-from cpmoe.models.registry import load_model_config
+from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 from tests.e2e._fp8_helpers import VARIANTS, hf_logits, make_fp8_checkpoint

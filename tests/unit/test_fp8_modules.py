@@ -145,7 +145,7 @@ def test_fused_fp8_projections_equal_the_separate_ones_and_share_their_tensors()
     """fuse_linears over FP8 linears (q/k/v on CUDA): one FP8 GEMM whose output is the
     separate modules' outputs side by side, the modules' weights and scales now views of
     the fused tensors; output widths that are not whole 128-row scale blocks do not fuse."""
-    from cpmoe.models.layers import Linear, fuse_linears
+    from cpmoe.linear import Linear, fuse_linears
     from cpmoe.quant.formats import quantize_block_fp8
     from cpmoe.quant.modules import Fp8Linear
     torch.manual_seed(0)

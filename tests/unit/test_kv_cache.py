@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, decode_fill, request_rank_tokens
 from cpmoe.cp.split import CPSplit, rank_counts
 from cpmoe.engine.generate import kv_slots_needed
-from cpmoe.engine.kv_cache import (CacheFullError, PagedKVCache, decode_fill,
-                                   request_rank_tokens)
 
 
 def cache(pages: int = 8, page_size: int = 4, cp: int = 1, rank: int = 0) -> PagedKVCache:

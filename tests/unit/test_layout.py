@@ -377,9 +377,9 @@ def test_model_fit_ignores_moe_rules_for_dense_models():
 
 
 def test_check_model_fit_dense_intermediate():
-    """The runner's extra rule: dense MLP layers are sharded over attention TP."""
+    """check_model_fit's own rule: dense MLP layers are sharded over attention TP."""
     from cpmoe.config import QwenMoeConfig
-    from cpmoe.engine.runner import check_model_fit
+    from cpmoe.models.registry import check_model_fit
 
     def cfg(intermediate: int, mlp_only: tuple[int, ...]) -> QwenMoeConfig:
         return QwenMoeConfig(

@@ -7,8 +7,8 @@ import random
 
 import torch
 
+from cpmoe.cp.kv_cache import PagedKVCache
 from cpmoe.cp.split import CPSplit
-from cpmoe.engine.kv_cache import PagedKVCache
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.engine.scheduler import Request, Scheduler

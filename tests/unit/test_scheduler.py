@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.kv_cache import PagedKVCache
+from cpmoe.cp.kv_cache import PagedKVCache
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan
 
@@ -129,8 +129,8 @@ def test_a_model_with_its_own_caches_on_cuda_needs_max_total_tokens() -> None:
 
     import pytest
 
+    from cpmoe.cp.kv_cache import CacheFullError
     from cpmoe.engine.engine import EngineOptions, prepare_runner
-    from cpmoe.engine.kv_cache import CacheFullError
     runner = types.SimpleNamespace(own_cache=True, device=torch.device("cuda"),
                                    allocate_kv=lambda *a: pytest.fail("no cache may be built"))
     with pytest.raises(CacheFullError, match="--max-total-tokens"):

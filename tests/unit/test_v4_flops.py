@@ -113,8 +113,8 @@ def test_v4_flops_match_flop_counter_on_a_forward(raw, cfg):
 def _batch(runner, seqs):
     """The one-rank prefill batch the runner builds (no cache)."""
     from cpmoe.cp.attention import query_runs
+    from cpmoe.cp.forward_batch import ForwardBatch
     from cpmoe.cp.split import CPSplit
-    from cpmoe.engine.forward import ForwardBatch
 
     split = CPSplit.build([len(s) for s in seqs], 1, "zigzag")
     rel, seq_ids = split.local_positions(0), split.local_seq_ids(0)

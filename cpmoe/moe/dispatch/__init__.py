@@ -16,7 +16,8 @@ class MissingBackendError(RuntimeError):
     pass
 
 
-_EXTERNAL = {"deepep": "deep_ep", "mori": "mori"}
+# external backends -> the Python package each needs
+EXTERNAL_PACKAGES = {"deepep": "deep_ep", "mori": "mori"}
 
 
 def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dispatcher:
@@ -26,17 +27,17 @@ def create_dispatcher(name: str, groups: ProcessGroups, num_experts: int) -> Dis
         return AllToAllDispatcher(groups, num_experts)
     if name == "alltoall_padded":
         return PaddedAllToAllDispatcher(groups, num_experts)
-    if name in _EXTERNAL:
+    if name in EXTERNAL_PACKAGES:
         check_backend_available(name)
-        raise MissingBackendError(f"--moe-a2a-backend {name}: package {_EXTERNAL[name]!r} is "
-                                  f"installed but cpmoe has no adapter for it yet; use "
-                                  f"'alltoall'")
+        raise MissingBackendError(f"--moe-a2a-backend {name}: package "
+                                  f"{EXTERNAL_PACKAGES[name]!r} is installed but cpmoe has no "
+                                  f"adapter for it yet; use 'alltoall'")
     raise MissingBackendError(f"--moe-a2a-backend {name!r} is unknown")
 
 
 def check_backend_available(name: str) -> None:
     """Fail early (before spawning ranks) when an external backend's package is missing."""
-    module = _EXTERNAL.get(name)
+    module = EXTERNAL_PACKAGES.get(name)
     if module and importlib.util.find_spec(module) is None:
         raise MissingBackendError(f"--moe-a2a-backend {name} needs the Python package "
                                   f"{module!r}, which is not installed")
