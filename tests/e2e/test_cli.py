@@ -368,9 +368,11 @@ def v4_dir(workdir) -> Path:
 # prompts per `cpmoe check` call: each length (17, 64, 129) four times (the count is not what
 # is tested; 40 made each call's prefill 2.8K tokens on both sides)
 CHECK_PROMPTS = 12
-# `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts'; the
-# default keeps one check per world size and the V4 one)
-FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2"}
+# `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts' and
+# test_decode's; the default keeps the command at 4 ranks and the V4 one at 2). The 8-rank
+# calls are 9 interpreters each; 8 ranks with alltoall are compared with one rank by
+# test_decode[tp8-cp4-dp1-ep8-alltoall], attn-cp 8 by test_layouts[tp8-cp8-dp1-ep8-none-zigzag]
+FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2", "check-tp8-cp8-ep8-alltoall"}
 
 
 @pytest.fixture(scope="module")
