@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from cpmoe import communicator
-from cpmoe.bench.run import add_arguments as add_bench_arguments
 from cpmoe.config import ConfigError, parse_dtype, read_json_file
 from cpmoe.context import context_length, over_context
 from cpmoe.cp.kv_cache import CacheFullError
@@ -587,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p, "16384 on CPU; --mem-fraction-static on CUDA")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("bench", help="prefill throughput of random-weight models over layouts")
+    from cpmoe.bench.run import add_arguments as add_bench_arguments  # not in every rank
     add_bench_arguments(p)
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("bench-one-batch", help="decode of one static batch: ms/step vs the "

@@ -31,11 +31,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from cpmoe._triton import import_triton
+
+triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 
 def _use_triton(x: torch.Tensor) -> bool:

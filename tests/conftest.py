@@ -18,12 +18,21 @@ tests/_full.py: `full_matrix(cases, keep)` marks the cases `keep` does not keep.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # cpmoe importable from the repo root without install
     sys.path.insert(0, str(REPO_ROOT))
+
+# OpenMP threads that wait for work sleep instead of spinning: in this process (set before
+# torch loads OpenMP) and in every process the tests start (CLI calls, their ranks, servers),
+# which inherit it. The suite keeps both cores busy with several processes at once, and a
+# spinning thread takes the core its partner needs: a 1-rank `cpmoe check` (two threads)
+# took 16.9 CPU-s and 472 s spinning, 5.2 CPU-s and 53 s passive on this loaded machine.
+# A value set by the caller is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -87,9 +96,29 @@ def make_hf_model(kind: str, out_dir: pathlib.Path | None = None, **overrides):
     return model, out_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_session():
+    """The whole run on one torch thread in the test process (tests/_threads.py says why):
+    every in-process model run here is tiny, and on a 2-core machine busy with ranks and CLI
+    subprocesses a second OpenMP thread mostly waits for its turn (a test module on HF
+    parity took 27 CPU-s with two threads, 13 with one)."""
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _back_to_one_torch_thread():
+    """After each test, one thread again: an in-process 1-rank `launch` (cpmoe.cli.main)
+    gives the process its share of the machine's CPUs."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
-    """The module's tests on one torch thread (tests/_threads.py says why)."""
+    """The module's tests on one torch thread (tests/_threads.py says why); the whole run
+    already is (_one_torch_thread_per_session), this keeps a module explicit about it."""
     with one_torch_thread():
         yield
 

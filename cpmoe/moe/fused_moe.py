@@ -29,11 +29,9 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the experts' loop path runs instead
-    triton = None
+from cpmoe._triton import import_triton
+
+triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 MAX_SLOTS = 4096  # the decode path serves up to this many (row, slot) pairs per layer
 

@@ -25,13 +25,10 @@ import warnings
 
 import torch
 
+from cpmoe._triton import import_triton
 from cpmoe.quant.formats import FP8, FP8_MAX, dequantize
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

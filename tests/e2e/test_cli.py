@@ -300,12 +300,11 @@ def ids_file(workdir) -> Path:
     return path
 
 
-# Refused layouts and inputs checked through a real interpreter (its spawn log); the other
-# refusals call cpmoe.cli.main in the test process (about 4 CPU-s less each), where starting
-# any process fails the call.
-SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-layout-prefill-cp-not-dividing-tp",
-                  "bad-layout-prefill-experts-not-divisible-by-ep", "bad-input-not-json",
-                  "bad-input-id-too-large"}
+# Refused layouts and inputs checked through a real interpreter (its spawn log): a layout
+# refused by plan and a prefill input refused after the model's config is read; the other
+# refusals (the same code paths with other flags) call cpmoe.cli.main in the test process
+# (about 4 CPU-s less each), where starting any process fails the call.
+SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-input-id-too-large"}
 # `plan` (no rank, no weights) runs as a real command for the demo layout (--json and text);
 # its other layouts are read from main() in this process
 IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8"}
@@ -368,9 +367,11 @@ def v4_dir(workdir) -> Path:
 # prompts per `cpmoe check` call: each length (17, 64, 129) four times (the count is not what
 # is tested; 40 made each call's prefill 2.8K tokens on both sides)
 CHECK_PROMPTS = 12
-# `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts'; the
-# default keeps one check per world size and the V4 one)
-FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2"}
+# `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts' and
+# test_decode's; the default keeps the command at 4 ranks and the V4 one at 2). The 8-rank
+# calls are 9 interpreters each; 8 ranks with alltoall are compared with one rank by
+# test_decode[tp8-cp4-dp1-ep8-alltoall], attn-cp 8 by test_layouts[tp8-cp8-dp1-ep8-none-zigzag]
+FULL_CHECKS = {"check-tp8-cp4-ep8", "check-tp4-cp2-dp2-ep2", "check-tp8-cp8-ep8-alltoall"}
 
 
 @pytest.fixture(scope="module")

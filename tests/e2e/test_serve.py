@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from openai import OpenAI
 
 from cpmoe.serve.detokenize import TextStream
 from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
-    REPO_ROOT, Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
+    Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
 
 TP4 = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}
@@ -136,24 +135,14 @@ def test_openai_chat_matches_generate_on_chat_template(servers, reference, token
     assert chunks[-1].choices[0].finish_reason == resp.choices[0].finish_reason
 
 
-def test_served_tokens_equal_cli_generate_on_demo_layout(servers, tokenizer, tmp_path,
-                                                         cache_dir):
-    prompt = "Context parallel prefill"
-    prompts_file = tmp_path / "one.json"
-    prompts_file.write_text(json.dumps([prompt]))
-    cli = subprocess.run(
-        [sys.executable, "-m", "cpmoe.cli", "generate", *TP4, "--device", "cpu",
-         "--prompts-file", str(prompts_file), "--max-new-tokens", "10", "--temperature", "0.8",
-         "--top-p", "0.9", "--top-k", "20", "--seed", "7", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), check=False,
-        env={**os.environ, "CPMOE_CACHE_DIR": str(cache_dir)})
-    assert cli.returncode == 0, cli.stderr
-    want = json.loads(cli.stdout)[0]["tokens"]
+def test_served_tokens_equal_cli_generate_on_demo_layout(servers, demo_sampled_generate):
+    want = demo_sampled_generate  # `cpmoe generate` on TP4 (tests/e2e/conftest.py)
     server = servers["tp4"]
     resp = _client(server).completions.create(
-        model=server.model, prompt=prompt, max_tokens=10, temperature=0.8, top_p=0.9, seed=7,
-        extra_body={"top_k": 20, "return_token_ids": True})
-    assert resp.choices[0].token_ids == want
+        model=server.model, prompt=want.prompt, max_tokens=want.max_new_tokens,
+        temperature=want.temperature, top_p=want.top_p, seed=want.seed,
+        extra_body={"top_k": want.top_k, "return_token_ids": True})
+    assert resp.choices[0].token_ids == want.tokens
 
 
 def test_stop_string_ends_text_before_it(servers, reference, tokenizer):

@@ -7,11 +7,9 @@ cleanly (both torchrun launchers exit 0).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e._serve_helpers import REPO_ROOT, Server
+from tests.e2e._serve_helpers import Server
 
 LAYOUT = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
 PROMPT = "Context parallel prefill"
@@ -71,28 +69,21 @@ def test_torchrun_server_stops_every_rank_cleanly_on_sigterm_to_rank_0(tmp_path_
 
 
 def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
-        tmp_path_factory):
-    cache, nodes = _launch_two_nodes(tmp_path_factory)
+        tmp_path_factory, demo_sampled_generate):
+    _, nodes = _launch_two_nodes(tmp_path_factory)
     try:
         server = nodes[0].wait_ready(timeout_s=300)
         pids = server.health()["rank_pids"]
         assert len(pids) == 4
-        prompts_file = tmp_path_factory.mktemp("p") / "one.json"
-        prompts_file.write_text(json.dumps([PROMPT]))
-        cli = subprocess.run(
-            [sys.executable, "-m", "cpmoe.cli", "generate", *LAYOUT, "--device", "cpu",
-             "--prompts-file", str(prompts_file), "--max-new-tokens", "8", "--temperature",
-             "0.8", "--top-p", "0.9", "--seed", "7", "--json"],
-            capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), check=False,
-            env={**os.environ, "CPMOE_CACHE_DIR": str(cache)})
-        assert cli.returncode == 0, cli.stderr
-        want = json.loads(cli.stdout)[0]["tokens"]
+        want = demo_sampled_generate  # `cpmoe generate` on LAYOUT (tests/e2e/conftest.py)
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                         timeout=300)
-        resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=8,
-                                         temperature=0.8, top_p=0.9, seed=7,
-                                         extra_body={"return_token_ids": True})
-        assert resp.choices[0].token_ids == want
+        resp = client.completions.create(model=server.model, prompt=want.prompt,
+                                         max_tokens=want.max_new_tokens,
+                                         temperature=want.temperature, top_p=want.top_p,
+                                         seed=want.seed, extra_body={"top_k": want.top_k,
+                                                                     "return_token_ids": True})
+        assert resp.choices[0].token_ids == want.tokens
 
         body = {"model": server.model, "prompt": "in flight", "max_tokens": 400,
                 "stream": True, "temperature": 0, "ignore_eos": True}

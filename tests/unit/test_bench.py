@@ -3,7 +3,8 @@ they promise, and their correctness checks hold. No timing is asserted.
 
 The command-line runs are subprocesses (an interpreter and a torch import each, plus the
 ranks they spawn), so each is made once, all started together in the module fixture `runs`
-(two at a time), and read by the tests.
+(two at a time), and read by the tests; the refusals, which start nothing, are
+`cpmoe.cli.main` calls in the test process.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from cpmoe.bench.spec import (
     parse_lengths,
 )
 from cpmoe.parallel.layout import LayoutError
+from tests.e2e.test_cli import Cli, CliResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
@@ -58,6 +60,9 @@ V4_CONFIG = {
     "compress_ratios": [128, 4, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
+GSP_ARGS = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32", "--gsp-question-len",
+            "8", "--gsp-output-len", "3", "--num-prompts", "3", "--max-concurrency", "1",
+            "--launch", "--device", "cpu"]
 SERVING_ARGS = {
     "bench-one-batch": ["--shape", "tiny", "--batch-size", "1", "--input-len", "16",
                         "--output-len", "2", "--device", "cpu"],
@@ -107,12 +112,24 @@ def runs(tmp_path_factory):
         d = folder(command)
         calls[command] = (["-m", "cpmoe.cli", command, "--out", str(d / f"{command}.json"),
                            *args], None, REPO_ROOT, d)
+    d = folder("gsp")
+    calls["shared-prefix"] = (["-m", "cpmoe.cli", "bench-serving", "--out", str(d / "gsp.json"),
+                               *GSP_ARGS], None, REPO_ROOT, d)
+    # Refused before any rank: cpmoe.cli.main in this process (test_cli.Cli.in_process: no
+    # interpreter and torch import each; starting a process fails the call), before the pool
+    # starts (the refusal patches process starts process-wide).
+    here = {}
+    for name in [*(f"bad-{layouts}" for layouts in BAD_LAYOUTS), "cannot-fit"]:
+        args, _, _, d = calls.pop(name)
+        done: Future = Future()
+        done.set_result(Cli(d, d / "cache").in_process(*args[2:]))
+        here[name] = (done, d)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {name: (pool.submit(_run, args, env, cwd), d)
-               for name, (args, env, cwd, d) in calls.items()}
+        yield {**here, **{name: (pool.submit(_run, args, env, cwd), d)
+                          for name, (args, env, cwd, d) in calls.items()}}
 
 
-def _result(runs, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _result(runs, name: str) -> tuple[subprocess.CompletedProcess | CliResult, Path]:
     future, folder = runs[name]
     return future.result(), folder
 
@@ -349,14 +366,11 @@ def test_decode_and_serving_benchmarks_write_provenance(runs, command):
     assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]
 
 
-def test_serving_benchmark_reports_the_prefix_cache_hit_rate(tmp_path):
+def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
     """shared-prefix, one request at a time: every request after the first takes the
     32-token prefix from the server's cache, and the report says so."""
-    out = tmp_path / "gsp.json"
-    args = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32",
-            "--gsp-question-len", "8", "--gsp-output-len", "3", "--num-prompts", "3",
-            "--max-concurrency", "1", "--launch", "--device", "cpu"]
-    proc = _run(["-m", "cpmoe.cli", "bench-serving", "--out", str(out), *args])
+    proc, d = _result(runs, "shared-prefix")
+    out = d / "gsp.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     body = json.loads(out.read_text())
     cached = [r["cached"] for r in body["requests"]]
