@@ -25,7 +25,7 @@ FLOORS = (
     ("communicator", ("communicator",)),
     ("kernels", ("cp", "moe", "quant", "ops", "linear", "graph_capture")),
     ("parallel", ("parallel",)),
-    ("config", ("config", "context", "")),
+    ("config", ("config", "context", "_triton", "")),
 )
 
 
