@@ -47,6 +47,11 @@ def silu_and_mul_ref(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's SwiGLU: SiLU(min(gate, limit)) * clamp(up, -limit, limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     if not _use_triton(h) or h.shape[0] == 0:
         return silu_and_mul_ref(h)

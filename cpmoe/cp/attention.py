@@ -28,8 +28,8 @@ from cpmoe import ops
 
 # Rows of queries processed at once: bounds the [H, rows, keys] mask/score memory.
 _QUERY_CHUNK = 1024
-# CUDA prefill without log-sum-exp: up to this many runs, cuDNN per run (about twice flash's
-# speed on long runs); beyond, one varlen flash launch for all (launches dominate short runs)
+# CUDA prefill without a cached prefix: up to this many runs, cuDNN per run (about twice
+# flash's speed on long runs); beyond, one varlen flash launch for all (launches dominate)
 _RUNS_PER_LAUNCH = 16
 
 
@@ -46,6 +46,12 @@ class PackedRuns:
     cu_k: torch.Tensor  # int32 [runs + 1]
     max_q: int
     max_k: int
+
+    @staticmethod
+    def wanted(runs: list[tuple[int, int, int, int]], after_prefix: bool) -> bool:
+        """Whether a CUDA step takes its runs in one varlen launch: always for chunks after
+        a cached prefix (`chunk_attention_with_lse`), else past _RUNS_PER_LAUNCH runs."""
+        return bool(runs) and (after_prefix or len(runs) > _RUNS_PER_LAUNCH)
 
     @classmethod
     def build(cls, runs: list[tuple[int, int, int, int]], cu_seqlens: list[int],
@@ -78,6 +84,8 @@ class PackedPrefix:
     counts: list[tuple[int, int]]
     cu_q: torch.Tensor  # int32 [n + 1]
     cu_k: torch.Tensor  # int32 [n + 1]
+    max_q: int
+    max_k: int
 
     @classmethod
     def build(cls, rows: list[torch.Tensor], slots: list[torch.Tensor],
@@ -88,7 +96,9 @@ class PackedPrefix:
         cu_q, cu_k = cu.t().contiguous().to(device, torch.int32)
         none = torch.zeros(0, dtype=torch.int64)
         return cls(torch.cat([r for r, _ in keep] or [none]).to(device),
-                   torch.cat([s for _, s in keep] or [none]).to(device), counts, cu_q, cu_k)
+                   torch.cat([s for _, s in keep] or [none]).to(device), counts, cu_q, cu_k,
+                   max((n for n, _ in counts), default=0),
+                   max((n for _, n in counts), default=0))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -118,10 +128,10 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
                       packed: PackedRuns | None = None) -> torch.Tensor:
     """q [T, H, D] with positions/sequence ids [T] against k/v_flat [sum L, Hkv, D] in flat
-    order. On CUDA, given the query runs, fused kernels run per run with no host sync (many
-    runs, given `packed`: one varlen launch for all)."""
+    order. On CUDA, given `packed` (`PackedRuns.wanted`), one varlen launch for all runs;
+    given the query runs, fused kernels per run; neither syncs with the host."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
-    if fused and packed is not None and runs is not None and len(runs) > _RUNS_PER_LAUNCH:
+    if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
         return _prefill_runs_cuda(q, k_flat, v_flat, cu_seqlens, scale, runs)
@@ -278,9 +288,8 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
     v_all = v_pool.view(-1, *v_pool.shape[-2:])
     qs, k, v = q[prefix.q_rows], k_all[prefix.slots], v_all[prefix.slots]
     if qs.is_cuda and qs.dtype in (torch.bfloat16, torch.float16):
-        om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k,
-                                  max(n for n, _ in prefix.counts),
-                                  max(n for _, n in prefix.counts), False, scale)
+        om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
+                                  prefix.max_k, False, scale)
         o[prefix.q_rows], lse[prefix.q_rows] = om.float(), lm
         return o, lse
     zero = torch.zeros(1, dtype=torch.int64, device=q.device)

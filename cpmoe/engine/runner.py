@@ -269,8 +269,10 @@ class ModelRunner:
         rel, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
         starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
         runs = query_runs(rel, seq_ids)
-        packed = (PackedRuns.build(runs, split.cu_seqlens, self.device)
-                  if self.device.type == "cuda" and runs else None)
+        varlen = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                  and not self.own_cache
+                  and PackedRuns.wanted(runs, any(s.start for s in segments)))
+        packed = PackedRuns.build(runs, split.cu_seqlens, self.device) if varlen else None
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=(rel + starts[seq_ids]).to(self.device),
                              seq_ids=seq_ids.to(self.device), split=split,

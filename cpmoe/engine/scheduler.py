@@ -290,8 +290,8 @@ class Scheduler:
 
     def _shares_inflight(self, req: Request, hit: int) -> bool:
         """Whether `req` should wait for a prompt being prefilled that holds DEFER_SHARED
-        more of its tokens than the index does."""
-        if self.inflight is None or req.cached:
+        more of its tokens than the index does (a waiting request holds no cache)."""
+        if self.inflight is None:
             return False
         _, shared = self.inflight.match(req.tokens)
         return min(shared, len(req.tokens) - 1) - hit >= DEFER_SHARED

@@ -47,6 +47,7 @@ from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
+from cpmoe.ops import clamped_swiglu
 from cpmoe.parallel.groups import ProcessGroups
 
 __all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
@@ -88,10 +89,6 @@ def checkpoint_param_name(name: str) -> str:
     for pattern, repl in _RENAMES:
         name = pattern.sub(repl, name, count=1)
     return name
-
-
-def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 # ---- MoE -------------------------------------------------------------------------------------
@@ -148,7 +145,7 @@ class DeepseekV4MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class DeepseekV4SparseMoeBlock(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe.moe import fused_moe
-from cpmoe.ops import silu_and_mul, weighted_row_sum
+from cpmoe.ops import clamped_swiglu, silu_and_mul, weighted_row_sum
 
 
 class LocalExperts(nn.Module):
@@ -31,14 +31,12 @@ class LocalExperts(nn.Module):
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU of gate/up rows packed [.., 2I] (gate first) -> [.., I]; with swiglu_limit,
-        DeepSeek-V4's clamped form SiLU(min(gate, limit)) * clamp(up, -limit, limit). Models
-        with another gated activation override this alone (every path then uses it, but
-        the fused decode kernel, which computes these two)."""
+        DeepSeek-V4's clamped form (`ops.clamped_swiglu`). A model with another gated
+        activation overrides this; the fused decode kernel, which computes only these two,
+        then stands aside."""
         if self.swiglu_limit is None:
             return silu_and_mul(h)
-        gate, up = h.chunk(2, dim=-1)
-        limit = self.swiglu_limit
-        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        return clamped_swiglu(*h.chunk(2, dim=-1), self.swiglu_limit)
 
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,11 @@ def test_packed_runs_give_every_run_its_causal_keys(monkeypatch, cp):
     for r in range(cp):
         pos, seq = split.local_positions(r), split.local_seq_ids(r)
         q = torch.randn(pos.numel(), 8, 16)
-        packed = att.PackedRuns.build(att.query_runs(pos, seq), cu, torch.device("cpu"))
+        runs = att.query_runs(pos, seq)
+        # after a cached prefix always one launch; without one only past 16 runs
+        assert att.PackedRuns.wanted(runs, True) and not att.PackedRuns.wanted(runs, False)
+        assert att.PackedRuns.wanted(runs[:1] * 17, False) and not att.PackedRuns.wanted([], True)
+        packed = att.PackedRuns.build(runs, cu, torch.device("cpu"))
         assert (packed.keys is None) == (cp == 1)
         got, lse = att._varlen_runs(q, k_flat, v_flat, packed, 0.25)
         want = _reference_prefill(q, pos, seq, k_flat, v_flat, cu, 0.25)
