@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Decode and serving figures of BENCHMARKS.md on one H200 (`nvidia-h200`), each part one
 # device call of under 10 minutes:
-#   bash bench/h200_engine.sh smoke   OUT_DIR   # CUDA tests + cpmoe decode rows at 1K
+#   bash bench/h200_engine.sh smoke   OUT_DIR   # CUDA tests + decode rows at 1K (overlap on/off)
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
@@ -32,6 +32,10 @@ case "$part" in
     step one-batch-1k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
       --batch-size 1,16,64,256 --input-len 1024 --output-len 32 \
       --out "$out/one-batch-1k.json" --plot
+    # the same rows with each step's tokens on the host before the next step (side by side)
+    step one-batch-1k-sync python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
+      --batch-size 1,64 --input-len 1024 --output-len 32 --disable-overlap-schedule \
+      --out "$out/one-batch-1k-sync.json"
     ;;
   decode)
     step one-batch-1k-hf python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \

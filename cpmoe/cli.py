@@ -111,6 +111,10 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="do not share prompt prefixes between requests (the prefix cache "
                         "over the CP-sharded pages is on by default)")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="bring each step's tokens to the host before planning the next "
+                        "(by default greedy steps feed the next step on the device and the "
+                        "host plans while the device computes)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="largest decode batch captured in a CUDA graph (larger run eagerly)")
     g.add_argument("--routing", choices=("model", "uniform"), default="model",
@@ -148,6 +152,7 @@ def engine_options(args: argparse.Namespace):
                          max_running_requests=args.max_running_requests,
                          disable_cuda_graph=args.disable_cuda_graph,
                          disable_radix_cache=args.disable_radix_cache,
+                         disable_overlap_schedule=args.disable_overlap_schedule,
                          cuda_graph_max_bs=args.cuda_graph_max_bs,
                          max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static,

@@ -1,8 +1,10 @@
 """`cpmoe bench-one-batch`: one static batch, prefill then decode steps (after SGLang's
 `bench_one_batch`), cpmoe beside HF transformers on the same weights.
 
-Per (engine, batch, input length) row: prefill seconds, the median decode step (the whole
-step as a user sees it: forward, greedy choice, tokens back to the host), decode tokens/s,
+Per (engine, batch, input length) row: prefill seconds, the median decode step (as a stream
+sees it: the interval between two steps' greedy tokens reaching the host; steps run as the
+engine's overlap schedule runs them, or one after another with --disable-overlap-schedule),
+decode tokens/s,
 the HBM roofline of that step and the ratio, peak memory, and the routing the step saw
 (distinct experts per layer, busiest expert / mean). The roofline counts the bytes one
 step must read on the busiest rank: every non-expert weight (the LM head included; of the
@@ -29,7 +31,7 @@ import torch
 
 from cpmoe.bench.model_task import prompts
 from cpmoe.bench.timing import device_name, free_cached, median, peak_bytes, reset_peak, sync
-from cpmoe.engine.engine import EngineOptions, prepare_runner
+from cpmoe.engine.engine import DeviceTokens, EngineOptions, prepare_runner
 from cpmoe.engine.generate import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.moe.experts import LocalExperts
@@ -103,15 +105,12 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
     t0 = time.perf_counter()
     firsts = [runner.extend([Segment(k, seqs[k]) for k in group]).argmax(-1)
               for group in _groups(keys, input_len, spec.engine.chunked_prefill_size)]
-    tokens = _agree(runner, torch.cat(firsts))
+    first = torch.cat(firsts)
+    tokens = _agree(runner, first)
     prefill_s = time.perf_counter() - t0
-    generated = [tokens]
-    steps = []
-    for _ in range(spec.output_len - 1):
-        t0 = time.perf_counter()
-        tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
-        steps.append(time.perf_counter() - t0)
-        generated.append(tokens)
+    decode = _decode_synced if spec.engine.disable_overlap_schedule else _decode_overlapped
+    generated, steps = decode(runner, keys, first, tokens, spec.output_len - 1)
+    tokens = generated[-1]
     peak = peak_bytes(device)
     if spec.profile_dir is not None:
         _profile_steps(runner, keys, tokens, spec.profile_dir / f"b{batch}-in{input_len}",
@@ -135,6 +134,43 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
             "busiest_expert_vs_mean": routing["busiest"],
             "tokens": [list(t) for t in zip(*generated)],
             "cuda_graphs": runner.graphs is not None and runner.graphs.fits(batch)}
+
+
+def _decode_synced(runner: ModelRunner, keys: list[int], first: torch.Tensor,
+                   tokens: list[int], steps: int) -> tuple[list[list[int]], list[float]]:
+    """Decode steps that each bring their tokens to the host before the next starts
+    (--disable-overlap-schedule) -> tokens per step (the first included), step seconds."""
+    generated, times = [tokens], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
+        times.append(time.perf_counter() - t0)
+        generated.append(tokens)
+    return generated, times
+
+
+def _decode_overlapped(runner: ModelRunner, keys: list[int], first: torch.Tensor,
+                       tokens: list[int], steps: int) -> tuple[list[list[int]], list[float]]:
+    """Decode as the engine's overlap schedule runs it: each step feeds on the previous
+    step's tokens on the device, and the host waits for a step's tokens only after it has
+    launched the next. A step's time is the interval between two steps' tokens reaching
+    the host (what a stream sees)."""
+    feed = [-(i + 1) for i in range(len(keys))]  # row i of the last shared tokens
+    runner.share_tokens(first if runner.groups.rank == 0 else None, len(keys))
+    generated, times = [tokens], []
+    landed, in_flight = time.perf_counter(), None
+    for _ in range(steps):
+        mine = runner.decode(keys, feed).argmax(-1)
+        sampled = DeviceTokens(runner.share_tokens(mine if runner.groups.rank == 0 else None,
+                                                   len(keys)))
+        if in_flight is not None:
+            generated.append(in_flight.tolist())
+            times.append(time.perf_counter() - landed)
+            landed += times[-1]
+        in_flight = sampled
+    generated.append(in_flight.tolist())
+    times.append(time.perf_counter() - landed)
+    return generated, times
 
 
 def _profile_steps(runner: ModelRunner, keys: list[int], tokens: list[int], stem: Path,

@@ -77,6 +77,7 @@ class DecodeGraphs:
                              lens + [0] * pad], dtype=torch.int64)
         meta = meta.pin_memory().to(self.ids.device, non_blocking=True)
         self.ids[:bs].copy_(meta[0])
+        self.runner.feed(self.ids[:n], tokens)
         self.positions[:bs].copy_(meta[1])
         self.slots[:bs].copy_(meta[2])
         self.lens[:bs].copy_(meta[3])

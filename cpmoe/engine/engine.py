@@ -12,6 +12,14 @@ A row's penalties and min_tokens are applied to its logits before the choice
 (logits.py); requests that ask for logprobs get log_softmax of the row's raw logits for the
 chosen token and the top k in their TokenEvent, computed on rank 0 only.
 
+Overlap (SGLang's overlap schedule; `--disable-overlap-schedule` turns it off): when every
+row of a step is a plain greedy choice, rank 0 takes the argmax on the device, every rank
+keeps those tokens (broadcast over the world group) as the feed of the next step's decode
+rows (placeholders in the plan, see scheduler.py), and the copy to the host is waited for
+only after the next step was planned and launched. The host's planning then runs while the
+device computes, instead of between steps. Rows that sample, adjust logits or return
+logprobs (and steps an observer watches) take the tokens to the host first, as before.
+
 Sampling stream of a request: `(seed, stream, tokens generated so far)`: prompt i of a
 generate batch uses stream i, choice i of a served request (n choices, several prompts)
 stream i, so the same prompts and seed give the same tokens through both (and after a
@@ -20,6 +28,7 @@ preemption).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +37,7 @@ import torch
 
 from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.engine.logits import adjust_logits, token_logprobs
-from cpmoe.engine.runner import ModelRunner, Segment
+from cpmoe.engine.runner import ModelRunner, Segment, StepTimes
 from cpmoe.engine.sampling import sample
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
 from cpmoe.parallel import comm
@@ -51,6 +60,8 @@ class EngineOptions:
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
     quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
     disable_radix_cache: bool = False  # --disable-radix-cache: no prefix sharing
+    disable_overlap_schedule: bool = False  # --disable-overlap-schedule: tokens to the host
+    # before the next step is planned
 
 
 def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
@@ -91,7 +102,30 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
     graph_bytes = 0
     if not opts.disable_cuda_graph and runner.can_capture_graphs():
         graph_bytes = runner.capture_decode_graphs(opts.cuda_graph_max_bs)
+    if runner.device.type == "cuda" and not runner.own_cache:
+        warm_up_prefill(runner, prefill_chunk(runner, opts))
     return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes}
+
+
+WARM_UP_KEY = -1  # a cache key no request uses
+
+
+def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
+    """One full prefill chunk, then a short extend after it (the cached-prefix path), on a
+    sequence freed again, before the first request: the kernels a prefill launches are
+    compiled and tuned here, not in the first requests' time to first token (SGLang warms up
+    its server the same way)."""
+    kv = runner.kv
+    n = min(chunk if chunk > 0 else DEFAULT_CHUNKED_PREFILL, kv.capacity // 2)
+    if n < 32:
+        return
+    ids = [(i * 7919) % runner.config.vocab_size for i in range(n)]
+    runner.extend([Segment(WARM_UP_KEY, ids)])
+    runner.extend([Segment(WARM_UP_KEY, ids[:16], n)])
+    kv.free(WARM_UP_KEY)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    runner.times = StepTimes()  # what requests take, not the warm-up
 
 
 @dataclass
@@ -100,11 +134,33 @@ class StepOutput:
     kind: str  # "prefill", "decode", "mixed" or "idle"
     started: float  # time.perf_counter() when the step began; the step ends once its tokens
     # are on the host (rank 0's `Driver.finish_step`), as the forward alone only queues work
+    sampled: "DeviceTokens | None" = None  # with plan.overlap: the greedy tokens
+
+
+class DeviceTokens:
+    """A step's greedy tokens on the device and their copy to the host, started at once so
+    that waiting for it does not wait for the steps queued after it."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> StepOutput:
     """Every rank: free, fork cached prefixes, then the decode forward and the extend
-    forward of the plan. On rank 0 (sched given) -> the logits of the rows to sample."""
+    forward of the plan. On rank 0 (sched given) -> the logits of the rows to sample; with
+    plan.overlap, every rank keeps rank 0's greedy tokens as the next step's feed."""
     start = time.perf_counter()
     assert runner.kv is not None
     for rid in plan.free:
@@ -123,8 +179,14 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
             parts.append(logits[done])
     kind = ("mixed" if plan.decode and plan.extend else "decode" if plan.decode else
             "prefill" if plan.extend else "idle")
-    out = torch.cat(parts) if parts and sched is not None else None
-    return StepOutput(out, kind, start)
+    out = None
+    if parts and sched is not None:
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    sampled = None
+    if plan.overlap:
+        mine = out.argmax(dim=-1) if out is not None else None
+        sampled = DeviceTokens(runner.share_tokens(mine, plan.samples))
+    return StepOutput(out, kind, start, sampled)
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request],
@@ -180,10 +242,14 @@ class Driver:
 
     def __init__(self, runner: ModelRunner, sched: Scheduler, frontend: Frontend,
                  idle_tick_s: float = 0.5,
-                 observe: Callable[[torch.Tensor], None] | None = None) -> None:
+                 observe: Callable[[torch.Tensor], None] | None = None,
+                 overlap: bool = True) -> None:
         self.runner, self.sched, self.frontend = runner, sched, frontend
         self.idle_tick_s, self.observe = idle_tick_s, observe
+        self.overlap = overlap and observe is None
         self.stopping = False
+        # an overlapped step whose tokens are not on the host yet: (its rows, its tokens)
+        self._in_flight: tuple[list, DeviceTokens] | None = None
         layout = runner.layout
         self._cp_coords = [layout.coords(r)["attn_cp"] for r in range(layout.world_size)]
 
@@ -199,6 +265,9 @@ class Driver:
             else:
                 raise ValueError(f"unknown engine message {msg[0]!r}")
         if self.stopping:  # free what finished requests hold first: leave the cache empty
+            # a step still in flight at a server's stop: its tokens have no reader left
+            # (generate stops only once its last token has landed)
+            self._in_flight = None
             self.sched.clear_cache()
             frees = self.sched.take_frees()
             return (StepPlan(free=frees) if frees else
@@ -207,26 +276,40 @@ class Driver:
         if plan.empty and self.sched.waiting and not self.sched.running:
             raise RuntimeError(f"scheduler stuck: {len(self.sched.waiting)} waiting requests "
                                f"fit no KV pages although nothing runs")
+        rows = self.sched.sample_rows(plan)
+        if self.overlap and rows and all(_plain(req) for req in rows):
+            plan = dataclasses.replace(plan, overlap=True, samples=len(rows))
         return plan
 
+    def _land(self) -> list[TokenEvent]:
+        """The in-flight step's tokens, once on the host -> its events."""
+        assert self._in_flight is not None
+        (rows, sampled), self._in_flight = self._in_flight, None
+        return self.sched.resolve(rows, sampled.tolist())
+
     def finish_step(self, plan: StepPlan, out: StepOutput) -> None:
-        rows = self.sched.sample_rows(plan)
-        tokens: list[int] = []
-        logprobs = None
-        if rows:
+        rows = self.sched.account(plan)
+        # the previous step's tokens, if still in flight, come first (this step is queued
+        # behind it on the device by now)
+        events = self._land() if self._in_flight is not None else []
+        if plan.overlap:
+            assert out.sampled is not None
+            self._in_flight = (rows, out.sampled)
+        elif rows:
             assert out.logits is not None
             if self.observe is not None:
                 self.observe(out.logits)
-            tokens = choose_tokens(out.logits, rows, self.sched.eos_ids)
-            logprobs = row_logprobs(out.logits, rows, tokens)
-        events = self.sched.record(plan, tokens, logprobs)
+            reqs = [req for req, _ in rows]
+            tokens = choose_tokens(out.logits, reqs, self.sched.eos_ids)
+            events += self.sched.resolve(rows, tokens, row_logprobs(out.logits, reqs, tokens))
         kv = self.runner.kv
         # pages only the prefix cache holds are evictable: reported apart, as SGLang does
         cached = [n * kv.page_size for n in getattr(kv, "cached_pages", [0] * kv.cp_size)]
         used = [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
                 for c in range(kv.cp_size)]
         coords = [c if kv.cp_size > 1 else 0 for c in self._cp_coords]
-        step_s = time.perf_counter() - out.started  # tokens are on the host by now
+        # tokens are on the host by now (with overlap: the previous step's)
+        step_s = time.perf_counter() - out.started
         stats = {"kind": out.kind, "step_s": step_s, "running": len(self.sched.running),
                  "waiting": len(self.sched.waiting),
                  "kv_used": [used[c] - cached[c] for c in coords],
@@ -235,6 +318,11 @@ class Driver:
                  "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend),
                  "cached_tokens": plan.cached_tokens}
         self.frontend.emit(events, stats)
+
+
+def _plain(req: Request) -> bool:
+    """A row whose token is the argmax of its raw logits, nothing else asked of them."""
+    return req.params.greedy and not req.params.adjusts_logits and req.logprobs is None
 
 
 def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:

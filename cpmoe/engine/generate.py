@@ -57,5 +57,6 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
                     for i, p in enumerate(prompts)]
         sched = Scheduler(kv, layout.cp_strategy, chunk, options.max_running_requests,
                           eos_ids, radix=radix_cache(runner, options))
-        driver = Driver(runner, sched, BatchFrontend(requests), observe=observe)
+        driver = Driver(runner, sched, BatchFrontend(requests), observe=observe,
+                        overlap=not options.disable_overlap_schedule)
     return engine_loop(runner, driver)

@@ -160,6 +160,8 @@ class ModelRunner:
         self.model.eval()
         self.kv = None
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once captured
+        # the last overlapped step's greedy tokens: what decode placeholders -(i + 1) name
+        self.fed_tokens: torch.Tensor | None = None
         self.times = StepTimes()
 
     # ---- memory ----------------------------------------------------------------------------
@@ -220,6 +222,24 @@ class ModelRunner:
             max_pages = min(max_pages, pages_for(context, self.kv.page_size) + 1)
         self.graphs = DecodeGraphs(self, max_bs, max_pages)
         return self.graphs.memory_bytes
+
+    def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Rank 0's n tokens (int64, on the device) on every rank, without a host sync; they
+        feed the next decode step's placeholders (`feed`)."""
+        if self.groups.world.size > 1:
+            if tokens is None:
+                tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+            comm.broadcast(tokens, self.groups.world)
+        assert tokens is not None and tokens.numel() == n
+        self.fed_tokens = tokens
+        return tokens
+
+    def feed(self, ids: torch.Tensor, tokens: list[int]) -> None:
+        """In place: the placeholders among a decode step's input ids (`tokens`, as on the
+        host; -(i + 1) is row i of `share_tokens`' last tokens) -> those tokens."""
+        if tokens and min(tokens) < 0:
+            assert self.fed_tokens is not None, "a placeholder token without a shared step"
+            ids.copy_(torch.where(ids < 0, self.fed_tokens[(-1 - ids).clamp(min=0)], ids))
 
     def agree(self, tokens: list[int]) -> list[int]:
         """Rank 0's choice of tokens, on every rank."""
@@ -339,7 +359,8 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, keys: list[int], tokens: list[int]) -> torch.Tensor:
         """One new token per sequence -> logits [B, V] (float32). The new K/V goes to the
-        CP rank holding the fewest tokens of the sequence (the cache's owner rule)."""
+        CP rank holding the fewest tokens of the sequence (the cache's owner rule). A token
+        -(i + 1) is row i of the last `share_tokens` (still on the device)."""
         t0 = time.perf_counter()
         kv = self.kv
         assert kv is not None, "decode needs a KV cache (allocate_kv)"
@@ -350,6 +371,7 @@ class ModelRunner:
             logits = self.graphs.replay(tokens, positions, slots, lens, keys)
         else:
             meta = self._ids([tokens, positions, slots, lens])
+            self.feed(meta[0], tokens)
             table = torch.tensor(kv.block_table(keys), dtype=torch.int32).to(self.device)
             batch = ForwardBatch(is_decode=True, input_ids=meta[0], positions=meta[1],
                                  seq_ids=torch.arange(len(keys), device=self.device), kv=kv,

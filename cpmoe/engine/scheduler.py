@@ -34,6 +34,15 @@ is in the index, then forks it, as SGLang's in-batch prefix check does: a burst 
 requests over one system prompt then prefills the prompt once, not once per request.
 Requests behind it are still admitted (no head-of-line blocking).
 
+Overlap (the driver's `--disable-overlap-schedule` off): a step's sampled tokens may reach
+the host only after the next step was planned and launched. `account` then gives each
+sampled row a placeholder token `-(i + 1)` (row i of that step's tokens, which the runner
+keeps on the device and feeds to the next decode), and `resolve` writes the real tokens once
+they are on the host. A request whose placeholder turns out to be EOS has run one extra
+decode row by then: its output is cut at EOS and the row's token is dropped. Only requests
+that may finish by EOS run such a row: one that reaches max_tokens is known to finish by
+the count and is not decoded again.
+
 Pure bookkeeping over the cache's accounting (no forward, no collective): testable alone.
 """
 
@@ -64,6 +73,7 @@ class Request:
     cached: int = 0  # tokens of prompt + output held in the KV cache
     cached_prompt: int = 0  # prompt tokens taken from the prefix cache at admission
     admitted: int = 0  # admission order (preemption takes the newest)
+    done: bool = False  # finished or cancelled: rows still in flight for it are dropped
 
     @property
     def tokens(self) -> list[int]:
@@ -75,10 +85,16 @@ class Request:
         return len(self.prompt) + len(self.output) - self.cached
 
     @property
+    def prefilling(self) -> bool:
+        """Tokens before the last sampled one are still to be cached (a prompt chunked so
+        that one prompt token is left still extends)."""
+        return self.pending > 1 or self.cached < len(self.prompt)
+
+    @property
     def decoding(self) -> bool:
-        """Only the last sampled token is pending (a prompt chunked so that one prompt token
-        is left still extends)."""
-        return self.pending == 1 and self.cached >= len(self.prompt)
+        """Only the last sampled token is pending, and it is not the last one the request
+        may generate (then it is in flight, see `Scheduler.account`)."""
+        return not self.prefilling and self.generated < self.max_tokens
 
     @property
     def generated(self) -> int:
@@ -97,7 +113,10 @@ class StepPlan:
     fork: list[tuple[int, int, int]] = field(default_factory=list)  # (id, source, tokens)
     cache: list[int] = field(default_factory=list)  # ids whose KV stays as a cached prefix
     extend: list[tuple[int, list[int], int]] = field(default_factory=list)  # (id, ids, start)
-    decode: list[tuple[int, int]] = field(default_factory=list)  # (id, token to feed)
+    # (id, token to feed); a token -(i + 1) is row i of the previous step's sampled tokens
+    decode: list[tuple[int, int]] = field(default_factory=list)
+    overlap: bool = False  # the step's tokens stay on the device for the next step's feed
+    samples: int = 0  # with overlap: how many rows it samples (the shared tensor's length)
     stop: bool = False  # leave the engine loop
     result: object = None  # with stop: what the loop returns on every rank
 
@@ -154,10 +173,13 @@ class Scheduler:
     def cancel(self, rid: int) -> None:
         """Drop a request wherever it is; unknown ids (already finished) are ignored."""
         if rid in self.running:
-            self._drop(self.running.pop(rid))
+            req = self.running.pop(rid)
+            req.done = True
+            self._drop(req)
             return
         for req in self.waiting:
             if req.rid == rid:
+                req.done = True
                 self.waiting.remove(req)
                 return
 
@@ -250,7 +272,7 @@ class Scheduler:
                          ) -> list[tuple[int, list[int], int]]:
         budget = self.chunk_size or float("inf")
         out: list[tuple[int, list[int], int]] = []
-        partial = next((r for r in self.running.values() if not r.decoding),
+        partial = next((r for r in self.running.values() if r.prefilling),
                        None)
         if partial is not None:  # the prompt being chunked goes first, alone if it must
             n = int(min(partial.pending, budget))
@@ -337,9 +359,13 @@ class Scheduler:
 
     def record(self, plan: StepPlan, tokens: list[int],
                logprobs: list[tuple[float, tuple] | None] | None = None) -> list[TokenEvent]:
-        """After the step ran: account the cached tokens, take each sampled token (one per
-        `sample_rows` row, with its (logprob, top) or None); finished requests leave
-        `running`."""
+        """After the step ran: `account` it and `resolve` its tokens at once (one token and
+        its (logprob, top) or None per `sample_rows` row)."""
+        return self.resolve(self.account(plan), tokens, logprobs)
+
+    def account(self, plan: StepPlan) -> list[tuple[Request, int]]:
+        """After the step ran: count its tokens as cached and give each sampled row a
+        placeholder token -> (request, index of the placeholder in its output) per row."""
         rows = self.sample_rows(plan)
         for rid, _ in plan.decode:
             self.running[rid].cached += 1
@@ -349,19 +375,40 @@ class Scheduler:
             if self.index is not None and req.pending == 0:  # a prefilled prompt: shareable
                 self.index.insert(rid, req.tokens[:req.cached])
                 self.inflight.remove(rid)
+        out = []
+        for i, req in enumerate(rows):
+            req.output.append(-(i + 1))
+            out.append((req, len(req.output) - 1))
+        return out
+
+    def resolve(self, rows: list[tuple[Request, int]], tokens: list[int],
+                logprobs: list[tuple[float, tuple] | None] | None = None) -> list[TokenEvent]:
+        """The real tokens of `account`'s rows: finished requests leave `running` (or
+        `waiting`, if preempted meanwhile) -> one event per row of a request still alive."""
         events = []
         logprobs = logprobs or [None] * len(rows)
-        for req, token, lp in zip(rows, tokens, logprobs, strict=True):
-            req.output.append(token)
+        for (req, at), token, lp in zip(rows, tokens, logprobs, strict=True):
+            if req.done:  # finished by EOS a step earlier, or cancelled
+                continue
+            req.output[at] = token
             eos = token in self.eos_ids and not req.ignore_eos
-            finish = ("stop" if eos else "length" if req.generated >= req.max_tokens else None)
+            finish = ("stop" if eos else "length" if at + 1 >= req.max_tokens else None)
             if finish is not None:
-                del self.running[req.rid]
-                self._drop(req)
+                self._finish(req, at)
             cached = req.cached_prompt if finish is not None else None
             events.append(TokenEvent(req.rid, token, finish, None if lp is None else lp[0],
                                      None if lp is None else lp[1], cached))
         return events
+
+    def _finish(self, req: Request, at: int) -> None:
+        """The request ended with output[at]: tokens in flight after it are dropped."""
+        req.done = True
+        del req.output[at + 1:]
+        if self.running.get(req.rid) is req:
+            del self.running[req.rid]
+            self._drop(req)
+        else:  # preempted while its last token was in flight
+            self.waiting = deque(r for r in self.waiting if r is not req)
 
 
 class _StepPages:

@@ -76,7 +76,8 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
                           opts.max_running_requests, spec.eos_ids,
                           radix=radix_cache(runner, opts))
         frontend = LinkFrontend(spec, pids, sizes)
-        driver = Driver(runner, sched, frontend, spec.idle_tick_s)
+        driver = Driver(runner, sched, frontend, spec.idle_tick_s,
+                        overlap=not opts.disable_overlap_schedule)
     try:
         engine_loop(runner, driver)
     finally:

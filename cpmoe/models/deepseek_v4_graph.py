@@ -90,6 +90,7 @@ class V4DecodeGraphs:
                            + [host.count[m] for m in kv.rates])
         for dst, src in zip(dsts, self._upload(cols)):
             dst.copy_(src)
+        self.runner.feed(self.ids[:n], tokens)
         graph = self.graphs.get((bs, context))
         if graph is None:
             graph = self.graphs[(bs, context)] = self._capture(bs, step)
@@ -121,8 +122,9 @@ class V4DecodeGraphs:
 
     def _eager(self, tokens: list[int], positions: list[int], keys: list[int]) -> torch.Tensor:
         dev = self.ids.device
-        batch = ForwardBatch(is_decode=True,
-                             input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
+        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        self.runner.feed(ids, tokens)
+        batch = ForwardBatch(is_decode=True, input_ids=ids,
                              positions=torch.tensor(positions, dtype=torch.int64, device=dev),
                              seq_ids=torch.arange(len(keys), device=dev), kv=self.kv,
                              seq_keys=keys)

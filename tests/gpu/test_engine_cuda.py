@@ -1,7 +1,9 @@
 """The decode engine on CUDA (skipped without a GPU): CUDA-graph replay equals eager decode
 token for token wherever rounding cannot flip a token, on a full and on a padded bucket;
 bf16 greedy decode follows the float32 run wherever the float32 top-2 gap exceeds the bf16
-logit error; experts on few rows never read a count to the host."""
+logit error; the overlap schedule (tokens fed on the device, landed a step late) gives the
+tokens of steps run one after another, through the graphs; experts on few rows never read a
+count to the host."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def _graph_runner(graphs: bool, quantization: str | None = None) -> ModelRunner:
                          max_total_tokens=8192)
     prepare_runner(r, opts, None)
     assert (r.graphs is not None) == graphs
+    assert not r.kv.seqs and r.kv.used == 0  # the prefill warm-up's sequence is freed
     return r
 
 
@@ -84,6 +87,23 @@ def test_graph_replay_follows_eager_decode(rows, quantization):
     # FP8 activations turn a rounding difference into a quantization step, so fewer steps
     # are decisive (at 5800ba7 on the H200: 145 of 312 at 13 rows, 0.46)
     assert checked > (0.5 if quantization is None else 0.4) * 24 * len(seqs)
+
+
+@cuda
+def test_overlapped_graph_decode_equals_synced_decode():
+    """The same graphs replayed with the same rows give bitwise the same logits, so feeding
+    the device's argmax (placeholders resolved in the graph's input buffer) must give
+    exactly the synced run's tokens, an EOS that lands one step late included."""
+    r = _graph_runner(True)
+    seqs = prompts(13, 100)
+    opts = EngineOptions(page_size=16, max_total_tokens=8192)
+    free_run = generate(r, seqs, 24, options=opts)
+    eos = free_run[2][9]
+    synced = generate(r, seqs, 24, (eos,), options=EngineOptions(
+        page_size=16, max_total_tokens=8192, disable_overlap_schedule=True))
+    assert any(len(t) < 24 for t in synced)
+    assert generate(r, seqs, 24, (eos,), options=opts) == synced
+    assert r.kv.used == 0
 
 
 @cuda

@@ -171,3 +171,86 @@ def test_requests_sharing_a_prompt_being_prefilled_wait_for_it_and_fork_it():
     assert plan.fork == [(1, 0, 40), (2, 0, 40)]
     assert [(rid, len(ids), start) for rid, ids, start in plan.extend] == [(1, 4, 40),
                                                                              (2, 4, 40)]
+
+
+def _model(s: Scheduler, plan: StepPlan, fed: list[int]) -> list[int]:
+    """The 'device' side of a step: cache writes, then one token per sampled row, a function
+    of the row's last input token and its position (token 0 is EOS). `fed`: the previous
+    step's tokens, which placeholders -(i + 1) in the plan name."""
+    for rid in plan.free:
+        s.kv.free(rid)
+    inputs = {}
+    for rid, t in plan.decode:
+        inputs[rid] = (fed[-t - 1] if t < 0 else t, s.kv.seqs[rid].length)
+    if plan.decode:
+        s.kv.append_decode([rid for rid, _ in plan.decode])
+    for rid, ids, start in plan.extend:
+        assert min(ids) >= 0, "a placeholder reached a prefill"
+        s.kv.extend(rid, s.kv.new_counts(rid, len(ids), "zigzag"))
+        inputs[rid] = (ids[-1], start + len(ids) - 1)
+    return [(inputs[r.rid][0] * 31 + r.rid * 7 + inputs[r.rid][1]) % 23
+            for r in s.sample_rows(plan)]
+
+
+def _serve(overlap: bool) -> tuple[dict[int, list[int]], int]:
+    """Seven requests (one ignores EOS) through a cache small enough to preempt; with
+    overlap each step's tokens are resolved only after the next step was planned."""
+    s = make(pages=14, page_size=2, chunk=6)
+    for rid in range(7):
+        r = req(rid, 2 + rid % 3, max_tokens=4 + 3 * rid)
+        r.prompt = [1 + (rid * 5 + i) % 20 for i in range(len(r.prompt))]
+        r.ignore_eos = rid == 3
+        s.add(r)
+    out: dict[int, list[int]] = {}
+    in_flight, fed = None, []
+    for _ in range(400):
+        plan = s.plan()
+        if plan.empty and not s.has_work() and in_flight is None:
+            break
+        tokens = _model(s, plan, fed)
+        if not overlap:
+            events = s.record(plan, tokens)
+        else:
+            rows = s.account(plan)
+            events = s.resolve(*in_flight) if in_flight else []
+            in_flight, fed = (rows, tokens), tokens
+        for ev in events:
+            out.setdefault(ev.rid, []).append(ev.token)
+    assert not s.kv.seqs and s.kv.rank_pages == [0]
+    return out, s.preemptions
+
+
+def test_overlapped_steps_give_the_tokens_of_synchronous_steps():
+    """Placeholders, an EOS that lands after the request's next row was planned (the row's
+    token is dropped), max_tokens known without the token, preemption while a token is in
+    flight: the same tokens per request, and every page back."""
+    want, preempted = _serve(overlap=False)
+    got, _ = _serve(overlap=True)
+    assert got == want
+    assert preempted > 0
+    assert any(toks[-1] == EOS for toks in want.values())  # some finish by EOS
+    assert any(len(toks) == 4 + 3 * rid and toks[-1] != EOS for rid, toks in want.items())
+
+
+def test_a_request_at_max_tokens_is_not_decoded_while_its_last_token_is_in_flight():
+    s = make(pages=16)
+    s.add(req(0, 3, max_tokens=1))
+    rows = s.account(s.plan())
+    assert s.plan().decode == []  # its one token is in flight: known to be the last
+    [ev] = s.resolve(rows, [5])
+    assert ev.finish == "length" and not s.running
+
+
+def test_a_request_preempted_with_its_token_in_flight_can_still_finish_by_it():
+    s = make(pages=4, page_size=2, chunk=64)
+    for rid in range(3):
+        s.add(req(rid, 2, max_tokens=6))
+    first = s.plan()
+    _model(s, first, [])
+    rows = s.account(first)  # three tokens in flight
+    second = s.plan()  # three full pages, one free: the newest is preempted
+    assert second.free == [2] and s.waiting[0].rid == 2
+    assert second.decode == [(0, -1), (1, -2)]  # fed from the device
+    events = s.resolve(rows, [5, 5, EOS])
+    assert [(ev.rid, ev.finish) for ev in events] == [(0, None), (1, None), (2, "stop")]
+    assert not s.waiting and s.running.keys() == {0, 1}

@@ -1,0 +1,81 @@
+"""Engine steps. The overlap schedule (engine.py, scheduler.py): steps fed on the device by
+the previous step's tokens and resolved on the host one step late give the tokens of steps
+run one after another, through `generate` (an EOS landing after the request's next row was
+planned included) and through `bench-one-batch`'s decode loop. The prefill warm-up before
+the first request leaves the cache as it found it."""
+
+from __future__ import annotations
+
+import torch
+
+from cpmoe.bench.one_batch import _decode_overlapped, _decode_synced
+from cpmoe.engine import engine
+from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.generate import generate
+from cpmoe.engine.runner import ModelRunner, Segment
+from cpmoe.parallel.groups import ProcessGroups
+
+CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=64,
+              hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6,
+              tie_word_embeddings=False)
+OPTS = dict(page_size=4, chunked_prefill_size=16)
+
+
+def _runner() -> ModelRunner:
+    return ModelRunner.from_config(CONFIG, ProcessGroups.single(), torch.float32, seed=3)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 64, (5 + 9 * i,), generator=gen).tolist() for i in range(4)]
+
+
+def test_generate_overlapped_equals_synced_steps(monkeypatch):
+    runner, prompts = _runner(), _prompts()
+    free_run = generate(runner, prompts, 12, options=EngineOptions(**OPTS))
+    eos = free_run[1][4]  # an EOS that ends prompt 1 (at least) mid-run
+    synced = generate(runner, prompts, 12, (eos,),
+                      options=EngineOptions(**OPTS, disable_overlap_schedule=True))
+    overlapped: list[bool] = []
+    step = engine.run_step
+
+    def spy(runner, plan, sched):
+        overlapped.append(plan.overlap)
+        return step(runner, plan, sched)
+
+    monkeypatch.setattr(engine, "run_step", spy)
+    got = generate(runner, prompts, 12, (eos,), options=EngineOptions(**OPTS))
+    assert got == synced
+    assert any(len(t) < 12 and t[-1] == eos for t in synced)
+    assert sum(overlapped) >= 10  # the decode steps ran overlapped
+    assert runner.kv.used == 0
+
+
+def test_bench_decode_overlapped_equals_synced():
+    runner, prompts = _runner(), _prompts()
+    runner.allocate_kv(1024, 4)
+    keys = list(range(len(prompts)))
+    out = []
+    for decode in (_decode_synced, _decode_overlapped):
+        first = runner.extend([Segment(k, p) for k, p in zip(keys, prompts)]).argmax(-1)
+        out.append(decode(runner, keys, first, first.tolist(), 6))
+        for k in keys:
+            runner.kv.free(k)
+    (want, _), (got, times) = out
+    assert got == want and len(got) == 7 and len(times) == 6
+
+
+def test_prefill_warm_up_runs_a_chunk_and_a_cached_prefix_extend_and_frees_them(monkeypatch):
+    from cpmoe.engine.engine import warm_up_prefill
+    runner = _runner()
+    runner.allocate_kv(512, 4)
+    seen = []
+    extend = runner.extend
+    monkeypatch.setattr(runner, "extend", lambda segs: seen.append(
+        [(len(s.ids), s.start) for s in segs]) or extend(segs))
+    warm_up_prefill(runner, 100)
+    assert seen == [[(100, 0)], [(16, 100)]]
+    assert not runner.kv.seqs and runner.kv.used == 0 and runner.times.prefill_s == 0
