@@ -305,6 +305,10 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         if server is not None:
             server.stop()
     summary = summarize(results, wall)
+    failed = summary["failed"] or (long is not None and long["error"])
+    if server is not None and failed:  # the server's side of the failures
+        print("cpmoe bench-serving: requests failed; the server's last log lines:\n"
+              + "".join(server.log[-40:]), file=sys.stderr)
     if long is not None:
         summary["long_prompt"] = interference(results, long, _chunk_size(args.launch or []))
     head = {**provenance(argv),
@@ -328,7 +332,7 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         warning = plot(results, args.out.with_suffix(".png"))
         print(f"cpmoe bench-serving: warning: {warning}" if warning else
               f"wrote {args.out.with_suffix('.png')}")
-    return 0 if summary["failed"] == 0 else 1
+    return 1 if failed else 0
 
 
 def _chunk_size(flags: list[str]) -> int:
@@ -347,12 +351,12 @@ def interference(results: list[Outcome], long: dict, chunk: int) -> dict:
         for a, b in zip(r.chunk_times, r.chunk_times[1:]):
             (inside if long["sent"] <= b and a <= long["done"] else outside).append(b - a)
     chunks = -(-long["prompt_len"] // chunk) if chunk > 0 else 1
-    step = long["ttft_s"] / chunks
+    step = long["ttft_s"] / chunks if not long["error"] else None
     p99 = _stats(inside)["p99"]
     return {**{k: v for k, v in long.items() if k not in ("sent", "done")},
             "chunks": chunks, "step_s": step, "itl_during_s": _stats(inside),
-            "itl_outside_s": _stats(outside), "p99_itl_vs_2x_step": (p99 / (2 * step)
-                                                                     if p99 else None)}
+            "itl_outside_s": _stats(outside),
+            "p99_itl_vs_2x_step": p99 / (2 * step) if p99 and step else None}
 
 
 def _served_model(url: str) -> str:
@@ -378,6 +382,15 @@ def _scrape(url: str) -> dict:
     return out
 
 
+def _long_line(lp: dict) -> str:
+    if lp["error"]:
+        return f"long prompt of {lp['prompt_len']} tokens: FAILED: {lp['error']}"
+    return (f"long prompt of {lp['prompt_len']} tokens: TTFT {lp['ttft_s']:.2f} s over "
+            f"{lp['chunks']} chunks ({lp['step_s'] * 1e3:.1f} ms a step); streams' ITL "
+            f"meanwhile p99 {(lp['itl_during_s']['p99'] or 0) * 1e3:.1f} ms = "
+            f"{lp['p99_itl_vs_2x_step'] or 0:.2f} x (2 steps)")
+
+
 def report(s: dict) -> str:
     def row(name: str, st: dict, scale: float = 1e3) -> str:
         vals = [st[k] for k in ("mean", "p50", "p90", "p99")]
@@ -385,12 +398,7 @@ def report(s: dict) -> str:
                                            for v in vals) + " |"
 
     lines = [f"completed {s['completed']}, failed {s['failed']} in {s['duration_s']:.1f} s",
-             *([f"long prompt of {s['long_prompt']['prompt_len']} tokens: TTFT "
-                f"{s['long_prompt']['ttft_s']:.2f} s over {s['long_prompt']['chunks']} chunks "
-                f"({s['long_prompt']['step_s'] * 1e3:.1f} ms a step); streams' ITL meanwhile "
-                f"p99 {(s['long_prompt']['itl_during_s']['p99'] or 0) * 1e3:.1f} ms = "
-                f"{s['long_prompt']['p99_itl_vs_2x_step'] or 0:.2f} x (2 steps)"]
-               if s.get("long_prompt") else []),
+             *([_long_line(s["long_prompt"])] if s.get("long_prompt") else []),
              f"request throughput {s['request_throughput']:.2f} req/s, input "
              f"{s['input_token_throughput']:,.0f} tok/s, output "
              f"{s['output_token_throughput']:,.0f} tok/s",

@@ -288,6 +288,13 @@ class Driver:
         return self.sched.resolve(rows, sampled.tolist())
 
     def finish_step(self, plan: StepPlan, out: StepOutput) -> None:
+        reqs = self.sched.sample_rows(plan)
+        if reqs and not plan.overlap:  # penalties and sampling streams see the requests
+            assert out.logits is not None  # as they were before this step's tokens
+            if self.observe is not None:
+                self.observe(out.logits)
+            tokens = choose_tokens(out.logits, reqs, self.sched.eos_ids)
+            logprobs = row_logprobs(out.logits, reqs, tokens)
         rows = self.sched.account(plan)
         # the previous step's tokens, if still in flight, come first (this step is queued
         # behind it on the device by now)
@@ -296,12 +303,7 @@ class Driver:
             assert out.sampled is not None
             self._in_flight = (rows, out.sampled)
         elif rows:
-            assert out.logits is not None
-            if self.observe is not None:
-                self.observe(out.logits)
-            reqs = [req for req, _ in rows]
-            tokens = choose_tokens(out.logits, reqs, self.sched.eos_ids)
-            events += self.sched.resolve(rows, tokens, row_logprobs(out.logits, reqs, tokens))
+            events += self.sched.resolve(rows, tokens, logprobs)
         kv = self.runner.kv
         # pages only the prefix cache holds are evictable: reported apart, as SGLang does
         cached = [n * kv.page_size for n in getattr(kv, "cached_pages", [0] * kv.cp_size)]

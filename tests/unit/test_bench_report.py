@@ -155,3 +155,20 @@ def test_report_command_reprints_a_result_file_with_both_mfu_columns(capsys):
     row = next(ln for ln in out.splitlines() if ln.startswith("| tp=1 | 4096 |"))
     assert "| 38.8% | 48.5% |" in row  # datasheet peak, then measured ceiling
     assert rp.main([]) == 2
+
+
+def test_long_prompt_interference_splits_gaps_at_its_window_and_reports_a_failure():
+    """Gaps that overlap the long prompt's [sent, done] window count as 'during'; the ratio
+    is the p99 of those over 2 x (its TTFT / its chunks); a long prompt that failed gives
+    no ratio and a line that says so, not a crash."""
+    from cpmoe.bench.serving import Outcome, _long_line, interference
+    stream = Outcome(8, 8, ok=True, chunk_times=[0.0, 1.0, 5.0, 5.5, 9.0])
+    long = {"prompt_len": 300, "sent": 2.0, "done": 5.2, "ttft_s": 3.0, "error": ""}
+    got = interference([stream], long, 100)
+    assert got["chunks"] == 3 and got["step_s"] == 1.0
+    assert got["itl_during_s"]["p99"] == 4.0  # the 1.0 -> 5.0 and 5.0 -> 5.5 gaps
+    assert got["itl_outside_s"]["p50"] in (1.0, 3.5)
+    assert got["p99_itl_vs_2x_step"] == 2.0
+    failed = interference([stream], {**long, "ttft_s": 0.0, "error": "HTTP 400"}, 100)
+    assert failed["p99_itl_vs_2x_step"] is None and failed["step_s"] is None
+    assert "FAILED: HTTP 400" in _long_line(failed)

@@ -79,3 +79,20 @@ def test_prefill_warm_up_runs_a_chunk_and_a_cached_prefix_extend_and_frees_them(
     warm_up_prefill(runner, 100)
     assert seen == [[(100, 0)], [(16, 100)]]
     assert not runner.kv.seqs and runner.kv.used == 0 and runner.times.prefill_s == 0
+
+
+def test_sampled_and_penalised_rows_see_the_request_as_before_their_token():
+    """Rows that sample or apply penalties are chosen on the host from the request as it was
+    before the step: the first sampled token of prompt i is `sample` at stream i, step 0
+    (the reference is the sampler on a plain prefill's logits), and a frequency penalty
+    never sees a placeholder (it would index the vocabulary with a negative id)."""
+    from cpmoe.engine.sampling import SamplingParams, sample
+    runner, prompts = _runner(), _prompts()
+    params = SamplingParams(temperature=0.9, seed=4)
+    got = generate(runner, prompts, 3, sampling=params, options=EngineOptions(**OPTS))
+    runner.kv = None
+    logits = runner.prefill(prompts, last_only=True)
+    assert [t[0] for t in got] == [sample(logits[i:i + 1], params, [i], 0)[0]
+                                   for i in range(len(prompts))]
+    penalised = SamplingParams(frequency_penalty=1.5)
+    assert len(generate(runner, prompts, 6, sampling=penalised)[0]) == 6
