@@ -72,19 +72,18 @@ class RadixIndex:
         self.lru.pop(key, None)
         if length is None:
             return
-        self._remove(self.root, key, length // self.page)
-
-    def _remove(self, node: _Node, key: int, depth: int) -> None:
-        if depth == 0:
-            node.tails.pop(key, None)
-            return
-        for chunk, child in node.children.items():
-            if key in child.keys:
-                child.keys.discard(key)
-                self._remove(child, key, depth - 1)
-                if not child.keys and not child.tails:
-                    del node.children[chunk]
-                return
+        # a loop, not recursion: a 64K-token prompt is 4,096 pages deep
+        path, node = [], self.root
+        for _ in range(length // self.page):
+            chunk, child = next((c, ch) for c, ch in node.children.items() if key in ch.keys)
+            child.keys.discard(key)
+            path.append((node, chunk, child))
+            node = child
+        node.tails.pop(key, None)
+        for parent, chunk, child in reversed(path):  # drop the nodes no entry passes
+            if child.keys or child.tails:
+                break  # its ancestors hold at least its entries
+            del parent.children[chunk]
 
     def match(self, tokens: list[int]) -> tuple[int | None, int]:
         """The entry sharing the longest prefix with `tokens` -> (key, shared tokens);

@@ -143,3 +143,18 @@ def test_cached_pages_count_what_only_finished_entries_hold():
     assert kv.cached_pages == [0] and kv.rank_pages == [2]
     kv.free(2)
     assert kv.rank_pages == [0] and kv.cached_pages == [0]
+
+
+def test_an_entry_deeper_than_the_recursion_limit_is_indexed_matched_and_removed():
+    """A 65,536-token prompt is 4,096 pages of 16: removing it once crashed the scheduler
+    (RecursionError) on the H200."""
+    import sys
+    idx = RadixIndex(1)
+    long = [i % 7 for i in range(sys.getrecursionlimit() + 500)]
+    idx.insert(1, long)
+    idx.insert(2, long[:100] + [9])
+    assert idx.match(long + [3]) == (1, len(long))
+    idx.remove(1)
+    assert idx.match(long) == (2, 100) and len(idx.root.children) == 1
+    idx.remove(2)
+    assert not idx.root.children and not idx.root.tails
