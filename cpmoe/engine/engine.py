@@ -142,7 +142,6 @@ class DeviceTokens:
     that waiting for it does not wait for the steps queued after it."""
 
     def __init__(self, tokens: torch.Tensor) -> None:
-        self.tokens = tokens
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
