@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cpmoe.engine.generate import kv_slots_needed
+from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.tasks import RunSpec, _runner
 from cpmoe.moe.router import SoftmaxTopKRouter

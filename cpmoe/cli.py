@@ -311,7 +311,7 @@ def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[l
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cpmoe.engine.generate import kv_slots_needed
+    from cpmoe.cp.kv_cache import kv_slots_needed, over_capacity
     from cpmoe.engine.sampling import SamplingParams
     from cpmoe.engine.tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)
@@ -330,11 +330,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):  # the scheduler queues the rest; one must fit alone
             need = kv_slots_needed([len(p)], args.max_new_tokens, layout.attn_cp_size,
                                    layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
-            if need > opts.max_total_tokens:
-                raise InputError(f"--max-total-tokens {opts.max_total_tokens}: prompt {i} "
-                                 f"({len(p)} tokens, --max-new-tokens {args.max_new_tokens}) "
-                                 f"needs {need} KV slots on the busiest CP rank (pages of "
-                                 f"{opts.page_size})")
+            refusal = over_capacity(len(p), args.max_new_tokens, need, opts.max_total_tokens)
+            if refusal:
+                raise InputError(f"prompt {i}: {refusal}")
     res = launch(generate_task, layout.world_size, device,
                  RunSpec(model_dir, layout, dtype, options=opts), prompts, args.max_new_tokens,
                  cfg.eos_token_ids, sampling)

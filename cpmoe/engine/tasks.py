@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from cpmoe.engine.engine import EngineOptions, prepare_runner
-from cpmoe.engine.generate import generate, kv_slots_needed
+from cpmoe.cp.kv_cache import kv_slots_needed
+from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.groups import ProcessGroups
