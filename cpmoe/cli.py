@@ -260,7 +260,7 @@ def check_ids(seq, vocab_size: int, where: str) -> None:
 def cmd_prefill(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    from cpmoe.engine.tasks import RunSpec, prefill_task
+    from cpmoe.engine.rank_tasks import RunSpec, prefill_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     seqs = read_id_batch(args.input_ids_file, cfg.vocab_size)
     check_context([len(q) for q in seqs], 0, context_from_args(args, cfg), "")
@@ -313,7 +313,7 @@ def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[l
 def cmd_generate(args: argparse.Namespace) -> int:
     from cpmoe.cp.kv_cache import kv_slots_needed, over_capacity
     from cpmoe.engine.sampling import SamplingParams
-    from cpmoe.engine.tasks import RunSpec, generate_task
+    from cpmoe.engine.rank_tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     opts = engine_options(args)
     tokenizer = _tokenizer(model_dir)
@@ -373,7 +373,7 @@ def escape_text(text: str) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from cpmoe.check import check_task
-    from cpmoe.engine.tasks import RunSpec
+    from cpmoe.engine.rank_tasks import RunSpec
     layout, model_dir, cfg, device, dtype = resolve(args)
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
