@@ -26,7 +26,7 @@ from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import check_model_fit, load_model_config
-from cpmoe.moe.dispatch import MissingBackendError, check_backend_available
+from cpmoe.moe.dispatch import MissingBackendError
 from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
@@ -162,7 +162,6 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
     layout = ParallelLayout(tp_size=args.tp_size, attn_cp_size=args.attn_cp_size,
                             moe_dp_size=args.moe_dp_size, ep_size=args.ep_size,
                             moe_a2a_backend=args.moe_a2a_backend, cp_strategy=args.cp_strategy)
-    check_backend_available(layout.moe_a2a_backend)
     if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != layout.world_size:
         raise LayoutError(f"--tp-size {layout.tp_size}: torchrun started WORLD_SIZE="
                           f"{os.environ['WORLD_SIZE']} processes; nnodes x nproc-per-node "
@@ -202,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in communicator.plan_layers(layout, sparse)]
-    note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
+    note = cfg.decode_cache_for(layout, dtype)
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")

@@ -42,7 +42,8 @@ from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, Deepsee
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import CausalLMHead, RMSNorm, RotaryEmbedding
+from cpmoe.models.base import CausalLMHead
+from cpmoe.models.layers import RMSNorm, RotaryEmbedding
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts

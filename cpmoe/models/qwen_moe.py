@@ -19,12 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.linear import Linear, column_shard, fuse_linears, kv_head_shard, row_shard
-from cpmoe.models.layers import CausalLMHead, RMSNorm, RotaryEmbedding, default_inv_freq
+from cpmoe.models.base import CausalLMHead
+from cpmoe.models.layers import RMSNorm, RotaryEmbedding, default_inv_freq
+from cpmoe.models.qwen_moe_config import QwenMoeConfig
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
