@@ -24,7 +24,7 @@ class ModelConfig:
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """This model's own layout rules, beyond the ones every model has (registry's
-        check_model_fit runs both); LayoutError with one line. None by default."""
+        check_model_fit runs both); LayoutError with one line. No rules by default."""
 
     def decode_cache_for(self, layout: ParallelLayout, dtype: torch.dtype) -> str | None:
         """`cpmoe plan`'s line on a model-owned decode cache (None: the engine's paged one)."""
