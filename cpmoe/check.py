@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cpmoe.engine.generate import kv_slots_needed
+from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
-from cpmoe.engine.tasks import RunSpec, _runner
+from cpmoe.engine.rank_tasks import RunSpec, build_runner
 from cpmoe.moe.router import SoftmaxTopKRouter
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
@@ -157,7 +157,7 @@ def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]],
 def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
                decode_steps: int, seed: int, near_tie: float | None) -> CheckReport | None:
     """Run every batch on the layout and, on rank 0, on a one-rank reference; compare."""
-    runner = _runner(info, spec)
+    runner = build_runner(info, spec)
     vocab = runner.config.vocab_size
     tie = NEAR_TIE_DEFAULT.get(spec.dtype, 2.0**-8) if near_tie is None else near_tie
     reference = margins = None

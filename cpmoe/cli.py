@@ -26,7 +26,7 @@ from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, with_quantization
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import check_model_fit, load_model_config
-from cpmoe.moe.dispatch import MissingBackendError, check_backend_available
+from cpmoe.moe.dispatch import MissingBackendError
 from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
@@ -167,7 +167,6 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
     layout = ParallelLayout(tp_size=args.tp_size, attn_cp_size=args.attn_cp_size,
                             moe_dp_size=args.moe_dp_size, ep_size=args.ep_size,
                             moe_a2a_backend=args.moe_a2a_backend, cp_strategy=args.cp_strategy)
-    check_backend_available(layout.moe_a2a_backend)
     if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != layout.world_size:
         raise LayoutError(f"--tp-size {layout.tp_size}: torchrun started WORLD_SIZE="
                           f"{os.environ['WORLD_SIZE']} processes; nnodes x nproc-per-node "
@@ -207,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in communicator.plan_layers(layout, sparse)]
-    note = cfg.decode_cache_for(layout, dtype) if hasattr(cfg, "decode_cache_for") else None
+    note = cfg.decode_cache_for(layout, dtype)
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
@@ -265,7 +264,7 @@ def check_ids(seq, vocab_size: int, where: str) -> None:
 def cmd_prefill(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    from cpmoe.engine.tasks import RunSpec, prefill_task
+    from cpmoe.engine.rank_tasks import RunSpec, prefill_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     seqs = read_id_batch(args.input_ids_file, cfg.vocab_size)
     check_context([len(q) for q in seqs], 0, context_from_args(args, cfg), "")
@@ -316,9 +315,9 @@ def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[l
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cpmoe.engine.generate import kv_slots_needed
+    from cpmoe.cp.kv_cache import kv_slots_needed, over_capacity
     from cpmoe.engine.sampling import SamplingParams
-    from cpmoe.engine.tasks import RunSpec, generate_task
+    from cpmoe.engine.rank_tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)
     opts = engine_options(args)
     tokenizer = _tokenizer(model_dir)
@@ -335,11 +334,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):  # the scheduler queues the rest; one must fit alone
             need = kv_slots_needed([len(p)], args.max_new_tokens, layout.attn_cp_size,
                                    layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
-            if need > opts.max_total_tokens:
-                raise InputError(f"--max-total-tokens {opts.max_total_tokens}: prompt {i} "
-                                 f"({len(p)} tokens, --max-new-tokens {args.max_new_tokens}) "
-                                 f"needs {need} KV slots on the busiest CP rank (pages of "
-                                 f"{opts.page_size})")
+            refusal = over_capacity(len(p), args.max_new_tokens, need, opts.max_total_tokens)
+            if refusal:
+                raise InputError(f"prompt {i}: {refusal}")
     res = launch(generate_task, layout.world_size, device,
                  RunSpec(model_dir, layout, dtype, options=opts), prompts, args.max_new_tokens,
                  cfg.eos_token_ids, sampling)
@@ -380,7 +377,7 @@ def escape_text(text: str) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from cpmoe.check import check_task
-    from cpmoe.engine.tasks import RunSpec
+    from cpmoe.engine.rank_tasks import RunSpec
     layout, model_dir, cfg, device, dtype = resolve(args)
     try:
         lengths = [int(x) for x in args.lengths.split(",")]

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 Shard = tuple[str, int, int] | None
 
 
-def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def param(*shape: int, dtype: torch.dtype, device: torch.device | None = None
+          ) -> nn.Parameter:
     """An uninitialised, frozen parameter: the loader (or random weights) fills it."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):

@@ -42,6 +42,8 @@ import torch
 
 from cpmoe.cp.split import balancing_rotation, rank_counts, split_positions
 
+DEFAULT_PAGE_SIZE = 16  # tokens per page (--page-size)
+
 
 class CacheFullError(RuntimeError):
     """Work that does not fit the KV cache; the message names --max-total-tokens."""
@@ -104,6 +106,28 @@ def request_rank_tokens(prompt_len: int, max_tokens: int, cp_size: int, strategy
         slack = 2 if strategy == "zigzag" else 1
         counts = [-(-prompt_len // cp_size) + slack * -(-prompt_len // chunk)] * cp_size
     return decode_fill(counts, max_tokens - 1)
+
+
+def kv_slots_needed(prompt_lens: list[int], max_new_tokens: int, cp_size: int,
+                    strategy: str, page_size: int = DEFAULT_PAGE_SIZE, chunk: int = 0) -> int:
+    """KV token slots (whole pages) the busiest CP rank needs to hold all prompts at their
+    longest at once (O(cp) per prompt, whatever max_new_tokens is: admission stays cheap)."""
+    pages = [0] * cp_size
+    for n in prompt_lens:
+        for r, c in enumerate(request_rank_tokens(n, max_new_tokens, cp_size, strategy, chunk)):
+            pages[r] += pages_for(c, page_size)
+    return max(pages) * page_size
+
+
+def over_capacity(prompt_len: int, max_new_tokens: int, need: int, capacity: int
+                  ) -> str | None:
+    """Why one request (`need` = kv_slots_needed of it alone) can never fit a cache of
+    `capacity` slots per rank, or None when it fits; callers wrap it in their error type."""
+    if need <= capacity:
+        return None
+    return (f"a prompt of {prompt_len} tokens with {max_new_tokens} new tokens needs {need} "
+            f"KV slots on the busiest CP rank, the cache has {capacity} per rank "
+            f"(--max-total-tokens {capacity})")
 
 
 class PagedKVCache:

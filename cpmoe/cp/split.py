@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-STRATEGIES = ("zigzag", "interleave")
+from cpmoe.parallel.layout import CP_STRATEGIES as STRATEGIES  # the names live with --cp-strategy
 
 
 def _as_int(v: object) -> int | None:

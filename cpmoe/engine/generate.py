@@ -8,24 +8,12 @@ from collections.abc import Callable
 
 import torch
 
-from cpmoe.cp.kv_cache import CacheFullError, pages_for, request_rank_tokens
+from cpmoe.cp.kv_cache import CacheFullError, kv_slots_needed, over_capacity
 from cpmoe.engine.engine import (BatchFrontend, Driver, EngineOptions, engine_loop,
                                  prefill_chunk, radix_cache)
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.engine.scheduler import Request, Scheduler
-
-
-def kv_slots_needed(prompt_lens: list[int], max_new_tokens: int, cp_size: int,
-                    strategy: str, page_size: int = EngineOptions.page_size,
-                    chunk: int = 0) -> int:
-    """KV token slots (whole pages) the busiest CP rank needs to hold all prompts at their
-    longest at once (O(cp) per prompt, whatever max_new_tokens is)."""
-    pages = [0] * cp_size
-    for n in prompt_lens:
-        for r, c in enumerate(request_rank_tokens(n, max_new_tokens, cp_size, strategy, chunk)):
-            pages[r] += pages_for(c, page_size)
-    return max(pages) * page_size
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
@@ -47,10 +35,9 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
     for i, p in enumerate(prompts):
         need = kv_slots_needed([len(p)], max_new_tokens, kv.cp_size, layout.cp_strategy,
                                kv.page_size, chunk)
-        if need > kv.capacity:
-            raise CacheFullError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new "
-                                 f"tokens needs {need} KV slots on the busiest CP rank, the "
-                                 f"cache has {kv.capacity} (--max-total-tokens)")
+        refusal = over_capacity(len(p), max_new_tokens, need, kv.capacity)
+        if refusal:
+            raise CacheFullError(f"prompt {i}: {refusal}")
     driver = None
     if runner.groups.rank == 0:
         requests = [Request(i, list(p), sampling, max_new_tokens, stream=i)

@@ -36,13 +36,14 @@ import torch.nn.functional as F
 from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
-from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Fp32RMSNorm, Rope, RopeTable
+from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_inv_freq
 from cpmoe.models.deepseek_v4_cache import V4Cache
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
-from cpmoe.models.layers import CausalLMHead
+from cpmoe.models.base import CausalLMHead
+from cpmoe.models.layers import RMSNorm, RotaryEmbedding
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
@@ -249,8 +250,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.layer_communicator = communicator.LayerCommunicator(plan, groups)
         self.self_attn = DeepseekV4Attention(cfg, plan.layer, groups, dtype)
         self.mlp = DeepseekV4SparseMoeBlock(cfg, plan.layer, groups, dtype)
-        self.input_layernorm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.attn_hc = DeepseekV4HyperConnection(cfg)
         self.ffn_hc = DeepseekV4HyperConnection(cfg)
 
@@ -274,10 +275,10 @@ class DeepseekV4Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, p, groups, dtype)
                                     for p in self.plans)
         self.hc_head = DeepseekV4HyperHead(cfg)
-        self.norm = Fp32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope_tables = nn.ModuleDict({"main": RopeTable(cfg.rope_main, cfg.rope_dim),
-                                          "compress": RopeTable(cfg.rope_compress,
-                                                                cfg.rope_dim)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.rope_tables = nn.ModuleDict({
+            name: RotaryEmbedding(*rope_inv_freq(spec, cfg.rope_dim))
+            for name, spec in (("main", cfg.rope_main), ("compress", cfg.rope_compress))})
 
     def forward(self, batch: ForwardBatch, step: DecodeStep | None = None) -> torch.Tensor:
         """-> final-normed rows of this rank's tokens [T, H]. A decode step's cache indices:

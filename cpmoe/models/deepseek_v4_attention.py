@@ -38,37 +38,21 @@ import torch.nn.functional as F
 from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
+from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rope,
+                                 default_inv_freq, unweighted_rms_norm)
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.parallel.groups import ProcessGroups
 
-class Fp32RMSNorm(nn.Module):
-    """RMSNorm whose weight stays float32 (as in the V4 reference); output in x's dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = param(dim, dtype=torch.float32)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
-                ).to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 # ---- RoPE ------------------------------------------------------------------------------------
 
 def rope_inv_freq(spec: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2], cos/sin scale) for plain RoPE or YaRN."""
-    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if spec.rope_type == "default":
-        return 1.0 / pos_freqs, 1.0
+        return default_inv_freq(spec.theta, dim), 1.0
+    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(spec.original_max_position_embeddings
@@ -93,37 +77,11 @@ def rope_inv_freq(spec: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
     return inv, mscale(spec.factor)
 
 
-class RopeTable(nn.Module):
-    """cos/sin [T, R/2] of absolute positions (so CP permutations need nothing else)."""
-
-    def __init__(self, spec: RopeSpec, rope_dim: int) -> None:
-        super().__init__()
-        inv, self.scale = rope_inv_freq(spec, rope_dim)
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE (channel pairs 2i, 2i+1) on the trailing R = 2*cos.shape[-1] channels
-    of x [T, ..., Dx]; the leading channels pass through. Pass -sin to rotate back."""
-    half = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.float().view(shape), sin.float().view(shape)
-    pairs = x[..., -2 * half:].float().unflatten(-1, (half, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-2 * half], rotated], dim=-1)
-
-
 @dataclass
 class Rope:
     """One table and its cos/sin at this forward's local query positions."""
 
-    table: RopeTable
+    table: RotaryEmbedding
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -145,7 +103,7 @@ class DeepseekV4Compressor(nn.Module):
         self.kv_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
         self.gate_proj = Linear(hidden, self.width, bias=False, dtype=dtype)
         self.position_bias = param(rate, self.width, dtype=torch.float32)
-        self.kv_norm = Fp32RMSNorm(dim, eps)
+        self.kv_norm = RMSNorm(dim, eps, torch.float32)
         self.indexer: DeepseekV4Indexer | None = None  # set on CSA compressors
 
     def project(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -153,7 +111,7 @@ class DeepseekV4Compressor(nn.Module):
         return torch.cat([self.kv_proj(x_TH), self.gate_proj(x_TH)], dim=-1)
 
     def pool_flat(self, rows_N2F: torch.Tensor, start_E: torch.Tensor, window_E: torch.Tensor,
-                  rope: RopeTable) -> torch.Tensor:
+                  rope: RotaryEmbedding) -> torch.Tensor:
         """Entries of many sequences at once -> [E, d]: entry e pools window window_E[e] of
         its sequence, whose rows start at flat row start_E[e] of rows_N2F (with overlap
         also the m rows before it, none for window 0)."""
@@ -162,7 +120,7 @@ class DeepseekV4Compressor(nn.Module):
         return self.pool_windows(rows_N2F[idx], prev, window_E, rope)
 
     def pool_windows(self, win_Em2F: torch.Tensor, prev_Em2F: torch.Tensor | None,
-                     window_E: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+                     window_E: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         """Entry e from the projected rows of its window window_E[e] [E, m, 2F] (with
         overlap also those of the window before, ignored for window 0) -> [E, d]."""
         m, d, Fw = self.rate, self.dim, self.width
@@ -177,7 +135,7 @@ class DeepseekV4Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(dim=1))
-        return apply_rope(pooled, *rope(window_E * m, pooled.dtype))
+        return apply_interleaved_rope(pooled, *rope(window_E * m, pooled.dtype))
 
 
 class DeepseekV4IndexerScorer(nn.Module):
@@ -219,7 +177,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
                    sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
         """Scores [T, C] of each row's own keys [T, C, dI] (decode over a cache shard)."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        return self.scorer(apply_rope(q, cos, sin), keys_TCd, x_TH)
+        return self.scorer(apply_interleaved_rope(q, cos, sin), keys_TCd, x_TH)
 
     def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
@@ -230,7 +188,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         depends on the row's length, so it would differ between batch compositions and CP
         layouts). Exact ties are scores of 0: every head's q.k negative."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_rope(q, cos, sin), keys_Ed, x_TH)
+        scores = self.scorer(apply_interleaved_rope(q, cos, sin), keys_Ed, x_TH)
         scores = scores.masked_fill(~visible_TE, float("-inf"))
         k = min(self.topk, keys_Ed.shape[0])
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
@@ -261,10 +219,10 @@ class DeepseekV4Attention(nn.Module):
         self.num_heads, self.head_dim, self.window = Hq, D, cfg.sliding_window
         self.scale, self.eps, self.o_groups = D ** -0.5, cfg.rms_norm_eps, g
         self.q_a_proj = Linear(H, cfg.q_lora_rank, bias=False, dtype=dtype)
-        self.q_a_norm = Fp32RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, torch.float32)
         self.q_b_proj = Linear(cfg.q_lora_rank, Hq * D, bias=False, dtype=dtype)
         self.kv_proj = Linear(H, D, bias=False, dtype=dtype)
-        self.kv_norm = Fp32RMSNorm(D, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps, torch.float32)
         # Grouped output projection: block-diagonal [g * o_lora, Hq*D/g], one block per group.
         self.o_a_proj = Linear(Hq * D // g, g * cfg.o_lora_rank, bias=False, dtype=dtype)
         self.o_b_proj = Linear(g * cfg.o_lora_rank, H, bias=False, dtype=dtype)
@@ -278,7 +236,7 @@ class DeepseekV4Attention(nn.Module):
     # -- K side ---------------------------------------------------------------------------
     def _k_side(self, x_TH: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Per-token rows [T, D + 2Fc + 2Fi]: rotated KV, compressor and indexer projections."""
-        kv = apply_rope(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)
+        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)
         parts = [kv]
         if self.compressor is not None:
             parts.append(self.compressor.project(x_TH))
@@ -294,7 +252,7 @@ class DeepseekV4Attention(nn.Module):
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, Hq, D), self.eps)
-        q = apply_rope(q, rope.cos, rope.sin)
+        q = apply_interleaved_rope(q, rope.cos, rope.sin)
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = communicator.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
@@ -303,6 +261,6 @@ class DeepseekV4Attention(nn.Module):
         else:
             out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
-        o = apply_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
+        o = apply_interleaved_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", o, w).flatten(1))

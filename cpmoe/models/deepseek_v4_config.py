@@ -10,11 +10,12 @@ refused with one line naming the field. Multi-token-prediction layers are not bu
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from cpmoe.config import (ConfigError, Fp8Config, architecture_of, parse_quantization,
                           positive_field)
+from cpmoe.models.base import ModelConfig
+from cpmoe.moe.dispatch import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -46,7 +47,7 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(ModelConfig):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -84,7 +85,6 @@ class DeepseekV4Config:
 
     # The names the engine's generic checks (`check_model_fit`, `cpmoe plan`) read.
     num_key_value_heads = 1  # one shared KV head, read as both key and value
-    decode_cache_note = DECODE_CACHE_NOTE
 
     @property
     def intermediate_size(self) -> int:
@@ -113,17 +113,13 @@ def check_v4_layout(layout: ParallelLayout) -> None:
     Attention is never head-sharded: its single shared KV head and grouped output projection
     stay whole, so every rank of the replica is an attention-CP rank (attn_cp == tp). Either
     CP split strategy is exact (K-side inputs are gathered in flat order). MoE backends:
-    `none`, `alltoall`, or an external one whose package is installed."""
+    `none`, `alltoall`, or an external one whose package is installed (the rule every model
+    has, `check_backend_available`, named here so this function states V4's whole rule)."""
     tp, cp = layout.tp_size, layout.attn_cp_size
     if cp != tp:
         raise LayoutError(f"DeepSeek-V4 attention is not head-sharded: --attn-cp-size {cp} "
                           f"must equal --tp-size {tp}")
-    from cpmoe.moe.dispatch import EXTERNAL_PACKAGES
-    backend = layout.moe_a2a_backend
-    module = EXTERNAL_PACKAGES.get(backend)
-    if module and importlib.util.find_spec(module) is None:
-        raise LayoutError(f"DeepSeek-V4 with --moe-a2a-backend {backend} needs the Python "
-                          f"package {module!r}, which is not installed (use none or alltoall)")
+    check_backend_available(layout.moe_a2a_backend)
 
 
 def _rope_spec(d: dict, where: str, label: str) -> RopeSpec:

@@ -41,7 +41,8 @@ from cpmoe.parallel.groups import Group
 
 if TYPE_CHECKING:
     from cpmoe.models.deepseek_v4_attention import (DeepseekV4Attention, DeepseekV4Compressor,
-                                                    Queries, RopeTable)
+                                                    Queries)
+    from cpmoe.models.layers import RotaryEmbedding
     from cpmoe.models.deepseek_v4_cache import V4Cache
 
 
@@ -89,7 +90,7 @@ def _global_topk(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int,
 
 
 def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tensor,
-                     step: DecodeStep, kv: V4Cache, rope: RopeTable) -> torch.Tensor:
+                     step: DecodeStep, kv: V4Cache, rope: RotaryEmbedding) -> torch.Tensor:
     """One decode step of layer `attn` for every row -> attention output [B, Hq, D] (before
     the inverse RoPE and the output projection), the same on every CP rank. Writes the
     rows' new state into kv's tensors at `step`'s indices."""
@@ -133,7 +134,7 @@ def _entry_slots(pages_BP: torch.Tensor) -> torch.Tensor:
 
 def _close_windows(comp: DeepseekV4Compressor, pool: CompressorPool, rows_BF2: torch.Tensor,
                    pos: torch.Tensor, slot: torch.Tensor, write: torch.Tensor,
-                   rope: RopeTable) -> None:
+                   rope: RotaryEmbedding) -> None:
     """Each row's projected row into its ring; the window ending at the row's token is
     pooled for every row and stored at `write` (the trash slot unless the token closes a
     window whose entry this rank owns). The ring holds the window (and with overlap the one

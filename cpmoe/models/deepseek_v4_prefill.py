@@ -32,7 +32,8 @@ from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from cpmoe.models.deepseek_v4_cache import V4Cache
 
 if TYPE_CHECKING:
-    from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries, RopeTable
+    from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries
+    from cpmoe.models.layers import RotaryEmbedding
 
 # Elements of the largest per-block temporary (scores or gathered keys): ~256 MB in fp32.
 _BLOCK_ELEMS = 1 << 26
@@ -108,7 +109,8 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
 
 
 def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tensor,
-                      plan: PrefillPlan, rope: RopeTable, batch: ForwardBatch) -> torch.Tensor:
+                      plan: PrefillPlan, rope: RotaryEmbedding, batch: ForwardBatch
+                      ) -> torch.Tensor:
     """Layer `attn` for every local query row -> [T, Hq, D] (before the inverse RoPE and the
     output projection); with a cache, stores this CP rank's share of every sequence."""
     D, W, c = attn.head_dim, attn.window, attn.compressor

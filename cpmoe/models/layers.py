@@ -1,5 +1,6 @@
-"""Building blocks shared by model files: RMSNorm, rotary embedding, and the interface of a
-model class (`CausalLMHead`). The sharded linear layer is cpmoe/linear.py."""
+"""Building blocks shared by model files: the RMSNorm and RoPE families. The sharded linear
+layer is cpmoe/linear.py; Qwen's fused q/k norm + rotate-half RoPE kernels are cpmoe/ops.py;
+the interface every model declares is models/base.py."""
 
 from __future__ import annotations
 
@@ -7,99 +8,82 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpmoe.communicator import gather_output
 from cpmoe.linear import param
 from cpmoe.ops import add_rms_norm
 
 
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the mean square in float32. The weight's dtype says where the
+    result is rounded to x's dtype, as each model's reference does: a weight in the model
+    dtype (HF Qwen) multiplies the rounded normed x; a float32 weight (DeepSeek-V4) multiplies
+    first. (In float32 the two agree.)"""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = param(dim, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.bfloat16:  # one fused kernel on the GPU
+        same = self.weight.dtype == x.dtype
+        if x.is_cuda and x.dtype == torch.bfloat16 and same:  # one fused kernel on the GPU
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype == torch.float32:
+            return (self.weight * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (self(x + residual), x + residual): one fused kernel on the GPU."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                and self.weight.dtype == x.dtype):
             return add_rms_norm(x, residual, self.weight, self.eps)
         r = residual + x
         return self(r), r
 
 
-class RotaryEmbedding(nn.Module):
-    """Default RoPE on absolute positions (so CP permutations need nothing else)."""
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) with the scale rounded to x's dtype (DeepSeek-V4's per-head query norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+
+# ---- RoPE ------------------------------------------------------------------------------------
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """Plain RoPE's inverse frequencies [dim/2]."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [T, R/2] of absolute positions (so CP permutations need nothing else), both
+    times `scale` (YaRN's attention factor; 1 for plain RoPE)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
 
-class CausalLMHead(nn.Module):
-    """The interface of a model class: what the engine, the loader and the benchmarks call,
-    declared here with its defaults (a model overrides what it needs), and what every
-    causal-LM wrapper shares: `self.model` (with `embed_tokens`), `self.lm_head` (None when
-    tied to the embedding) and `self.groups`.
-
-    - `__init__(config, groups, dtype)`: one rank's shard; `checkpoint_shapes(cfg)` (static):
-      every tensor name and full shape of a hub checkpoint (random weights, the loader's
-      completeness proof); `checkpoint_int_ranges(cfg)`: integer tensors and their ranges.
-    - `checkpoint_param_name(name)`: a parameter's name in the checkpoint.
-    - `own_cache`: False, the engine's paged K/V cache serves the model; True, the model
-      keeps its own per-sequence caches (`make_kv_cache`) and brings its own decode graphs
-      (`decode_graphs`); `can_capture_decode()`: whether its decode step may be captured.
-    - `fuse_weights()`, `hidden_states(batch)`, `logits(hidden)`.
-    """
-
-    own_cache = False
-
-    @staticmethod
-    def checkpoint_shapes(cfg) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
-
-    @staticmethod
-    def checkpoint_int_ranges(cfg) -> dict[str, int] | None:
-        """Integer checkpoint tensors -> exclusive upper bound of their values (none here)."""
-        return None
-
-    @staticmethod
-    def checkpoint_param_name(name: str) -> str:
-        return name
-
-    def make_kv_cache(self, capacity: int):
-        raise NotImplementedError(f"{type(self).__name__} uses the engine's paged K/V cache")
-
-    def can_capture_decode(self) -> bool:
-        """A paged model's decode step never syncs with the host (models/qwen_moe.py)."""
-        return True
-
-    def decode_graphs(self, runner, max_bs: int, max_context: int):
-        raise NotImplementedError(f"{type(self).__name__}'s decode graphs are the engine's")
-
-    def hidden_states(self, batch) -> torch.Tensor:
-        """Final-normed hidden rows of every token in flat order, on every rank."""
-        return gather_output(self.model(batch), batch, self.groups)
-
-    def fuse_weights(self) -> None:
-        """After loading, on the GPU: merge weights read by one input into one GEMM (the
-        models that do override this; the default merges nothing)."""
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight)
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                           ) -> torch.Tensor:
+    """Interleaved RoPE (channel pairs 2i, 2i+1; DeepSeek-V4) on the trailing
+    R = 2*cos.shape[-1] channels of x [T, ..., Dx]; the leading channels pass through. Pass
+    -sin to rotate back. (Qwen's rotate-half RoPE is fused with its q/k norm: ops.norm_rope.)"""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.float().view(shape), sin.float().view(shape)
+    pairs = x[..., -2 * half:].float().unflatten(-1, (half, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-2 * half], rotated], dim=-1)

@@ -19,12 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.config import QwenMoeConfig
 from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.linear import Linear, column_shard, fuse_linears, kv_head_shard, row_shard
-from cpmoe.models.layers import CausalLMHead, RMSNorm, RotaryEmbedding
+from cpmoe.models.base import CausalLMHead
+from cpmoe.models.layers import RMSNorm, RotaryEmbedding, default_inv_freq
+from cpmoe.models.qwen_moe_config import QwenMoeConfig
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
@@ -206,11 +207,12 @@ class QwenMoeModel(nn.Module):
         self.layers = nn.ModuleList(QwenMoeDecoderLayer(cfg, groups, p, dtype)
                                     for p in self.plans)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(default_inv_freq(cfg.rope_theta, cfg.head_dim))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions, h.dtype)
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        rope = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # rotate-half: [T, D]
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, rope, batch)
@@ -270,5 +272,6 @@ def checkpoint_shapes(cfg: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+    return {prefix + "gate_proj.weight": (inter, hidden),
+            prefix + "up_proj.weight": (inter, hidden),
             prefix + "down_proj.weight": (hidden, inter)}

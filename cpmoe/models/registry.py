@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from cpmoe.config import (ConfigError, QwenMoeConfig, architecture_of, parse_qwen_moe,
-                          read_config_json)
+from cpmoe.config import ConfigError, architecture_of, read_config_json
+from cpmoe.models.base import ModelConfig
+from cpmoe.models.qwen_moe_config import parse_qwen_moe
+from cpmoe.moe.dispatch import check_backend_available
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -49,11 +51,11 @@ def model_class(architecture: str) -> type:
     return _REGISTRY[architecture]()[1]
 
 
-def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
-    """All model-fit rules; run before spawning ranks."""
-    check_layout = getattr(cfg, "check_layout", None)  # model-specific rules (DeepSeek-V4)
-    if check_layout is not None:
-        check_layout(layout)
+def check_model_fit(layout: ParallelLayout, cfg: ModelConfig) -> None:
+    """Every rule on a model and a layout together (the layout's own rules are
+    ParallelLayout's); run before spawning ranks."""
+    check_backend_available(layout.moe_a2a_backend)
+    cfg.check_layout(layout)  # the model's own rules (DeepSeek-V4)
     layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
                        num_key_value_heads=cfg.num_key_value_heads,
                        moe_intermediate_size=cfg.moe_intermediate_size)
@@ -61,7 +63,7 @@ def check_model_fit(layout: ParallelLayout, cfg: QwenMoeConfig) -> None:
     if dense and cfg.intermediate_size % layout.attn_tp_size:
         raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
                           f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
-    quant = getattr(cfg, "quantization", None)
+    quant = cfg.quantization
     if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
         from cpmoe.quant.layout import check_fp8_layout
         check_fp8_layout(layout, cfg, model_class(cfg.architecture))

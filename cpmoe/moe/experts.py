@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.linear import param
 from cpmoe.moe import fused_moe
 from cpmoe.ops import clamped_swiglu, silu_and_mul, weighted_row_sum
 
@@ -24,9 +25,8 @@ class LocalExperts(nn.Module):
         E, H, I = num_local_experts, hidden_size, intermediate_size
         self.num_local_experts = E
         self.shard = shard  # (ep_rank, ep_size, moe_tp_rank, moe_tp_size), read by the loader
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype), requires_grad=False)
+        self.gate_up_proj = param(E, 2 * I, H, dtype=dtype)
+        self.down_proj = param(E, H, I, dtype=dtype)
         self.swiglu_limit: float | None = None  # clamped SwiGLU (DeepSeek-V4): see activation
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:

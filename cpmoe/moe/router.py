@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe.linear import param
 from cpmoe.ops import softmax_topk
 
 
@@ -23,8 +24,7 @@ class SoftmaxTopKRouter(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
-                                   requires_grad=False)
+        self.weight = param(num_experts, hidden_size, dtype=dtype)
         self.calibration = None  # moe.uniform_routing: redraw the weight from the next rows
 
     def forward(self, x_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

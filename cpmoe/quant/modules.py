@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from cpmoe.config import Fp8Config
-from cpmoe.linear import Linear
+from cpmoe.linear import Linear, param
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8, scale_grid
 from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale
@@ -34,18 +34,14 @@ from cpmoe.quant.layout import converts
 DIRECT_WEIGHT_USERS = ("o_a_proj",)
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
-
-
 class Fp8Linear(Linear):
     def __init__(self, linear: Linear, block: tuple[int, int]) -> None:
         nn.Module.__init__(self)
         N, K = linear.weight.shape
         dev = linear.weight.device
-        self.weight = _param(torch.empty(N, K, dtype=FP8, device=dev))
-        self.weight_scale_inv = _param(torch.empty(scale_grid((N, K), block),
-                                                   dtype=torch.float32, device=dev))
+        self.weight = param(N, K, dtype=FP8, device=dev)
+        self.weight_scale_inv = param(*scale_grid((N, K), block), dtype=torch.float32,
+                                      device=dev)
         self.bias, self.shard, self.block = linear.bias, linear.shard, block
         self._mm_scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (whose, padded)
 
@@ -84,12 +80,11 @@ def make_fp8_experts(experts: LocalExperts, block: tuple[int, int]) -> None:
     E, H, inter = experts.down_proj.shape
     dev = experts.down_proj.device
     bn, bk = block
-    experts.gate_up_proj = _param(torch.empty(E, 2 * inter, H, dtype=FP8, device=dev))
-    experts.down_proj = _param(torch.empty(E, H, inter, dtype=FP8, device=dev))
-    experts.gate_up_scale_inv = _param(torch.empty(E, 2 * inter // bn, H // bk,
-                                                   dtype=torch.float32, device=dev))
-    experts.down_scale_inv = _param(torch.empty(E, H // bn, inter // bk, dtype=torch.float32,
-                                                device=dev))
+    experts.gate_up_proj = param(E, 2 * inter, H, dtype=FP8, device=dev)
+    experts.down_proj = param(E, H, inter, dtype=FP8, device=dev)
+    experts.gate_up_scale_inv = param(E, 2 * inter // bn, H // bk, dtype=torch.float32,
+                                      device=dev)
+    experts.down_scale_inv = param(E, H // bn, inter // bk, dtype=torch.float32, device=dev)
     experts.fp8_block = block
 
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cpmoe.context import over_context
-from cpmoe.engine.generate import kv_slots_needed
+from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, kv_slots_needed, over_capacity
 from cpmoe.engine.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63  # seeds are non-negative 64-bit integers
@@ -243,7 +243,7 @@ class Limits:
     cp_size: int
     cp_strategy: str
     default_chat_max_tokens: int
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     chunked_prefill_size: int = 0
 
 
@@ -340,11 +340,9 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
         raise bad_request(refusal, "max_tokens", "context_length_exceeded")
     need = kv_slots_needed([len(prompt_ids)], max_tokens, limits.cp_size, limits.cp_strategy,
                            limits.page_size, limits.chunked_prefill_size)
-    if need > limits.kv_capacity:
-        raise bad_request(f"the request needs {need} KV slots on the busiest CP rank (prompt of "
-                          f"{len(prompt_ids)} tokens, max_tokens {max_tokens}); the server has "
-                          f"{limits.kv_capacity} per rank (--max-total-tokens)", "max_tokens",
-                          "context_length_exceeded")
+    refusal = over_capacity(len(prompt_ids), max_tokens, need, limits.kv_capacity)
+    if refusal:
+        raise bad_request(refusal, "max_tokens", "context_length_exceeded")
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens={req.min_tokens} is more than max_tokens {max_tokens}",
                           "min_tokens")

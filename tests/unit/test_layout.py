@@ -378,7 +378,7 @@ def test_model_fit_ignores_moe_rules_for_dense_models():
 
 def test_check_model_fit_dense_intermediate():
     """check_model_fit's own rule: dense MLP layers are sharded over attention TP."""
-    from cpmoe.config import QwenMoeConfig
+    from cpmoe.models.qwen_moe_config import QwenMoeConfig
     from cpmoe.models.registry import check_model_fit
 
     def cfg(intermediate: int, mlp_only: tuple[int, ...]) -> QwenMoeConfig:

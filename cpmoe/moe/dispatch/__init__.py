@@ -10,10 +10,11 @@ from cpmoe.moe.dispatch.base import Dispatcher
 from cpmoe.moe.dispatch.local import LocalDispatcher
 from cpmoe.moe.dispatch.padded import PaddedAllToAllDispatcher
 from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.layout import LayoutError
 
 
-class MissingBackendError(RuntimeError):
-    pass
+class MissingBackendError(LayoutError):
+    """A --moe-a2a-backend this process cannot run (a layout it cannot serve)."""
 
 
 # external backends -> the Python package each needs

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from cpmoe.engine.engine import EngineOptions, prepare_runner
-from cpmoe.engine.generate import generate, kv_slots_needed
+from cpmoe.cp.kv_cache import kv_slots_needed
+from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.parallel.groups import ProcessGroups
@@ -29,7 +30,7 @@ class RunSpec:
     options: EngineOptions = EngineOptions()
 
 
-def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
+def build_runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
     groups = ProcessGroups.build(spec.layout, info.rank, info.device)
     return ModelRunner(spec.model_dir, groups, spec.dtype, show_progress=spec.progress,
                        load_format=spec.options.load_format,
@@ -38,7 +39,7 @@ def _runner(info: RankInfo, spec: RunSpec) -> ModelRunner:
 
 def prefill_task(info: RankInfo, spec: RunSpec, seqs: list[list[int]]
                  ) -> list[torch.Tensor] | None:
-    runner = _runner(info, spec)
+    runner = build_runner(info, spec)
     logits = runner.prefill(seqs).cpu()
     if info.rank != 0:
         return None
@@ -62,7 +63,7 @@ class GenerateResult:
 def generate_task(info: RankInfo, spec: RunSpec, prompts: list[list[int]],
                   max_new_tokens: int, eos_ids: tuple[int, ...], sampling: SamplingParams
                   ) -> GenerateResult | None:
-    runner = _runner(info, spec)
+    runner = build_runner(info, spec)
     opts, layout = spec.options, spec.layout
     need = kv_slots_needed([len(p) for p in prompts], max_new_tokens, layout.attn_cp_size,
                            layout.cp_strategy, opts.page_size, opts.chunked_prefill_size)
