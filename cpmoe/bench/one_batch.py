@@ -31,8 +31,8 @@ import torch
 
 from cpmoe.bench.model_task import prompts
 from cpmoe.bench.timing import device_name, free_cached, median, peak_bytes, reset_peak, sync
+from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.engine import DeviceTokens, EngineOptions, prepare_runner
-from cpmoe.engine.generate import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
@@ -106,7 +106,7 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
     firsts = [runner.extend([Segment(k, seqs[k]) for k in group]).argmax(-1)
               for group in _groups(keys, input_len, spec.engine.chunked_prefill_size)]
     first = torch.cat(firsts)
-    tokens = _agree(runner, first)
+    tokens = _broadcast_tokens(runner, first)
     prefill_s = time.perf_counter() - t0
     decode = _decode_synced if spec.engine.disable_overlap_schedule else _decode_overlapped
     generated, steps = decode(runner, keys, first, tokens, spec.output_len - 1)
@@ -143,7 +143,7 @@ def _decode_synced(runner: ModelRunner, keys: list[int], first: torch.Tensor,
     generated, times = [tokens], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
+        tokens = _broadcast_tokens(runner, runner.decode(keys, tokens).argmax(-1))
         times.append(time.perf_counter() - t0)
         generated.append(tokens)
     return generated, times
@@ -183,7 +183,7 @@ def _profile_steps(runner: ModelRunner, keys: list[int], tokens: list[int], stem
         runner.graphs = graphs if mode == "replay" else None
         try:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                tokens = _agree(runner, runner.decode(keys, tokens).argmax(-1))
+                tokens = _broadcast_tokens(runner, runner.decode(keys, tokens).argmax(-1))
                 sync(runner.device)
         finally:
             runner.graphs = graphs
@@ -199,10 +199,10 @@ def _groups(keys: list[int], length: int, chunk: int) -> list[list[int]]:
     return [keys[i:i + per] for i in range(0, len(keys), per)]
 
 
-def _agree(runner: ModelRunner, tokens: torch.Tensor) -> list[int]:
+def _broadcast_tokens(runner: ModelRunner, tokens: torch.Tensor) -> list[int]:
     if runner.groups.world.size == 1:
         return tokens.tolist()
-    return runner.agree(tokens.tolist())
+    return runner.broadcast_tokens(tokens.tolist())
 
 
 def _routing_step(runner: ModelRunner, keys: list[int], tokens: list[int]) -> dict:

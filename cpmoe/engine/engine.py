@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpmoe.cp.kv_cache import CacheFullError
+from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError
 from cpmoe.engine.logits import adjust_logits, token_logprobs
 from cpmoe.engine.runner import ModelRunner, Segment, StepTimes
 from cpmoe.engine.sampling import sample
@@ -49,7 +49,7 @@ DEFAULT_CHUNKED_PREFILL = 8192  # --chunked-prefill-size (SGLang's default on la
 class EngineOptions:
     """The engine flags shared by generate, check, serve and the benchmarks."""
 
-    page_size: int = 16  # --page-size
+    page_size: int = DEFAULT_PAGE_SIZE  # --page-size
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # -1: prompts in one piece
     max_running_requests: int = 256
     disable_cuda_graph: bool = False

@@ -16,7 +16,7 @@ import torch
 from cpmoe.config import read_config_json
 from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
 from cpmoe.cp.forward_batch import ForwardBatch
-from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, pages_for
+from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError, PagedKVCache, pages_for
 from cpmoe.cp.split import CPSplit
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
@@ -26,14 +26,13 @@ from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout
 
-DEFAULT_PAGE_SIZE = 16
 QUANTIZATIONS = ("fp8",)
 
 
 def with_quantization(config, quantization: str | None):
     """The config with `--quantization fp8` applied: 16-bit weights are quantized to
     [128, 128] FP8 blocks at load; a checkpoint that is FP8 already stays as it is."""
-    if quantization is None or getattr(config, "quantization", None) is not None:
+    if quantization is None or config.quantization is not None:
         return config
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r}: only fp8 is supported")
@@ -54,7 +53,7 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
         with torch.device("meta"):
             model = model_cls(config, ProcessGroups.offline(layout, rank), dtype)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        quant = getattr(config, "quantization", None)
+        quant = config.quantization
         fp8 = None
         if quant is not None:  # what the shard holds on CUDA, FP8 weights kept FP8
             from cpmoe.quant.modules import planned_weight_bytes
@@ -101,7 +100,7 @@ class ModelRunner:
         config, model_cls = load_model_config(model_dir)
         config = with_quantization(config, quantization)
         self._build(config, model_cls, groups, dtype)
-        quant = getattr(config, "quantization", None)
+        quant = config.quantization
         if quant is not None and not quant.online and self._keep_fp8():
             from cpmoe.loader import quantized_weight_names
             from cpmoe.quant.modules import prepare_fp8
@@ -114,7 +113,7 @@ class ModelRunner:
 
     def _finish_load(self) -> None:
         """`--quantization fp8` of 16-bit weights; on the GPU, fused weights (fewer GEMMs)."""
-        quant = getattr(self.config, "quantization", None)
+        quant = self.config.quantization
         if quant is not None and quant.online:
             from cpmoe.quant.modules import quantize_loaded
             quantize_loaded(self.model, quant, keep_fp8=self._keep_fp8())
@@ -123,7 +122,7 @@ class ModelRunner:
 
     def _keep_fp8(self) -> bool:
         """FP8 weights stay FP8 (FP8 GEMMs) on CUDA; elsewhere they are dequantized."""
-        return self.device.type == "cuda" and getattr(self, "fp8_compute", True)
+        return self.device.type == "cuda" and self.fp8_compute
 
     @classmethod
     def from_config(cls, config_json: dict, groups: ProcessGroups, dtype: torch.dtype,
@@ -131,6 +130,7 @@ class ModelRunner:
         """A runner with seeded random weights at the shape of an HF config.json's contents;
         the weights are the same on every layout (see models/random_weights.py)."""
         self = cls.__new__(cls)
+        self.fp8_compute = True
         self._init_random(config_json, groups, dtype, seed, quantization)
         return self
 
@@ -213,7 +213,7 @@ class ModelRunner:
         """Capture the decode forward for batches up to max_bs -> graph memory in bytes."""
         from cpmoe.engine.cuda_graph import DecodeGraphs
         assert self.kv is not None and self.can_capture_graphs()
-        context = max_context or getattr(self.config, "max_position_embeddings", None)
+        context = max_context or self.config.max_position_embeddings
         if self.own_cache:  # DeepSeek-V4: the model's graphs over its own cache
             self.graphs = self.model.decode_graphs(self, max_bs, context or self.kv.capacity)
             return self.graphs.memory_bytes
@@ -241,7 +241,7 @@ class ModelRunner:
             assert self.fed_tokens is not None, "a placeholder token without a shared step"
             ids.copy_(torch.where(ids < 0, self.fed_tokens[(-1 - ids).clamp(min=0)], ids))
 
-    def agree(self, tokens: list[int]) -> list[int]:
+    def broadcast_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's choice of tokens, on every rank."""
         t = comm.broadcast(self._ids(tokens), self.groups.world)
         return t.tolist()
