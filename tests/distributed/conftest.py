@@ -4,7 +4,8 @@ Spawning a pool costs an interpreter and a torch import per rank (about 3 CPU-se
 half a minute for the 2-, 4- and 8-rank pools on a 2-core machine), so every module that
 runs tasks on ranks asks `pools(world)` and gets the same live pool; a pool that died (a
 failed task kills it) is replaced on the next call. Idle ranks wait on a pipe (no CPU).
-test_launch.py keeps its own pools: it kills and closes them on purpose.
+test_launch.py's tests of a healthy pool use these too; its tests that kill or close a pool
+make their own.
 """
 
 from __future__ import annotations
