@@ -63,11 +63,12 @@ V4_CONFIG = {
 GSP_ARGS = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32", "--gsp-question-len",
             "8", "--gsp-output-len", "3", "--num-prompts", "3", "--max-concurrency", "1",
             "--launch", "--device", "cpu"]
+# bench-serving runs once, on the shared-prefix dataset (GSP_ARGS: a server started by
+# --launch is three interpreters with a torch import); its random dataset differs only in
+# the requests it draws, checked in this process (test_random_dataset_draws_...)
 SERVING_ARGS = {
     "bench-one-batch": ["--shape", "tiny", "--batch-size", "1", "--input-len", "16",
-                        "--output-len", "2", "--device", "cpu"],
-    "bench-serving": ["--dataset", "random", "--random-input-len", "16", "--random-output-len",
-                      "3", "--num-prompts", "2", "--launch", "--device", "cpu"]}
+                        "--output-len", "2", "--device", "cpu"]}
 
 
 @pytest.fixture(scope="module")
@@ -355,15 +356,36 @@ def test_random_hash_tables_hold_distinct_expert_ids():
     assert all(len(set(row.tolist())) == 3 for row in t)
 
 
-@pytest.mark.parametrize("command", list(SERVING_ARGS))
-def test_decode_and_serving_benchmarks_write_provenance(runs, command):
+@pytest.mark.parametrize("command, run, out", [
+    ("bench-one-batch", "bench-one-batch", "bench-one-batch.json"),
+    ("bench-serving", "shared-prefix", "gsp.json")])
+def test_decode_and_serving_benchmarks_write_provenance(runs, command, run, out):
     """The other two commands that write bench/results/ files, at tiny sizes on CPU."""
-    proc, d = _result(runs, command)
-    out = d / f"{command}.json"
+    proc, d = _result(runs, run)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    head = json.loads(out.read_text())["header"]
+    head = json.loads((d / out).read_text())["header"]
     _assert_provenance(head)
     assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]
+
+
+def test_random_dataset_draws_the_asked_number_of_prompts_within_the_lengths():
+    """bench-serving --dataset random: prompt and output lengths drawn from
+    [ratio * len, len], token ids below the vocabulary, the same requests for a seed."""
+    import argparse
+
+    from cpmoe.bench.serving import add_arguments, make_requests
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--dataset", "random", "--random-input-len", "40",
+                         "--random-output-len", "6", "--random-range-ratio", "0.5",
+                         "--num-prompts", "50", "--base-url", "http://unused", "--out", "unused"])
+    reqs = make_requests(args, 300)
+    assert len(reqs) == 50 and reqs == make_requests(args, 300)
+    assert all(20 <= len(ids) <= 40 and 3 <= out <= 6 for ids, out in reqs)
+    assert all(0 <= t < 300 for ids, _ in reqs for t in ids)
+    assert len({len(ids) for ids, _ in reqs}) > 1  # lengths are drawn, not fixed
+    args.seed += 1
+    assert make_requests(args, 300) != reqs
 
 
 def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
