@@ -10,6 +10,7 @@ Fixtures:
     hf_models                      {"qwen3_moe": model, "qwen2_moe": model}, eval mode
     make_hf_checkpoint             factory(kind, **config_overrides) -> (model, dir), cached
     pools                          pools(world) -> the session's live RankPool of that size
+    default_model_cache            seed(cache_dir) -> the built-in model copied into cache_dir
 
 The `full` marker: cases of exhaustive matrices beyond the representative set the default run
 keeps (the suite's budget is 15 minutes on 2 cores). They are collected and reported as
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -177,3 +179,24 @@ def pools():
     yield get
     for pool in live.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    """seed(cache_dir) -> the built-in model's folder inside cache_dir (a CPMOE_CACHE_DIR),
+    copied from one build per run: building it is about 3 CPU-s (integer draws for every
+    weight, a tokenizer), copying its 7 MB a few ms, and modules keep their own cache
+    folders. Its weights come from a fixed seed: a copy is what a build there would write.
+    A test of building itself (test_default_model, the first-use demo) builds on its own."""
+    from cpmoe.default_model import ensure_default_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(tmp_path_factory.mktemp("default-model")))
+        built = ensure_default_model()
+
+    def seed(cache_dir: pathlib.Path) -> pathlib.Path:
+        target = pathlib.Path(cache_dir) / built.name
+        if not target.exists():
+            shutil.copytree(built, target)
+        return target
+
+    return seed

@@ -279,13 +279,10 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_model_dir(workdir) -> Path:
-    """Build the built-in model once, in the cache folder every CLI call is pointed at."""
-    from cpmoe.default_model import ensure_default_model
-    cache = workdir / "cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache))
-        return ensure_default_model()
+def default_model_dir(workdir, default_model_cache) -> Path:
+    """The built-in model in the cache folder every CLI call is pointed at (a copy of the
+    session's build: tests/conftest.py)."""
+    return default_model_cache(workdir / "cache")
 
 
 @pytest.fixture(scope="module")
