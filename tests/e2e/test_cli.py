@@ -386,7 +386,10 @@ def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, C
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
         "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
                          "--dump-logits", workdir / "logits-tp4.safetensors"),),
-        "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4),),
+        # batches of 210 tokens (one prompt of each length) and 3 decode steps: what
+        # test_check_reports_progress_decode_and_routing_margins_per_prompt reads
+        "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4, "--max-batch-tokens", "210",
+                               "--decode-steps", "3"),),
         "check-tp4-cp2-dp2-ep2": ((*check, "--tp-size", "4", "--attn-cp-size", "2",
                                    "--moe-dp-size", "2", "--ep-size", "2"),),
         "generate-default-tp2": (("generate", "--prompt", "Hello", "--max-new-tokens", "4",
@@ -649,6 +652,22 @@ def test_check_layout(multi, name, sizes):
     assert diff <= 1e-5, res.describe()
     assert {k: layout[k] for k in sizes} == sizes
     assert res.ranks_spawned() == sizes["world_size"]
+
+
+def test_check_reports_progress_decode_and_routing_margins_per_prompt(multi):
+    """What `cpmoe check` prints besides the verdict: a progress line per batch (stderr) and,
+    per prompt, its routing margin and decode steps (the tp4 cp2 ep4 run: 4 batches of 3)."""
+    res = multi["check-tp4-cp2-ep4"]
+    assert res.returncode == 0, res.describe()
+    assert f"[check] batch 1/4: prompts 3/{CHECK_PROMPTS}" in res.stderr, res.describe()
+    assert f"[check] batch 4/4: prompts {CHECK_PROMPTS}/{CHECK_PROMPTS}" in res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("prompt ")]
+    assert [ln.split(" (")[0] for ln in lines] == [f"prompt {i}" for i in range(CHECK_PROMPTS)]
+    assert all("smallest top-k routing margin" in ln and "in 3 steps" in ln for ln in lines)
+    steps = 3 * CHECK_PROMPTS
+    assert "decode: 3 steps per prompt" in res.stdout and f"top-1 matches {steps}/{steps}" \
+        in res.stdout, res.describe()
+    assert "routing near-ties (margin <=" in res.stdout
 
 
 # The whole sweep took 476 s on 2 busy cores (attention grows with the square of the length);
