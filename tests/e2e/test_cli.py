@@ -305,6 +305,10 @@ SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-input-id-too-large"
 # `plan` (no rank, no weights) runs as a real command for the demo layout (--json and text);
 # its other layouts are read from main() in this process
 IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8"}
+# One-rank prefill and generate run the model in the CLI's own process (no rank): main() in
+# this process runs the same code, without an interpreter and torch import each (about 3
+# CPU-s); the real command is met by `plan`, the refusals above and every multi-rank call.
+IN_PROCESS_ONE_RANK = {"prefill-1rank", "generate-ids-1rank", "generate-default-1rank"}
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +354,8 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
     calls["dump-is-a-dir"] = (("prefill", "--model", q3, "--input-ids-file", ids_file,
                                "--dump-logits", workdir / "existing-dir"),)
     here = {k: v for k, v in calls.items()
-            if (k.startswith("bad-") and k not in SPAWNED_CHECKS) or k in IN_PROCESS_PLANS}
+            if (k.startswith("bad-") and k not in SPAWNED_CHECKS)
+            or k in IN_PROCESS_PLANS | IN_PROCESS_ONE_RANK}
     done = cli.many({k: v for k, v in calls.items() if k not in here}, QUICK_WORKERS)
     return {**done, **{k: cli.in_process(*args) for k, (args,) in here.items()}}
 
