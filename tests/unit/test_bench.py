@@ -1,5 +1,6 @@
 """`cpmoe bench` and the bench/ scripts on CPU (gloo, tiny shapes): they run, write the JSON
-they promise, and their correctness checks hold. No timing is asserted.
+they promise, and their correctness checks hold; bench and bench-one-batch take
+`--quantization fp8`. No timing is asserted.
 
 The command-line runs are subprocesses (an interpreter and a torch import each, plus the
 ranks they spawn), so each is made once, all started together in the module fixture `runs`
@@ -66,9 +67,11 @@ GSP_ARGS = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32", "--gs
 # bench-serving runs once, on the shared-prefix dataset (GSP_ARGS: a server started by
 # --launch is three interpreters with a torch import); its random dataset differs only in
 # the requests it draws, checked in this process (test_random_dataset_draws_...)
+# bench-one-batch runs once, with --quantization fp8 (test_bench_one_batch_takes_...): the
+# provenance test reads the same run
 SERVING_ARGS = {
-    "bench-one-batch": ["--shape", "tiny", "--batch-size", "1", "--input-len", "16",
-                        "--output-len", "2", "--device", "cpu"]}
+    "bench-one-batch": ["--shape", "tiny", "--batch-size", "2", "--input-len", "16",
+                        "--output-len", "3", "--quantization", "fp8", "--device", "cpu"]}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +115,9 @@ def runs(tmp_path_factory):
         d = folder(command)
         calls[command] = (["-m", "cpmoe.cli", command, "--out", str(d / f"{command}.json"),
                            *args], None, REPO_ROOT, d)
+    d = folder("fp8")
+    calls["fp8"] = (_bench_args(d / "fp8.json", "--lengths", "64", "--layouts", "tp=1",
+                                "--quantization", "fp8"), None, REPO_ROOT, d)
     d = folder("gsp")
     calls["shared-prefix"] = (["-m", "cpmoe.cli", "bench-serving", "--out", str(d / "gsp.json"),
                                *GSP_ARGS], None, REPO_ROOT, d)
@@ -412,3 +418,21 @@ def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
     assert metrics["cpmoe_prompt_tokens_cached_total"] == sum(cached)
     assert metrics["cpmoe_prompt_tokens_computed_total"] == (summary["total_input_tokens"]
                                                              - sum(cached))
+
+
+# ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
+# model runs on the FP8-rounded weights) ----------------------------------------------------
+
+def test_bench_takes_quantization_fp8(runs):
+    proc, d = _result(runs, "fp8")
+    out = d / "fp8.json"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"quantization": "fp8"' in out.read_text()  # in the run's header
+    data = json.loads(out.read_text())
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in data["rows"])
+
+
+def test_bench_one_batch_takes_quantization_fp8(runs):
+    proc, d = _result(runs, "bench-one-batch")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp8" in (d / "bench-one-batch.json").read_text()
