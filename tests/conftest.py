@@ -9,6 +9,8 @@ Fixtures:
     qwen3_moe_dir, qwen2_moe_dir   checkpoint directories (config.json + model.safetensors)
     hf_models                      {"qwen3_moe": model, "qwen2_moe": model}, eval mode
     make_hf_checkpoint             factory(kind, **config_overrides) -> (model, dir), cached
+    pools                          pools(world) -> the session's live RankPool of that size
+    default_model_cache            seed(cache_dir) -> the built-in model copied into cache_dir
 
 The `full` marker: cases of exhaustive matrices beyond the representative set the default run
 keeps (the suite's budget is 15 minutes on 2 cores). They are collected and reported as
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -151,3 +154,49 @@ def qwen2_moe_dir(make_hf_checkpoint) -> pathlib.Path:
 def hf_models(make_hf_checkpoint) -> dict:
     """kind -> the HF model whose weights are in that kind's checkpoint dir (eval mode)."""
     return {kind: make_hf_checkpoint(kind)[0] for kind in CONFIGS}
+
+
+# the slowest task (the V4 4K-token cache test on 4 ranks of 2 cores) waits minutes for peers
+COLLECTIVE_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """One rank pool per world size for the whole run: a pool costs an interpreter and a torch
+    import per rank (about 3 CPU-seconds each: half a minute for the 2-, 4- and 8-rank pools
+    on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
+    e2e ones) asks `pools(world)` and gets the same live pool; a pool that died (a failed task
+    kills it) is replaced on the next call. Idle ranks wait on a pipe (no CPU).
+    test_launch.py's tests that kill or close a pool make their own."""
+    from cpmoe.parallel.launch import RankPool
+    live: dict[int, RankPool] = {}
+
+    def get(world: int) -> RankPool:
+        if world not in live or not live[world].alive:
+            live[world] = RankPool(world, "cpu", collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+        return live[world]
+
+    yield get
+    for pool in live.values():
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    """seed(cache_dir) -> the built-in model's folder inside cache_dir (a CPMOE_CACHE_DIR),
+    copied from one build per run: building it is about 3 CPU-s (integer draws for every
+    weight, a tokenizer), copying its 7 MB a few ms, and modules keep their own cache
+    folders. Its weights come from a fixed seed: a copy is what a build there would write.
+    A test of building itself (test_default_model, the first-use demo) builds on its own."""
+    from cpmoe.default_model import ensure_default_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CPMOE_CACHE_DIR", str(tmp_path_factory.mktemp("default-model")))
+        built = ensure_default_model()
+
+    def seed(cache_dir: pathlib.Path) -> pathlib.Path:
+        target = pathlib.Path(cache_dir) / built.name
+        if not target.exists():
+            shutil.copytree(built, target)
+        return target
+
+    return seed

@@ -1,6 +1,6 @@
 """DeepSeek-V4 under context parallelism equals the one-rank run (gloo, float32).
 
-One rank pool per world size (2, 4, 8: tests/distributed/conftest.py) reused by every case
+One rank pool per world size (2, 4, 8: tests/conftest.py `pools`) reused by every case
 of that size. Prompts of lengths
 300, 120, 1 and 7: 300 gives CSA entries past the indexer's top-k and HCA entries, 120 + 16
 crosses the HCA boundary while decoding, 1 and 7 leave some CP ranks without tokens.

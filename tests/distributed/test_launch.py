@@ -1,8 +1,9 @@
 """Tests for cpmoe.parallel.launch: pooled gloo worlds on CPU, fail-fast, torchrun joining.
 
 Invariants the tests rely on: task functions live in _launch_helpers (picklable by reference);
-healthy pools are shared per world size through a module-scoped fixture to keep start-up cost
-low; every test that breaks a pool builds its own.
+healthy pools are the distributed suite's shared ones (conftest `pools`: a rank's interpreter
+and torch import cost about 3 CPU-s, and the 2- and 4-rank pools exist anyway); every test
+that breaks a pool builds its own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,10 +39,9 @@ def _pids(pool: RankPool) -> list[int]:
     return [pid for _, pid in pool.run(h.gather_pid)]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
-def pool(request: pytest.FixtureRequest) -> Iterator[RankPool]:
-    with RankPool(request.param) as p:
-        yield p
+@pytest.fixture(params=[2, 4], ids=lambda n: f"world{n}")
+def pool(request: pytest.FixtureRequest, pools) -> RankPool:
+    return pools(request.param)
 
 
 def test_pool_runs_all_reduce_and_returns_per_rank_results(pool: RankPool) -> None:

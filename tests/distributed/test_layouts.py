@@ -1,6 +1,6 @@
 """Every parallel layout equals the one-rank run (gloo, float32, tiny checkpoints).
 
-One rank pool per world size (tests/distributed/conftest.py) is reused by every case. For
+One rank pool per world size (tests/conftest.py `pools`) is reused by every case. For
 each layout the Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints run a batch of uneven
 prompts (lengths not divisible by 2*cp, and shorter than 2*cp): prefill logits of all
 positions, greedy tokens and every decode step's logits must equal the one-rank reference

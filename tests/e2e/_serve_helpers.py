@@ -49,8 +49,8 @@ class Server:
         with open(self.err_path, "wb") as err, open(workdir / f"serve-{self.marker}.out",
                                                      "wb") as out:
             self.proc = subprocess.Popen(
-                [*launcher, "serve", "--device", "cpu", "--port", "0", *flags], env=full_env, cwd=str(REPO_ROOT), stdout=out, stderr=err,
-                stdin=subprocess.DEVNULL)
+                [*launcher, "serve", "--device", "cpu", "--port", "0", *flags], env=full_env,
+                cwd=str(REPO_ROOT), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         self.url = ""
         self.model = ""
 
@@ -171,11 +171,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(cache_dir) -> Path:
-    from cpmoe.default_model import ensure_default_model
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache_dir))
-        return ensure_default_model()
+def model_dir(cache_dir, default_model_cache) -> Path:
+    return default_model_cache(cache_dir)  # a copy of the session's build (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,11 @@ class SampledGenerate:
 
 
 @pytest.fixture(scope="session")
-def demo_sampled_generate(tmp_path_factory) -> SampledGenerate:
+def demo_sampled_generate(tmp_path_factory, default_model_cache) -> SampledGenerate:
     call = SampledGenerate(prompt="Context parallel prefill", max_new_tokens=10,
                            temperature=0.8, top_p=0.9, top_k=20, seed=7, tokens=[])
     work = tmp_path_factory.mktemp("demo-generate")
+    default_model_cache(work / "cache")  # the session's build (tests/conftest.py)
     prompts_file = work / "one.json"
     prompts_file.write_text(json.dumps([call.prompt]))
     cli = subprocess.run(

@@ -279,13 +279,10 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_model_dir(workdir) -> Path:
-    """Build the built-in model once, in the cache folder every CLI call is pointed at."""
-    from cpmoe.default_model import ensure_default_model
-    cache = workdir / "cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache))
-        return ensure_default_model()
+def default_model_dir(workdir, default_model_cache) -> Path:
+    """The built-in model in the cache folder every CLI call is pointed at (a copy of the
+    session's build: tests/conftest.py)."""
+    return default_model_cache(workdir / "cache")
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +305,10 @@ SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-input-id-too-large"
 # `plan` (no rank, no weights) runs as a real command for the demo layout (--json and text);
 # its other layouts are read from main() in this process
 IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8"}
+# One-rank prefill and generate run the model in the CLI's own process (no rank): main() in
+# this process runs the same code, without an interpreter and torch import each (about 3
+# CPU-s); the real command is met by `plan`, the refusals above and every multi-rank call.
+IN_PROCESS_ONE_RANK = {"prefill-1rank", "generate-ids-1rank", "generate-default-1rank"}
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +354,8 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
     calls["dump-is-a-dir"] = (("prefill", "--model", q3, "--input-ids-file", ids_file,
                                "--dump-logits", workdir / "existing-dir"),)
     here = {k: v for k, v in calls.items()
-            if (k.startswith("bad-") and k not in SPAWNED_CHECKS) or k in IN_PROCESS_PLANS}
+            if (k.startswith("bad-") and k not in SPAWNED_CHECKS)
+            or k in IN_PROCESS_PLANS | IN_PROCESS_ONE_RANK}
     done = cli.many({k: v for k, v in calls.items() if k not in here}, QUICK_WORKERS)
     return {**done, **{k: cli.in_process(*args) for k, (args,) in here.items()}}
 
@@ -364,9 +366,9 @@ def v4_dir(workdir) -> Path:
     return make_v4_model("base", workdir / "deepseek_v4")[1]
 
 
-# prompts per `cpmoe check` call: each length (17, 64, 129) four times (the count is not what
-# is tested; 40 made each call's prefill 2.8K tokens on both sides)
-CHECK_PROMPTS = 12
+# prompts per `cpmoe check` call: each length (17, 64, 129) twice (the count is not what is
+# tested; 40 made each call's prefill 2.8K tokens on both sides, 12 took 1.1K)
+CHECK_PROMPTS = 6
 # `cpmoe check` layouts run only with CPMOE_FULL=1 (layout correctness is test_layouts' and
 # test_decode's; the default keeps the command at 4 ranks and the V4 one at 2). The 8-rank
 # calls are 9 interpreters each; 8 ranks with alltoall are compared with one rank by
@@ -389,7 +391,10 @@ def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, C
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
         "prefill-tp4": (("prefill", "--model", q3, *TP4_CP2_EP4, "--input-ids-file", ids_file,
                          "--dump-logits", workdir / "logits-tp4.safetensors"),),
-        "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4),),
+        # batches of 210 tokens (one prompt of each length: 2 batches) and 3 decode steps:
+        # what test_check_reports_progress_decode_and_routing_margins_per_prompt reads
+        "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4, "--max-batch-tokens", "210",
+                               "--decode-steps", "3"),),
         "check-tp4-cp2-dp2-ep2": ((*check, "--tp-size", "4", "--attn-cp-size", "2",
                                    "--moe-dp-size", "2", "--ep-size", "2"),),
         "generate-default-tp2": (("generate", "--prompt", "Hello", "--max-new-tokens", "4",
@@ -654,9 +659,28 @@ def test_check_layout(multi, name, sizes):
     assert res.ranks_spawned() == sizes["world_size"]
 
 
-# The whole sweep took 476 s on 2 busy cores (attention grows with the square of the length):
-# the default run checks 4K and 8K prompts (about a quarter of it), CPMOE_FULL=1 all four.
-@pytest.mark.parametrize("lengths", ["4096,8192",
+def test_check_reports_progress_decode_and_routing_margins_per_prompt(multi):
+    """What `cpmoe check` prints besides the verdict: a progress line per batch (stderr) and,
+    per prompt, its routing margin and decode steps (the tp4 cp2 ep4 run: batches of 3)."""
+    res = multi["check-tp4-cp2-ep4"]
+    assert res.returncode == 0, res.describe()
+    n = CHECK_PROMPTS // 3
+    assert f"[check] batch 1/{n}: prompts 3/{CHECK_PROMPTS}" in res.stderr, res.describe()
+    assert f"[check] batch {n}/{n}: prompts {CHECK_PROMPTS}/{CHECK_PROMPTS}" in res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("prompt ")]
+    assert [ln.split(" (")[0] for ln in lines] == [f"prompt {i}" for i in range(CHECK_PROMPTS)]
+    assert all("smallest top-k routing margin" in ln and "in 3 steps" in ln for ln in lines)
+    steps = 3 * CHECK_PROMPTS
+    assert "decode: 3 steps per prompt" in res.stdout and f"top-1 matches {steps}/{steps}" \
+        in res.stdout, res.describe()
+    assert "routing near-ties (margin <=" in res.stdout
+
+
+# The whole sweep took 476 s on 2 busy cores (attention grows with the square of the length);
+# 4K and 8K took 62 CPU-s. The default run checks a 2K and a 4K prompt: still one batch of two
+# long prompts, the 4K one over two 1,024-query attention chunks on each CP rank (four on one
+# rank), for about a third of the 4K + 8K cost; CPMOE_FULL=1 runs the 4K-16K sweep.
+@pytest.mark.parametrize("lengths", ["2048,4096",
                                      pytest.param("4096,8192,12288,16384", marks=FULL)])
 def test_check_long_prompts_4k_to_16k(cli, qwen2_moe_dir, request, lengths):
     n = len(lengths.split(","))

@@ -14,7 +14,6 @@ import torch
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.parallel.groups import ProcessGroups
-from cpmoe.parallel.launch import RankPool
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 from tests.distributed._v4_tasks import make_v4_model, v4_task
 from tests.e2e._fp8_helpers import hf_logits, write_v4_fp8_checkpoint
@@ -73,15 +72,12 @@ def test_v4_moe_tp_cutting_an_mxfp4_group_is_refused(v4_fp8):
            "32 (weight blocks [1, 32])" in msg and "--ep-size 2" in msg
 
 
-def test_v4_fp8_ep_layout_matches_single_rank(v4_fp8):
+def test_v4_fp8_ep_layout_matches_single_rank(v4_fp8, pools):
     fp8_dir, _ = v4_fp8
     layout = ParallelLayout(tp_size=2, attn_cp_size=2, ep_size=2)
     check_model_fit(layout, load_model_config(fp8_dir)[0])
-    pool = RankPool(2, "cpu", collective_timeout_s=120)
-    try:
-        got = pool.run(v4_task, layout, {"fp8": fp8_dir}, seqs(), 3)[0]["fp8"]
-    finally:
-        pool.close()
+    # the session's 2-rank pool (tests/conftest.py): no interpreters of its own
+    got = pools(2).run(v4_task, layout, {"fp8": fp8_dir}, seqs(), 3)[0]["fp8"]
     from tests.distributed._v4_tasks import greedy_run
     want = greedy_run(ProcessGroups.single(), fp8_dir, seqs(), 3)
     diff = (got["prefill"] - want["prefill"]).abs().max().item()

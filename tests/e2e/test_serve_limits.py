@@ -21,9 +21,10 @@ HEALTH_EVERY_S = 0.2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Server:
+def server(tmp_path_factory, default_model_cache) -> Server:
     work = tmp_path_factory.mktemp("serve-limits")
     cache = Path(tmp_path_factory.getbasetemp()) / "cpmoe-cache"
+    default_model_cache(cache)  # the session's build (tests/conftest.py)
     s = Server(work, cache, *LAYOUT, "--context-length", str(CONTEXT))
     try:
         yield s.wait_ready()

@@ -2,7 +2,9 @@
 gloo) make ONE server: rank 0 serves HTTP, all four ranks run the engine. Its completion
 equals `cpmoe generate` on the same layout, a worker killed on the second node brings the
 server down (503 to clients, exit 1) within 30 s, and SIGTERM to rank 0 stops every rank
-cleanly (both torchrun launchers exit 0).
+cleanly (both torchrun launchers exit 0). The SIGTERM case runs one rank per node (tp 2):
+the stop crosses nodes as at four ranks, for two rank interpreters and their torch imports
+less.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from openai import OpenAI
 
 from tests.e2e._serve_helpers import Server
 
 LAYOUT = ("--tp-size", "4", "--attn-cp-size", "2", "--moe-dp-size", "1", "--ep-size", "4")
+TP2 = ("--tp-size", "2", "--attn-cp-size", "2", "--ep-size", "2")
 PROMPT = "Context parallel prefill"
 
 
@@ -30,22 +32,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(node_rank: int, port: int) -> tuple[str, ...]:
+def _torchrun(node_rank: int, port: int, per_node: int) -> tuple[str, ...]:
     return (sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-            "--nproc-per-node", "2", "--node-rank", str(node_rank), "--master-addr",
+            "--nproc-per-node", str(per_node), "--node-rank", str(node_rank), "--master-addr",
             "127.0.0.1", "--master-port", str(port), "-m", "cpmoe.cli")
 
 
-def _launch_two_nodes(tmp_path_factory) -> tuple[Path, list[Server]]:
-    from cpmoe.default_model import ensure_default_model
+def _launch_two_nodes(tmp_path_factory, seed_cache, layout: tuple[str, ...] = LAYOUT,
+                      per_node: int = 2) -> tuple[Path, list[Server]]:
     cache = tmp_path_factory.mktemp("cpmoe-cache")
     work = tmp_path_factory.mktemp("torchrun")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CPMOE_CACHE_DIR", str(cache))
-        ensure_default_model()  # written once, before four ranks look for it
+    seed_cache(cache)  # the built-in model there before the ranks look for it
     port = _free_port()
-    flags = (*LAYOUT, "--max-total-tokens", "2048")
-    return cache, [Server(work, cache, *flags, launcher=_torchrun(r, port)) for r in (0, 1)]
+    flags = (*layout, "--max-total-tokens", "2048")
+    return cache, [Server(work, cache, *flags, launcher=_torchrun(r, port, per_node))
+                   for r in (0, 1)]
 
 
 def _stop_all(nodes: list[Server]) -> None:
@@ -56,11 +57,13 @@ def _stop_all(nodes: list[Server]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_torchrun_server_stops_every_rank_cleanly_on_sigterm_to_rank_0(tmp_path_factory):
-    _, nodes = _launch_two_nodes(tmp_path_factory)
+def test_torchrun_server_stops_every_rank_cleanly_on_sigterm_to_rank_0(tmp_path_factory,
+                                                                      default_model_cache):
+    _, nodes = _launch_two_nodes(tmp_path_factory, default_model_cache, TP2, per_node=1)
     try:
         server = nodes[0].wait_ready(timeout_s=300)
         pids = server.health()["rank_pids"]
+        assert len(pids) == 2  # one on each node
         os.kill(pids[0], signal.SIGTERM)
         for node in nodes:
             assert node.proc.wait(timeout=60) == 0, node.stderr()
@@ -69,8 +72,8 @@ def test_torchrun_server_stops_every_rank_cleanly_on_sigterm_to_rank_0(tmp_path_
 
 
 def test_torchrun_two_nodes_serve_one_server_equal_to_generate_and_die_together(
-        tmp_path_factory, demo_sampled_generate):
-    _, nodes = _launch_two_nodes(tmp_path_factory)
+        tmp_path_factory, default_model_cache, demo_sampled_generate):
+    _, nodes = _launch_two_nodes(tmp_path_factory, default_model_cache)
     try:
         server = nodes[0].wait_ready(timeout_s=300)
         pids = server.health()["rank_pids"]

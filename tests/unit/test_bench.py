@@ -1,5 +1,6 @@
 """`cpmoe bench` and the bench/ scripts on CPU (gloo, tiny shapes): they run, write the JSON
-they promise, and their correctness checks hold. No timing is asserted.
+they promise, and their correctness checks hold; bench and bench-one-batch take
+`--quantization fp8`. No timing is asserted.
 
 The command-line runs are subprocesses (an interpreter and a torch import each, plus the
 ranks they spawn), so each is made once, all started together in the module fixture `runs`
@@ -33,7 +34,7 @@ from cpmoe.parallel.layout import LayoutError
 from tests.e2e.test_cli import Cli, CliResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 240
+TIMEOUT_S = 600  # a hang guard: a loaded 2-core machine took over 240 s for a --launch run
 LAYOUTS = "tp=1;tp=2,cp=2,ep=2;tp=2,cp=2,ep=2,placement=balanced"
 
 
@@ -63,11 +64,14 @@ V4_CONFIG = {
 GSP_ARGS = ["--dataset", "shared-prefix", "--gsp-system-prompt-len", "32", "--gsp-question-len",
             "8", "--gsp-output-len", "3", "--num-prompts", "3", "--max-concurrency", "1",
             "--launch", "--device", "cpu"]
+# bench-serving runs once, on the shared-prefix dataset (GSP_ARGS: a server started by
+# --launch is three interpreters with a torch import); its random dataset differs only in
+# the requests it draws, checked in this process (test_random_dataset_draws_...)
+# bench-one-batch runs once, with --quantization fp8 (test_bench_one_batch_takes_...): the
+# provenance test reads the same run
 SERVING_ARGS = {
-    "bench-one-batch": ["--shape", "tiny", "--batch-size", "1", "--input-len", "16",
-                        "--output-len", "2", "--device", "cpu"],
-    "bench-serving": ["--dataset", "random", "--random-input-len", "16", "--random-output-len",
-                      "3", "--num-prompts", "2", "--launch", "--device", "cpu"]}
+    "bench-one-batch": ["--shape", "tiny", "--batch-size", "2", "--input-len", "16",
+                        "--output-len", "3", "--quantization", "fp8", "--device", "cpu"]}
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +94,13 @@ def runs(tmp_path_factory):
     d = folder("big")
     calls["cannot-fit"] = (["-m", "cpmoe.cli", "bench", "--shape", "qwen3-30b-a3b", "--device",
                             "cpu", "--out", str(d / "big.json")], None, REPO_ROOT, d)
-    d = folder("no-out")
-    calls["no-out"] = (["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu",
-                        "--iters", "1", "--warmup", "0", "--lengths", "32"],
-                       {"CPMOE_CACHE_DIR": str(d / "cache"), "PYTHONPATH": str(REPO_ROOT)},
-                       d, d)
-    d = folder("oom")
-    calls["oom"] = (_bench_args(d / "oom.json", "--lengths", "32,64,96", "--layouts", "tp=1"),
-                    {"CPMOE_BENCH_INJECT_OOM": "64"}, REPO_ROOT, d)
+    # one tp=1 run for two tests (each run is a CLI and a rank): no --out (the file goes to
+    # the cache folder) and an out-of-memory injected at length 64
+    d = folder("no-out-oom")
+    calls["no-out-oom"] = (["-m", "cpmoe.cli", "bench", "--shape", "tiny", "--device", "cpu",
+                            "--iters", "1", "--warmup", "0", "--lengths", "32,64,96"],
+                           {"CPMOE_CACHE_DIR": str(d / "cache"), "PYTHONPATH": str(REPO_ROOT),
+                            "CPMOE_BENCH_INJECT_OOM": "64"}, d, d)
     for script in ("attention_cp", "dispatch"):
         d = folder(script)
         calls[script] = (["-m", f"cpmoe.bench.{script}", "--device", "cpu", "--smoke", "--out",
@@ -112,6 +115,9 @@ def runs(tmp_path_factory):
         d = folder(command)
         calls[command] = (["-m", "cpmoe.cli", command, "--out", str(d / f"{command}.json"),
                            *args], None, REPO_ROOT, d)
+    d = folder("fp8")
+    calls["fp8"] = (_bench_args(d / "fp8.json", "--lengths", "64", "--layouts", "tp=1",
+                                "--quantization", "fp8"), None, REPO_ROOT, d)
     d = folder("gsp")
     calls["shared-prefix"] = (["-m", "cpmoe.cli", "bench-serving", "--out", str(d / "gsp.json"),
                                *GSP_ARGS], None, REPO_ROOT, d)
@@ -238,18 +244,22 @@ def test_bench_whose_weights_cannot_fit_is_one_line_before_any_rank(runs):
     assert not (d / "big.json").exists()
 
 
+def _no_out_file(d: Path) -> list[Path]:
+    return list((d / "cache" / "bench").glob("tiny-*.json"))
+
+
 def test_bench_without_out_writes_to_the_cache_folder_not_the_cwd(runs):
-    proc, d = _result(runs, "no-out")  # run in d, with its cache folder d / "cache"
+    proc, d = _result(runs, "no-out-oom")  # run in d, with its cache folder d / "cache"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    written = list((d / "cache" / "bench").glob("tiny-*.json"))
+    written = _no_out_file(d)
     assert len(written) == 1 and json.loads(written[0].read_text())["rows"]
     assert not (d / "bench").exists()
 
 
 def test_bench_out_of_memory_is_a_row_and_the_run_goes_on(runs):
-    proc, d = _result(runs, "oom")
+    proc, d = _result(runs, "no-out-oom")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((d / "oom.json").read_text())["rows"]
+    rows = json.loads(_no_out_file(d)[0].read_text())["rows"]
     assert [r["error"] for r in rows] == [None, "out of memory", "out of memory"]
     assert "not run" in rows[2]["error_detail"] and rows[0]["tokens_per_s"] > 0
 
@@ -288,7 +298,11 @@ def test_active_params_count_the_hf_models_weights_one_token_meets():
              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
              "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
              "qkv_bias": True, "rope_theta": 10000.0, "tie_word_embeddings": False}
-    for raw in (SHAPES["qwen3-30b-a3b"], SHAPES["tiny"], qwen2):
+    # the 30B shape at 2 of its 48 layers (its widths and 128 experts, in a twentieth of the
+    # modules to build); its full count is pinned below, and the other shapes check the
+    # sum over layers against HF
+    thin_30b = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2}
+    for raw in (thin_30b, SHAPES["tiny"], qwen2):
         cfg = parse_config(raw, "test")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(raw))
@@ -355,15 +369,36 @@ def test_random_hash_tables_hold_distinct_expert_ids():
     assert all(len(set(row.tolist())) == 3 for row in t)
 
 
-@pytest.mark.parametrize("command", list(SERVING_ARGS))
-def test_decode_and_serving_benchmarks_write_provenance(runs, command):
+@pytest.mark.parametrize("command, run, out", [
+    ("bench-one-batch", "bench-one-batch", "bench-one-batch.json"),
+    ("bench-serving", "shared-prefix", "gsp.json")])
+def test_decode_and_serving_benchmarks_write_provenance(runs, command, run, out):
     """The other two commands that write bench/results/ files, at tiny sizes on CPU."""
-    proc, d = _result(runs, command)
-    out = d / f"{command}.json"
+    proc, d = _result(runs, run)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    head = json.loads(out.read_text())["header"]
+    head = json.loads((d / out).read_text())["header"]
     _assert_provenance(head)
     assert head["command"].startswith(f"cpmoe {command} ") and "--out" in head["command"]
+
+
+def test_random_dataset_draws_the_asked_number_of_prompts_within_the_lengths():
+    """bench-serving --dataset random: prompt and output lengths drawn from
+    [ratio * len, len], token ids below the vocabulary, the same requests for a seed."""
+    import argparse
+
+    from cpmoe.bench.serving import add_arguments, make_requests
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--dataset", "random", "--random-input-len", "40",
+                         "--random-output-len", "6", "--random-range-ratio", "0.5",
+                         "--num-prompts", "50", "--base-url", "http://unused", "--out", "unused"])
+    reqs = make_requests(args, 300)
+    assert len(reqs) == 50 and reqs == make_requests(args, 300)
+    assert all(20 <= len(ids) <= 40 and 3 <= out <= 6 for ids, out in reqs)
+    assert all(0 <= t < 300 for ids, _ in reqs for t in ids)
+    assert len({len(ids) for ids, _ in reqs}) > 1  # lengths are drawn, not fixed
+    args.seed += 1
+    assert make_requests(args, 300) != reqs
 
 
 def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
@@ -383,3 +418,21 @@ def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
     assert metrics["cpmoe_prompt_tokens_cached_total"] == sum(cached)
     assert metrics["cpmoe_prompt_tokens_computed_total"] == (summary["total_input_tokens"]
                                                              - sum(cached))
+
+
+# ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
+# model runs on the FP8-rounded weights) ----------------------------------------------------
+
+def test_bench_takes_quantization_fp8(runs):
+    proc, d = _result(runs, "fp8")
+    out = d / "fp8.json"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"quantization": "fp8"' in out.read_text()  # in the run's header
+    data = json.loads(out.read_text())
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in data["rows"])
+
+
+def test_bench_one_batch_takes_quantization_fp8(runs):
+    proc, d = _result(runs, "bench-one-batch")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp8" in (d / "bench-one-batch.json").read_text()

@@ -15,14 +15,12 @@ is checked on the GPU (tests/gpu/test_fp8_cuda.py).
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cpmoe.quant import formats
+from tests._interpreter import run_interpreted
 from tests.e2e._fp8_helpers import (dequantize_blocks, dequantize_mxfp4, dequantize_ue8m0_blocks,
                                     quantize_blocks, quantize_mxfp4, quantize_ue8m0_blocks)
 
@@ -151,8 +149,6 @@ print("fp8 kernels ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_fp8_kernels_match_references_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CASES], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = run_interpreted(_CASES, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fp8 kernels ok" in out.stdout

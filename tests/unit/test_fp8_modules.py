@@ -12,9 +12,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.layout import ParallelLayout
 from cpmoe.quant.formats import dequantize
 from cpmoe.quant.modules import Fp8Linear, prepare_fp8
+from tests._interpreter import run_interpreted
 from tests.e2e._fp8_helpers import make_fp8_checkpoint
 from tests.unit.test_loader import rank_groups
 
@@ -116,9 +114,7 @@ print("fp8 forward ok", rel)
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_fp8_forward_follows_dequantized_model_in_the_interpreter(fp8_dir):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _FORWARD, str(fp8_dir)], env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = run_interpreted(_FORWARD, str(fp8_dir), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fp8 forward ok" in out.stdout
 

@@ -4,11 +4,10 @@ TRITON_INTERPRET is read at import; skipped where Triton is not installed). The 
 tests/gpu/test_cuda_paths.py checks bf16 on CUDA."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests._interpreter import run_interpreted
 
 _CASES = r"""
 import torch
@@ -68,8 +67,6 @@ print("fused moe ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_fused_decode_experts_match_the_loop_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CASES], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = run_interpreted(_CASES, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused moe ok" in out.stdout

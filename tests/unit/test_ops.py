@@ -3,15 +3,13 @@ the Triton kernels against the references (Triton's CPU interpreter, in a subpro
 TRITON_INTERPRET is read at import; skipped where Triton is not installed)."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cpmoe import ops
+from tests._interpreter import run_interpreted
 
 
 def test_references_match_the_plain_expressions() -> None:
@@ -138,8 +136,6 @@ print("kernels ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_triton_kernels_match_references_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = run_interpreted(_KERNELS, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kernels ok" in out.stdout

@@ -10,18 +10,15 @@ are -1 or stale page ids, so any read of a slot that is not the row's shows up a
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cpmoe import ops
 from cpmoe.cp import paged_attention as pa
+from tests._interpreter import run_interpreted
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def build_paged(lens: list[int], page: int, kv_heads: int, dim: int, dtype: torch.dtype,
@@ -233,10 +230,7 @@ print("paged kernel ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_triton_kernel_matches_reference_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     script = f"TEST_DIR = {str(pathlib.Path(__file__).parent)!r}\n" + _KERNEL
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
-                         text=True, timeout=300)
+    out = run_interpreted(script, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "paged kernel ok" in out.stdout
