@@ -194,8 +194,7 @@ def choose_tokens(logits: torch.Tensor, rows: list[Request],
     take one argmax and one copy to the host together (a step of 128 greedy streams would
     otherwise wait on 128 copies); sampled rows and rows with penalties or min_tokens
     (`adjust_logits`) go one by one through `sample`."""
-    plain = [i for i, req in enumerate(rows)
-             if req.params.greedy and not req.params.adjusts_logits]
+    plain = [i for i, req in enumerate(rows) if _argmax_row(req)]
     tokens = [0] * len(rows)
     if plain:
         picked = logits if len(plain) == len(rows) else logits[plain]
@@ -321,9 +320,15 @@ class Driver:
         self.frontend.emit(events, stats)
 
 
+def _argmax_row(req: Request) -> bool:
+    """A row whose token is the argmax of its raw logits."""
+    return req.params.greedy and not req.params.adjusts_logits
+
+
 def _plain(req: Request) -> bool:
-    """A row whose token is the argmax of its raw logits, nothing else asked of them."""
-    return req.params.greedy and not req.params.adjusts_logits and req.logprobs is None
+    """An argmax row of which nothing else is asked (no logprobs): its logits can stay on
+    the device."""
+    return _argmax_row(req) and req.logprobs is None
 
 
 def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
