@@ -304,7 +304,7 @@ class Driver:
             events += self.sched.resolve(rows, tokens, logprobs)
         kv = self.runner.kv
         # pages only the prefix cache holds are evictable: reported apart, as SGLang does
-        cached = [n * kv.page_size for n in getattr(kv, "cached_pages", [0] * kv.cp_size)]
+        cached = [n * kv.page_size for n in kv.cached_pages]
         used = [kv.rank_pages[c] * kv.page_size if kv.cp_size > 1 else kv.used
                 for c in range(kv.cp_size)]
         coords = [c if kv.cp_size > 1 else 0 for c in self._cp_coords]
@@ -315,6 +315,7 @@ class Driver:
                  "kv_used": [used[c] - cached[c] for c in coords],
                  "kv_cached": [cached[c] for c in coords],
                  "preemptions": self.sched.preemptions,
+                 "new_seqs": len(plan.extend),
                  "prefill_tokens": sum(len(ids) for _, ids, _ in plan.extend),
                  "cached_tokens": plan.cached_tokens}
         self.frontend.emit(events, stats)

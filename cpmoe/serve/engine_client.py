@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, Listener
 from cpmoe.engine.scheduler import Request, TokenEvent
 from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankInfo, RankPool
-from cpmoe.serve.metrics import Metrics
+from cpmoe.serve.metrics import BatchLog, Metrics
 from cpmoe.serve.protocol import Job
 
 
@@ -61,8 +61,9 @@ class RequestStream:
 class EngineClient:
     def __init__(self, spec: EngineSpec, pool: RankPool | None, listener: Listener,
                  max_queue: int, metrics: Metrics, on_failure: Callable[[], None],
-                 world: RankInfo | None = None) -> None:
+                 world: RankInfo | None = None, batch_log: BatchLog | None = None) -> None:
         self.spec, self.pool, self.max_queue, self.metrics = spec, pool, max_queue, metrics
+        self.batch_log = batch_log
         self._listener = listener
         self._on_failure = on_failure
         self._conn: Connection | None = None
@@ -81,7 +82,8 @@ class EngineClient:
     @classmethod
     def start(cls, spec: EngineSpec, world_size: int, device: str, max_queue: int,
               metrics: Metrics, on_failure: Callable[[], None],
-              world: RankInfo | None = None) -> EngineClient:
+              world: RankInfo | None = None, batch_log: BatchLog | None = None
+              ) -> EngineClient:
         """Spawn the ranks (or, with `world`, run rank 0 of a torchrun world in a thread of
         this process), start the engine and wait until the model is loaded on all ranks;
         raises the engine's failure (RankFailure) if it dies first."""
@@ -89,7 +91,7 @@ class EngineClient:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         spec = dataclasses.replace(spec, link_address=listener.address, link_authkey=authkey)
         pool = None if world else RankPool(world_size, device, collective_timeout_s=120.0)
-        self = cls(spec, pool, listener, max_queue, metrics, on_failure, world)
+        self = cls(spec, pool, listener, max_queue, metrics, on_failure, world, batch_log)
         self._pool_thread.start()
         threading.Thread(target=self._read_link, name="cpmoe-link", daemon=True).start()
         self._ready.wait()
@@ -143,6 +145,8 @@ class EngineClient:
         now = time.monotonic()
         m = self.metrics
         m.on_step(stats)
+        if self.batch_log is not None:
+            self.batch_log.on_step(stats, len(events), m.kv_capacity)
         for ev in events:
             stream = self._streams.get(ev.rid)
             if stream is None:

@@ -7,8 +7,12 @@ reported with its latest step.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -140,3 +144,46 @@ def parse_metrics(text: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out
+
+
+class BatchLog:
+    """SGLang's batch log lines, on stderr, with a timestamp and the step's time added: one
+    "Prefill batch." line per step that prefills (new sequences, new and cached prompt tokens)
+    and one "Decode batch." line every `decode_interval` decode-only steps
+    (`--decode-log-interval`, SGLang's flag; 0: none) with the generation throughput since
+    the previous decode line. A server's steps read as a timeline in its log."""
+
+    def __init__(self, decode_interval: int,
+                 write: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.decode_interval = decode_interval
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.clock = clock
+        self._decodes = 0
+        self._tokens = 0  # generated since the last decode line
+        self._since = clock()
+
+    def on_step(self, stats: dict, tokens: int, kv_capacity: int) -> None:
+        """`tokens`: the step's generated tokens (events)."""
+        self._tokens += tokens
+        used = stats["kv_used"]
+        usage = sum(used) / (kv_capacity * len(used)) if kv_capacity and used else 0.0
+        queue = f"#running-req: {stats['running']}, #queue-req: {stats['waiting']}"
+        step = f"step: {stats['step_s'] * 1e3:.1f} ms"
+        if stats.get("prefill_tokens"):
+            self._emit(f"Prefill batch. #new-seq: {stats['new_seqs']}, "
+                       f"#new-token: {stats['prefill_tokens']}, "
+                       f"#cached-token: {stats['cached_tokens']}, token usage: {usage:.2f}, "
+                       f"{queue}, {step}")
+        elif stats["kind"] == "decode" and self.decode_interval > 0:
+            self._decodes += 1
+            if self._decodes % self.decode_interval == 0:
+                now = self.clock()
+                rate = self._tokens / max(now - self._since, 1e-9)
+                self._emit(f"Decode batch. #running-req: {stats['running']}, "
+                           f"token usage: {usage:.2f}, gen throughput (token/s): {rate:.1f}, "
+                           f"#queue-req: {stats['waiting']}, {step}")
+                self._tokens, self._since = 0, now
+
+    def _emit(self, text: str) -> None:
+        self.write(f"[{datetime.now().strftime('%H:%M:%S.%f')[:-3]}] {text}")

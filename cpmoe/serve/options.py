@@ -21,6 +21,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat max_tokens when the request gives none (completions: 16)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (as SGLang): token-id prompts in, token ids out")
+    p.add_argument("--decode-log-interval", type=int, default=40,
+                   help="log a 'Decode batch.' line every N decode steps (0: never); "
+                        "every prefilling step logs a 'Prefill batch.' line")
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,18 @@ class ServeOptions:
     max_queue: int
     default_max_tokens: int
     skip_tokenizer_init: bool = False
+    decode_log_interval: int = 40
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         opts = cls(args.host, args.port, args.served_model_name, args.max_queue,
-                   args.default_max_tokens, args.skip_tokenizer_init)
+                   args.default_max_tokens, args.skip_tokenizer_init,
+                   args.decode_log_interval)
         if not 0 <= opts.port < 65536:
             raise ValueError(f"--port {opts.port}: expected 0..65535")
+        if opts.decode_log_interval < 0:
+            raise ValueError(f"--decode-log-interval must be >= 0, got "
+                             f"{opts.decode_log_interval}")
         for flag in ("max_queue", "default_max_tokens"):
             if getattr(opts, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "

@@ -31,7 +31,7 @@ from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 from cpmoe.serve.app import ServeState, build_app
 from cpmoe.serve.engine_client import EngineClient
-from cpmoe.serve.metrics import Metrics
+from cpmoe.serve.metrics import BatchLog, Metrics
 from cpmoe.serve.options import BindError, ServeOptions
 from cpmoe.serve.protocol import Limits
 
@@ -108,7 +108,7 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
     exit_ = _Exit()
     spec = _spec(model_dir, layout, dtype, cfg, engine, ignore_sigterm=world is None)
     client = EngineClient.start(spec, layout.world_size, device, opts.max_queue, metrics,
-                                exit_.on_failure, world)
+                                exit_.on_failure, world, BatchLog(opts.decode_log_interval))
     try:
         limits = Limits(name, cfg.vocab_size, context,
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -218,6 +219,7 @@ def test_64_concurrent_clients_get_their_tokens_and_kv_returns_to_zero(servers, 
     server = servers["tp4"]
     specs = _load_specs()
     before = server.metrics()
+    log_before = len(server.stderr())
 
     async def run_all() -> list[dict]:
         limits = httpx.Limits(max_connections=128)
@@ -251,6 +253,12 @@ def test_64_concurrent_clients_get_their_tokens_and_kv_returns_to_zero(servers, 
                    for r in ("stop", "length"))
     assert finished == len(specs) - cancelled
     assert delta["cpmoe_time_to_first_token_seconds_count"] >= len(specs) - abandoned
+    # the batch log (SGLang's lines) accounts for every prefilled prompt token, step by step
+    logged = re.findall(r"Prefill batch\. #new-seq: (\d+), #new-token: (\d+)",
+                        server.stderr()[log_before:])
+    assert logged and sum(int(t) for _, t in logged) == \
+        delta["cpmoe_prompt_tokens_computed_total"]
+    assert sum(int(n) for n, _ in logged) >= len(specs) - abandoned
     print(f"64 clients: {took:.1f} s")
 
 
