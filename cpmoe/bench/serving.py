@@ -309,6 +309,10 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     if server is not None and failed:  # the server's side of the failures
         print("cpmoe bench-serving: requests failed; the server's last log lines:\n"
               + "".join(server.log[-40:]), file=sys.stderr)
+    if server is not None:  # its batch log: the run's steps as a timeline
+        server_log = args.out.with_suffix(".server.log")
+        server_log.write_text("".join(server.log))
+        print(f"wrote {server_log}")
     if long is not None:
         summary["long_prompt"] = interference(results, long, _chunk_size(args.launch or []))
     head = {**provenance(argv),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -418,6 +419,12 @@ def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
     assert metrics["cpmoe_prompt_tokens_cached_total"] == sum(cached)
     assert metrics["cpmoe_prompt_tokens_computed_total"] == (summary["total_input_tokens"]
                                                              - sum(cached))
+    # the launched server's log is kept beside the results: its batch lines add up the same
+    log = out.with_suffix(".server.log").read_text()
+    logged = [(int(n), int(c)) for n, c in re.findall(
+        r"Prefill batch\. #new-seq: \d+, #new-token: (\d+), #cached-token: (\d+)", log)]
+    assert sum(n for n, _ in logged) == metrics["cpmoe_prompt_tokens_computed_total"]
+    assert sum(c for _, c in logged) == sum(cached)
 
 
 # ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
