@@ -67,10 +67,17 @@ PY
       # 128-token answers; 8 prefixes x 64 prompts, 128 in flight; the same run both ways
       gsp=(--dataset shared-prefix --gsp-system-prompt-len 2048 --gsp-question-len 128
            --gsp-output-len 128 --gsp-num-groups 8 --num-prompts 512 --max-concurrency 128)
-      step prefix-radix python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
-        --out "$out/prefix-radix.json" --launch "${serve[@]}"
-      step prefix-no-radix python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
-        --out "$out/prefix-no-radix.json" --launch "${serve[@]}" --disable-radix-cache
+      # each run compiles its own Triton kernels (neither finds the other's in the cache);
+      # the variants it compiled are listed after it
+      for run in radix no-radix; do
+        flags=(); [ "$run" = no-radix ] && flags=(--disable-radix-cache)
+        export TRITON_CACHE_DIR=$(mktemp -d)
+        step "prefix-$run" python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
+          --out "$out/prefix-$run.json" --launch "${serve[@]}" "${flags[@]}"
+        step "prefix-$run-kernels" sh -c "find '$TRITON_CACHE_DIR' -name '*.json' \
+          ! -name '__grp__*' -printf '%f\n' | sort | uniq -c | sort -rn"
+      done
+      unset TRITON_CACHE_DIR
       step prefix-compare python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

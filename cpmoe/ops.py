@@ -242,7 +242,9 @@ def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 
 
 if triton is not None:
-    @triton.jit
+    # a size that changes every step: no specialization on it (Triton would compile a
+    # new variant, ~1 s, for each new residue mod 16 it meets while serving)
+    @triton.jit(do_not_specialize=["T"])
     def _merge_two_kernel(o1_ptr, l1_ptr, o2_ptr, l2_ptr, out_ptr, T, o1_st, o1_sh, o2_st,
                           o2_sh, l1_st, l1_sh, l2_st, l2_sh, out_st, out_sh,
                           BLOCK: tl.constexpr, D: tl.constexpr):
@@ -265,7 +267,8 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * out_st + h * out_sh + d,
                  (w1 * o1 + w2 * o2).to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
-    @triton.jit
+    # likewise: no specialization on the sizes that change every step
+    @triton.jit(do_not_specialize=["N"])
     def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, N, E, K: tl.constexpr,
                              RENORM: tl.constexpr, BLOCK: tl.constexpr, E_POW2: tl.constexpr,
                              K_POW2: tl.constexpr):

@@ -255,7 +255,9 @@ def _workspace(workspace: tuple[torch.Tensor, torch.Tensor] | None, B: int, H: i
 
 
 if triton is not None:
-    @triton.jit
+    # a size that changes every step: no specialization on it (Triton would compile a
+    # new variant, ~1 s, for each new residue mod 16 it meets while serving)
+    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS"])
     def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
                              o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
@@ -319,7 +321,8 @@ if triton is not None:
                  o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
 
-    @triton.jit
+    # likewise: no specialization on the sizes that change every step
+    @triton.jit(do_not_specialize=["NUM_SPLITS"])
     def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, op_sb, op_sh, op_ss, lp_sb, lp_sh,
                              o_sb, o_sh, lse_sb, HEAD_DIM, NUM_SPLITS, BLOCK_S: tl.constexpr,
                              D_PAD: tl.constexpr):

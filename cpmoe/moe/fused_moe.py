@@ -132,7 +132,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
 
 
 if triton is not None:
-    @triton.jit
+    # a size that changes every step: no specialization on it (Triton would compile a
+    # new variant, ~1 s, for each new residue mod 16 it meets while serving)
+    @triton.jit(do_not_specialize=["P", "cap"])
     def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, BLOCK_P: tl.constexpr):
         e = tl.program_id(0)
         base = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
@@ -160,7 +162,8 @@ if triton is not None:
             acc += w * vals.to(tl.float32)
         tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # likewise: no specialization on the sizes that change every step
+    @triton.jit(do_not_specialize=["cap"])
     def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM,
                             cap, rows_per_a, stride_a, stride_we, stride_wn, stride_out, E,
                             stride_se, stride_sn, limit, GATED: tl.constexpr,

@@ -71,7 +71,9 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
 
 
 if triton is not None:
-    @triton.jit
+    # a size that changes every step: no specialization on it (Triton would compile a
+    # new variant, ~1 s, for each new residue mod 16 it meets while serving)
+    @triton.jit(do_not_specialize=["M"])
     def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP: tl.constexpr):
         row = tl.program_id(0)
         g = tl.program_id(1)
