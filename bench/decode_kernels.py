@@ -1,6 +1,7 @@
 """Tile sweep of the decode experts' GEMM kernel (cpmoe/moe/fused_moe.py) on the GPU.
 
     PYTHONPATH=. python3 bench/decode_kernels.py --out bench/results/decode-kernels.json
+    PYTHONPATH=. python3 bench/decode_kernels.py --fp8 --out bench/results/decode-kernels-fp8.json
 
 (A Triton skinny GEMM for the dense projections was swept against cuBLAS the same way and
 lost: bench/results/decode-dense-20261202.json, code at commit 23687c9.)
@@ -10,6 +11,8 @@ uniform routing, for 1, 16, 64 and 256 rows: the gate/up and down GEMMs under ev
 configuration of the sweep, against `gemm_config`'s choice. Weights of several layers are
 rotated so no repetition finds a previous one's experts in L2. Prints a table per GEMM and
 writes every time to JSON; time in microseconds per call, CUDA events over a graph replay.
+--fp8: the weights in float8_e4m3fn with one float32 scale per 128 x 128 block, as
+`--quantization fp8` serves them (tiles then stay inside one block: BLOCK_N, BLOCK_K <= 128).
 """
 
 from __future__ import annotations
@@ -60,15 +63,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    gate_up = [torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(LAYERS)]
-    down = [torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
-            for _ in range(LAYERS)]
-    grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
+    wdtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
+
+    def weights(rows: int, cols: int) -> list[torch.Tensor]:
+        return [(torch.randn(E, rows, cols, device="cuda") * 0.02).to(wdtype)
+                for _ in range(LAYERS)]
+
+    def scales(rows: int, cols: int) -> list[torch.Tensor | None]:
+        return [torch.rand(E, rows // 128, cols // 128, device="cuda") + 0.5 if args.fp8
+                else None for _ in range(LAYERS)]
+
+    gate_up, down = weights(2 * I, H), weights(H, I)
+    gate_up_s, down_s = scales(2 * I, H), scales(H, I)
+    if args.fp8:  # a tile must stay inside one 128 x 128 scale block
+        grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+            (32, 64, 128), (64, 128), ((4, 3), (4, 5), (4, 7), (8, 4), (8, 6)))]
+    else:
+        grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+            (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
@@ -81,14 +97,15 @@ def main() -> None:
         act = torch.randn(P, I, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(P, H, device="cuda", dtype=torch.bfloat16)
         out_act = torch.empty(P, I, device="cuda", dtype=torch.bfloat16)
-        for name, a, ws, out, gated, N, k_dim in (
-                ("gate_up", x, gate_up, out_act, True, I, H),
-                ("down", act, down, y, False, H, I)):
+        for name, a, ws, ss, out, gated, N, k_dim in (
+                ("gate_up", x, gate_up, gate_up_s, out_act, True, I, H),
+                ("down", act, down, down_s, y, False, H, I)):
             default = fused_moe.gemm_config(P, E, k_dim)
 
             def run(cfg):
                 return lambda i: fused_moe._gemm(a, ws[i % LAYERS], slots, counts, out, TOP_K,
-                                                 row_of_slot=gated, gated=gated, config=cfg)
+                                                 row_of_slot=gated, gated=gated, config=cfg,
+                                                 scale=ss[i % LAYERS])
             base = time_us(run(default))
             best = (base, default)
             for bn, bk, warps, stages in grid:
@@ -104,13 +121,15 @@ def main() -> None:
                 results.append({"gemm": name, "rows": rows, "us": t, **cfg})
                 if t < best[0]:
                     best = (t, cfg)
-            ideal = len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim * 2 / 4.8e12 * 1e6
+            ideal = (len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim
+                     * wdtype.itemsize / 4.8e12 * 1e6)
             print(f"{name:8s} rows {rows:4d}: default {base:7.1f} us {default} | best "
                   f"{best[0]:7.1f} us {best[1]} | HBM floor {ideal:6.1f} us", flush=True)
             results.append({"gemm": name, "rows": rows, "us": base, "default": True,
                             "hbm_floor_us": ideal, **default})
     with open(args.out, "w") as f:
-        json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
+        json.dump({"header": provenance(sys.argv), "fp8": args.fp8, "results": results}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":
