@@ -112,12 +112,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     return o, lse.t()  # varlen flash returns lse as [H, Tq]
 
 
-def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def query_runs(positions: torch.Tensor, token_to_seq: torch.Tensor
+               ) -> list[tuple[int, int, int, int]]:
     """Host-side: maximal runs of consecutive positions of one sequence among the local rows,
     as (first row, end row, sequence, first position). Zigzag gives two runs per sequence."""
     if positions.numel() == 0:
         return []
-    pos, seq = positions.cpu(), seq_ids.cpu()
+    pos, seq = positions.cpu(), token_to_seq.cpu()
     breaks = ((pos[1:] != pos[:-1] + 1) | (seq[1:] != seq[:-1])).nonzero().flatten() + 1
     bounds = [0, *breaks.tolist(), pos.numel()]
     return [(a, b, int(seq[a]), int(pos[a])) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -283,7 +283,7 @@ class DeepseekV4Model(nn.Module):
     def forward(self, batch: ForwardBatch, step: DecodeStep | None = None) -> torch.Tensor:
         """-> final-normed rows of this rank's tokens [T, H]. A decode step's cache indices:
         `step` (static buffers of a captured graph), else taken from the cache's books for
-        batch.seq_keys."""
+        batch.cache_keys."""
         x = self.embed_tokens(batch.input_ids)
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
@@ -294,9 +294,9 @@ class DeepseekV4Model(nn.Module):
         elif step is not None:
             plan = step
         else:
-            assert isinstance(batch.kv, V4Cache) and batch.seq_keys is not None, \
+            assert isinstance(batch.kv, V4Cache) and batch.cache_keys is not None, \
                 "V4 decode needs the cache"
-            plan = batch.kv.decode_step(batch.seq_keys)
+            plan = batch.kv.decode_step(batch.cache_keys)
         for layer in self.layers:
             h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
