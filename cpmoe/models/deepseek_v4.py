@@ -37,7 +37,7 @@ from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_inv_freq
-from cpmoe.models.deepseek_v4_cache import V4Cache
+from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
 from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
@@ -50,6 +50,7 @@ from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.ops import clamped_swiglu
 from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.layout import ParallelLayout
 
 __all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
 
@@ -324,6 +325,12 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         """The hash layers' token -> expert tables hold expert ids."""
         return {f"model.layers.{i}.mlp.gate.tid2eid": cfg.num_experts
                 for i, kind in enumerate(cfg.mlp_layer_types) if kind == HASH_MOE}
+
+    @staticmethod
+    def decode_cache_for(cfg: DeepseekV4Config, layout: ParallelLayout,
+                         dtype: torch.dtype) -> str:
+        """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
+        return cache_summary(cfg, layout.attn_cp_size, dtype)
 
     def make_kv_cache(self, capacity: int) -> V4Cache:
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots; this
