@@ -17,7 +17,7 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 - Decode: each CP rank keeps its share of every sequence's compressed KV and indexer keys
   (round-robin by entry; the sliding window and open-window rows replicated), attends its
   share for every row and merges by LSE over ATTN_CP (`deepseek_v4_decode.py`,
-  `DECODE_CACHE_NOTE`); the MoE stays distributed.
+  `deepseek_v4_config.DECODE_CACHE_NOTE`); the MoE stays distributed.
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
@@ -38,7 +38,7 @@ from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_inv_freq
 from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
-from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_config import HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
@@ -51,8 +51,6 @@ from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.ops import clamped_swiglu
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout
-
-__all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
 
 # Checkpoint names (what transformers' save_pretrained writes: the original DeepSeek names
 # under `model.`) -> HF parameter names; applied in order, each at most once per name.
