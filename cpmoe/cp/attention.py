@@ -128,9 +128,10 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
                       packed: PackedRuns | None = None) -> torch.Tensor:
-    """q [T, H, D] with positions/sequence ids [T] against k/v_flat [sum L, Hkv, D] in flat
-    order. On CUDA, given `packed` (`PackedRuns.wanted`), one varlen launch for all runs;
-    given the query runs, fused kernels per run; neither syncs with the host."""
+    """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
+    `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
+    (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
+    per run; neither syncs with the host."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
