@@ -63,7 +63,7 @@ def main() -> None:
               f"{one / a.cp:.2f} ms", flush=True)
         split = CPSplit.build([L], a.cp, "zigzag")
         for r in range(a.cp):
-            pos, seq = split.local_positions(r).to(dev), split.local_seq_ids(r).to(dev)
+            pos, seq = split.local_positions(r).to(dev), split.local_token_to_seq(r).to(dev)
             runs = A.query_runs(pos, seq)
             q = qf[pos]
             ref = None

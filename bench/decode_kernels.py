@@ -1,7 +1,7 @@
 """Tile sweep of the decode experts' GEMM kernel (cpmoe/moe/fused_moe.py) on the GPU.
 
-    PYTHONPATH=. python3 bench/decode_kernels.py --out bench/results/decode-kernels.json
-    PYTHONPATH=. python3 bench/decode_kernels.py --fp8 --out bench/results/decode-kernels-fp8.json
+    python3 -m bench.decode_kernels --out bench/results/decode-kernels.json
+    python3 -m bench.decode_kernels --fp8 --out bench/results/decode-kernels-fp8.json
 
 (A Triton skinny GEMM for the dense projections was swept against cuBLAS the same way and
 lost: bench/results/decode-dense-20261202.json, code at commit 23687c9.)

@@ -29,7 +29,7 @@ def main() -> None:
         for _ in range(5):
             t = time.perf_counter()
             split = CPSplit.build([a.length], a.cp, "zigzag")
-            query_runs(split.local_positions(0), split.local_seq_ids(0))
+            query_runs(split.local_positions(0), split.local_token_to_seq(0))
             took.append(time.perf_counter() - t)
         print(f"threads {threads:3d}: best {min(took) * 1e3:7.2f} ms  worst "
               f"{max(took) * 1e3:7.2f} ms", flush=True)

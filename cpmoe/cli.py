@@ -206,12 +206,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
     out["layer_modes"] = [{"layer": p.layer, "sparse": p.sparse, "attn": p.attn.value,
                            "mlp": p.mlp.value} for p in communicator.plan_layers(layout, sparse)]
-    note = cfg.decode_cache_for(layout, dtype)
+    model_cls = load_model_config(model_dir)[1]
+    note = model_cls.decode_cache_for(cfg, layout, dtype)
     if note:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
     cfg = with_quantization(cfg, args.quantization)
-    out["memory_per_rank"] = memory_per_rank(cfg, load_model_config(model_dir)[1], layout, dtype)
+    out["memory_per_rank"] = memory_per_rank(cfg, model_cls, layout, dtype)
     if args.json:
         print(json.dumps(out))
         return 0

@@ -110,15 +110,16 @@ def cpmoe_task(info: RankInfo, spec: AttnSpec, kv_heads: int | None = None) -> d
     split = CPSplit.build([spec.seq_len], cp, "zigzag")
     r = groups.attn_cp.rank
     q, k, v = (split.scatter(t, r) for t in _qkv(spec, kv_heads, info.device))
-    positions, seq_ids = split.local_positions(r), split.local_seq_ids(r)
+    positions, token_to_seq = split.local_positions(r), split.local_token_to_seq(r)
     batch = ForwardBatch(is_decode=False, input_ids=positions.to(info.device),
-                         positions=positions.to(info.device), seq_ids=seq_ids.to(info.device),
-                         split=split, q_runs=query_runs(positions, seq_ids))
+                         positions=positions.to(info.device),
+                         token_to_seq=token_to_seq.to(info.device),
+                         split=split, q_runs=query_runs(positions, token_to_seq))
     scale = spec.head_dim ** -0.5
 
     def step() -> torch.Tensor:
         k_flat, v_flat = communicator.gather_kv(k, v, batch, groups)
-        return prefill_attention(q, batch.positions, batch.seq_ids, k_flat, v_flat,
+        return prefill_attention(q, batch.positions, batch.token_to_seq, k_flat, v_flat,
                                  list(split.cu_seqlens), scale, batch.q_runs)
 
     times, o = _time(step, spec, info.device, align=lambda: comm.barrier(groups.world))

@@ -35,7 +35,7 @@ from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.engine import DeviceTokens, EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.moe.experts import LocalExperts
-from cpmoe.moe.placement import ExpertPlacement
+from cpmoe.moe.placement import ExpertPlacement, layers_with_placement
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
@@ -215,9 +215,7 @@ def _routing_step(runner: ModelRunner, keys: list[int], tokens: list[int]) -> di
     finally:
         runner.graphs = graphs
     distinct, local, busiest = [], [], []
-    blocks = [m for m in runner.model.modules() if hasattr(m, "placement")
-              and isinstance(getattr(m, "experts", None), LocalExperts)]
-    for block in blocks:
+    for block in layers_with_placement(runner.model):
         placement: ExpertPlacement = block.placement
         load = placement.load.double()
         placement.load = None

@@ -112,12 +112,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     return o, lse.t()  # varlen flash returns lse as [H, Tq]
 
 
-def query_runs(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def query_runs(positions: torch.Tensor, token_to_seq: torch.Tensor
+               ) -> list[tuple[int, int, int, int]]:
     """Host-side: maximal runs of consecutive positions of one sequence among the local rows,
     as (first row, end row, sequence, first position). Zigzag gives two runs per sequence."""
     if positions.numel() == 0:
         return []
-    pos, seq = positions.cpu(), seq_ids.cpu()
+    pos, seq = positions.cpu(), token_to_seq.cpu()
     breaks = ((pos[1:] != pos[:-1] + 1) | (seq[1:] != seq[:-1])).nonzero().flatten() + 1
     bounds = [0, *breaks.tolist(), pos.numel()]
     return [(a, b, int(seq[a]), int(pos[a])) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -127,9 +128,10 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
                       packed: PackedRuns | None = None) -> torch.Tensor:
-    """q [T, H, D] with positions/sequence ids [T] against k/v_flat [sum L, Hkv, D] in flat
-    order. On CUDA, given `packed` (`PackedRuns.wanted`), one varlen launch for all runs;
-    given the query runs, fused kernels per run; neither syncs with the host."""
+    """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
+    `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
+    (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
+    per run; neither syncs with the host."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]

@@ -10,10 +10,10 @@ Decode: one new token per sequence, the same rows on every rank. Each row's K/V 
 `write_slots` (the trash slot on ranks that do not store it); attention reads every row's
 pages on this rank through `block_table` / `kv_lens` and merges with the other CP ranks.
 
-Two names for a sequence: `seq_ids` is per token, the sequence's index in this step's batch
-(0..B-1, what attention groups rows by); `seq_keys` is per sequence, its key in the KV cache
-(the scheduler's request key, stable across steps; a model with its own caches looks the
-sequence up by it).
+Two names for a sequence: `token_to_seq` maps each token to its sequence's index in this
+step's batch (0..B-1, what attention groups rows by); `cache_keys` gives each sequence its key
+in the KV cache (the scheduler's request key, stable across steps; a model with its own caches
+looks the sequence up by it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ForwardBatch:
     is_decode: bool
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T] absolute positions (RoPE)
-    seq_ids: torch.Tensor  # int64 [T]: each token's sequence, as its index in this batch
+    token_to_seq: torch.Tensor  # int64 [T]: each token's sequence, as its index in this batch
     split: CPSplit | None = None  # extend: the split of the step's new tokens
     rel_positions: torch.Tensor | None = None  # extend: position within the step's tokens
     q_runs: list[tuple[int, int, int, int]] | None = None  # extend: cp.attention.query_runs
@@ -41,7 +41,7 @@ class ForwardBatch:
     block_table: torch.Tensor | None = None  # decode: int32 [B, W] this rank's pages
     kv_lens: torch.Tensor | None = None  # decode: int32 [B] tokens this rank stores
     prefix: PackedPrefix | None = None  # extend: sequences with cached tokens on this rank
-    seq_keys: list[int] | None = None  # [B]: each sequence's KV-cache key (request key)
+    cache_keys: list[int] | None = None  # [B]: each sequence's KV-cache key (request key)
 
     @property
     def num_tokens(self) -> int:

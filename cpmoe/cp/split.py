@@ -142,7 +142,7 @@ class CPSplit:
     _order: torch.Tensor = field(repr=False, compare=False)
     _rank_start: tuple[int, ...] = field(repr=False, compare=False)  # rank r's group in _order
     _positions: torch.Tensor = field(repr=False, compare=False)  # [total] position of flat token
-    _seq_ids: torch.Tensor = field(repr=False, compare=False)  # [total] sequence of flat token
+    _token_to_seq: torch.Tensor = field(repr=False, compare=False)  # [total] flat token's seq
     _gathered_to_flat: torch.Tensor = field(repr=False, compare=False)  # [total]
     # the same index tensors moved to accelerators, so a GPU forward copies them only once
     _dev_cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -159,11 +159,11 @@ class CPSplit:
         cu = torch.zeros(n_seq + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
         total = int(cu[-1])
-        seq_ids = torch.repeat_interleave(torch.arange(n_seq, dtype=torch.int64), lens)
-        positions = torch.arange(total, dtype=torch.int64) - cu[:-1][seq_ids]
-        rank = _rank_of(positions, lens[seq_ids], cp_size, strategy)
+        token_to_seq = torch.repeat_interleave(torch.arange(n_seq, dtype=torch.int64), lens)
+        positions = torch.arange(total, dtype=torch.int64) - cu[:-1][token_to_seq]
+        rank = _rank_of(positions, lens[token_to_seq], cp_size, strategy)
         if any(rots):
-            rank = (rank + torch.tensor(rots, dtype=torch.int64)[seq_ids]) % cp_size
+            rank = (rank + torch.tensor(rots, dtype=torch.int64)[token_to_seq]) % cp_size
         # Stable sort keeps flat order inside each rank, which is exactly the local
         # order (invariant 2), so one sort gives every rank's local->flat map.
         order = torch.sort(rank, stable=True).indices
@@ -175,7 +175,7 @@ class CPSplit:
         slot = torch.empty(total, dtype=torch.int64)
         slot[order] = torch.arange(total, dtype=torch.int64)
         gathered_to_flat = rank * max_count + (slot - starts_t[rank])
-        seq_counts_t = torch.bincount(rank * n_seq + seq_ids, minlength=cp_size * n_seq)
+        seq_counts_t = torch.bincount(rank * n_seq + token_to_seq, minlength=cp_size * n_seq)
         return CPSplit(
             cp_size=cp_size,
             strategy=strategy,
@@ -188,7 +188,7 @@ class CPSplit:
             _order=order,
             _rank_start=tuple(starts_t.tolist()),
             _positions=positions,
-            _seq_ids=seq_ids,
+            _token_to_seq=token_to_seq,
             _gathered_to_flat=gathered_to_flat,
         )
 
@@ -221,9 +221,9 @@ class CPSplit:
         """int64 [counts[r]]: position within its sequence of each local token."""
         return self._positions[self._local(cp_rank)]
 
-    def local_seq_ids(self, cp_rank: int) -> torch.Tensor:
+    def local_token_to_seq(self, cp_rank: int) -> torch.Tensor:
         """int64 [counts[r]]: batch index of the sequence of each local token."""
-        return self._seq_ids[self._local(cp_rank)]
+        return self._token_to_seq[self._local(cp_rank)]
 
     def gathered_to_flat(self) -> torch.Tensor:
         """int64 [total]: for each flat token, its row in the padded gather [cp*max_count]."""

@@ -50,9 +50,9 @@ class DecodeGraphs:
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(is_decode=True, input_ids=self.ids[:bs],
                             positions=self.positions[:bs],
-                            seq_ids=torch.arange(bs, device=self.ids.device), kv=self.runner.kv,
-                            write_slots=self.slots[:bs], block_table=self.table[:bs],
-                            kv_lens=self.lens[:bs])
+                            token_to_seq=torch.arange(bs, device=self.ids.device),
+                            kv=self.runner.kv, write_slots=self.slots[:bs],
+                            block_table=self.table[:bs], kv_lens=self.lens[:bs])
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         model = self.runner.model

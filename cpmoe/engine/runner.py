@@ -265,12 +265,12 @@ class ModelRunner:
         return torch.as_tensor(values, dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
-    def prefill(self, seqs: list[list[int]], seq_keys: list[int] | None = None,
+    def prefill(self, seqs: list[list[int]], cache_keys: list[int] | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """CP prefill of new sequences. Returns logits (float32) of every token in flat
         order ([sum L, V]) or, with last_only, of each sequence's last token ([B, V]).
-        With a KV cache allocated, each rank keeps the K/V of its own chunk under seq_keys."""
-        keys = seq_keys or list(range(len(seqs)))
+        With a KV cache allocated, each rank keeps the K/V of its own chunk under cache_keys."""
+        keys = cache_keys or list(range(len(seqs)))
         return self.extend([Segment(k, s) for k, s in zip(keys, seqs)], last_only)
 
     @torch.no_grad()
@@ -286,16 +286,16 @@ class ModelRunner:
             rotations = [kv.rotation(s.key, len(s.ids), strategy) for s in segments]
         split = CPSplit.build([len(s.ids) for s in segments], cp.size, strategy, rotations)
         flat = self._ids([t for s in segments for t in s.ids])
-        rel, seq_ids = split.local_positions(cp.rank), split.local_seq_ids(cp.rank)
+        rel, token_to_seq = split.local_positions(cp.rank), split.local_token_to_seq(cp.rank)
         starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
-        runs = query_runs(rel, seq_ids)
+        runs = query_runs(rel, token_to_seq)
         varlen = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                   and not self.own_cache
                   and PackedRuns.wanted(runs, any(s.start for s in segments)))
         packed = PackedRuns.build(runs, split.cu_seqlens, self.device) if varlen else None
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
-                             positions=(rel + starts[seq_ids]).to(self.device),
-                             seq_ids=seq_ids.to(self.device), split=split,
+                             positions=(rel + starts[token_to_seq]).to(self.device),
+                             token_to_seq=token_to_seq.to(self.device), split=split,
                              rel_positions=rel.to(self.device), q_runs=runs,
                              packed_runs=packed)
         if self.kv is not None:
@@ -338,7 +338,7 @@ class ModelRunner:
         slots = []
         for seg, new in zip(segments, news):
             slots += kv.extend(seg.key, new)
-        batch.kv, batch.seq_keys = kv, [s.key for s in segments]
+        batch.kv, batch.cache_keys = kv, [s.key for s in segments]
         batch.write_slots = self._ids(slots)
 
     def _gathered_rows(self, split: CPSplit, n: int) -> list[torch.Tensor]:
@@ -346,11 +346,11 @@ class ModelRunner:
         rank's local rows padded to split.max_count), in order (host int64)."""
         cp = self.groups.attn_cp
         if cp.size == 1:
-            seq = split.local_seq_ids(0)
+            seq = split.local_token_to_seq(0)
         else:
             seq = torch.full((cp.size, split.max_count), n, dtype=torch.int64)
             for r in range(cp.size):
-                ids = split.local_seq_ids(r)
+                ids = split.local_token_to_seq(r)
                 seq[r, :ids.numel()] = ids
             seq = seq.flatten()
         order = torch.argsort(seq, stable=True)
@@ -374,9 +374,9 @@ class ModelRunner:
             self.feed(meta[0], tokens)
             table = torch.tensor(kv.block_table(keys), dtype=torch.int32).to(self.device)
             batch = ForwardBatch(is_decode=True, input_ids=meta[0], positions=meta[1],
-                                 seq_ids=torch.arange(len(keys), device=self.device), kv=kv,
+                                 token_to_seq=torch.arange(len(keys), device=self.device), kv=kv,
                                  write_slots=meta[2], block_table=table,
-                                 kv_lens=meta[3].to(torch.int32), seq_keys=keys)
+                                 kv_lens=meta[3].to(torch.int32), cache_keys=keys)
             logits = self.model.logits(self.model.hidden_states(batch)).float()
         self.times.decode_s += time.perf_counter() - t0
         self.times.decode_steps += 1

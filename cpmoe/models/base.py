@@ -26,10 +26,6 @@ class ModelConfig:
         """This model's own layout rules, beyond the ones every model has (registry's
         check_model_fit runs both); LayoutError with one line. No rules by default."""
 
-    def decode_cache_for(self, layout: ParallelLayout, dtype: torch.dtype) -> str | None:
-        """`cpmoe plan`'s line on a model-owned decode cache (None: the engine's paged one)."""
-        return None
-
 
 class CausalLMHead(nn.Module):
     """The interface of a model class: what the engine, the loader and the benchmarks call,
@@ -43,7 +39,8 @@ class CausalLMHead(nn.Module):
     - `checkpoint_param_name(name)`: a parameter's name in the checkpoint.
     - `own_cache`: False, the engine's paged K/V cache serves the model; True, the model
       keeps its own per-sequence caches (`make_kv_cache`) and brings its own decode graphs
-      (`decode_graphs`); `can_capture_decode()`: whether its decode step may be captured.
+      (`decode_graphs`); `can_capture_decode()`: whether its decode step may be captured;
+      `decode_cache_for(cfg, layout, dtype)` (static): `cpmoe plan`'s line on that cache.
     - `fuse_weights()`, `hidden_states(batch)`, `logits(hidden)`.
     """
 
@@ -61,6 +58,11 @@ class CausalLMHead(nn.Module):
     @staticmethod
     def checkpoint_param_name(name: str) -> str:
         return name
+
+    @staticmethod
+    def decode_cache_for(cfg, layout: ParallelLayout, dtype: torch.dtype) -> str | None:
+        """None: the engine's paged K/V cache, which `cpmoe plan` describes itself."""
+        return None
 
     def make_kv_cache(self, capacity: int):
         raise NotImplementedError(f"{type(self).__name__} uses the engine's paged K/V cache")

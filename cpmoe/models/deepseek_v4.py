@@ -17,7 +17,7 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 - Decode: each CP rank keeps its share of every sequence's compressed KV and indexer keys
   (round-robin by entry; the sliding window and open-window rows replicated), attends its
   share for every row and merges by LSE over ATTN_CP (`deepseek_v4_decode.py`,
-  `DECODE_CACHE_NOTE`); the MoE stays distributed.
+  `deepseek_v4_config.DECODE_CACHE_NOTE`); the MoE stays distributed.
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
@@ -37,8 +37,8 @@ from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_inv_freq
-from cpmoe.models.deepseek_v4_cache import V4Cache
-from cpmoe.models.deepseek_v4_config import DECODE_CACHE_NOTE, HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
+from cpmoe.models.deepseek_v4_config import HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_state import DecodeStep
@@ -50,8 +50,7 @@ from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.ops import clamped_swiglu
 from cpmoe.parallel.groups import ProcessGroups
-
-__all__ = ["DECODE_CACHE_NOTE", "DeepseekV4ForCausalLM", "V4Cache", "checkpoint_param_name"]
+from cpmoe.parallel.layout import ParallelLayout
 
 # Checkpoint names (what transformers' save_pretrained writes: the original DeepSeek names
 # under `model.`) -> HF parameter names; applied in order, each at most once per name.
@@ -283,7 +282,7 @@ class DeepseekV4Model(nn.Module):
     def forward(self, batch: ForwardBatch, step: DecodeStep | None = None) -> torch.Tensor:
         """-> final-normed rows of this rank's tokens [T, H]. A decode step's cache indices:
         `step` (static buffers of a captured graph), else taken from the cache's books for
-        batch.seq_keys."""
+        batch.cache_keys."""
         x = self.embed_tokens(batch.input_ids)
         ropes = {name: Rope(table, *table(batch.positions, x.dtype))
                  for name, table in self.rope_tables.items()}
@@ -294,9 +293,9 @@ class DeepseekV4Model(nn.Module):
         elif step is not None:
             plan = step
         else:
-            assert isinstance(batch.kv, V4Cache) and batch.seq_keys is not None, \
+            assert isinstance(batch.kv, V4Cache) and batch.cache_keys is not None, \
                 "V4 decode needs the cache"
-            plan = batch.kv.decode_step(batch.seq_keys)
+            plan = batch.kv.decode_step(batch.cache_keys)
         for layer in self.layers:
             h = layer(h, ropes, batch, plan)
         return self.norm(self.hc_head(h))
@@ -324,6 +323,12 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         """The hash layers' token -> expert tables hold expert ids."""
         return {f"model.layers.{i}.mlp.gate.tid2eid": cfg.num_experts
                 for i, kind in enumerate(cfg.mlp_layer_types) if kind == HASH_MOE}
+
+    @staticmethod
+    def decode_cache_for(cfg: DeepseekV4Config, layout: ParallelLayout,
+                         dtype: torch.dtype) -> str:
+        """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
+        return cache_summary(cfg, layout.attn_cp_size, dtype)
 
     def make_kv_cache(self, capacity: int) -> V4Cache:
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots; this

@@ -101,11 +101,6 @@ class DeepseekV4Config(ModelConfig):
     def check_layout(self, layout: ParallelLayout) -> None:
         check_v4_layout(layout)
 
-    def decode_cache_for(self, layout: ParallelLayout, dtype) -> str:
-        """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
-        from cpmoe.models.deepseek_v4_cache import cache_summary
-        return cache_summary(self, layout.attn_cp_size, dtype)
-
 
 def check_v4_layout(layout: ParallelLayout) -> None:
     """V4 layout rules, run before spawning ranks (and again in every runner).

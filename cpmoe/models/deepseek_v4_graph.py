@@ -104,7 +104,7 @@ class V4DecodeGraphs:
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(is_decode=True, input_ids=self.ids[:bs],
                             positions=self.positions[:bs],
-                            seq_ids=torch.arange(bs, device=self.ids.device), kv=self.kv)
+                            token_to_seq=torch.arange(bs, device=self.ids.device), kv=self.kv)
 
     def _forward(self, batch: ForwardBatch, step: DecodeStep) -> torch.Tensor:
         model = self.runner.model
@@ -126,7 +126,7 @@ class V4DecodeGraphs:
         self.runner.feed(ids, tokens)
         batch = ForwardBatch(is_decode=True, input_ids=ids,
                              positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-                             seq_ids=torch.arange(len(keys), device=dev), kv=self.kv,
-                             seq_keys=keys)
+                             token_to_seq=torch.arange(len(keys), device=dev), kv=self.kv,
+                             cache_keys=keys)
         model = self.runner.model
         return model.logits(model.model(batch)).float()

@@ -80,7 +80,7 @@ class PrefillPlan:
         cu, device = list(split.cu_seqlens), batch.positions.device
         rates = {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}
         entries = {m: EntryIndex.build(cu, m, device) for m in rates}
-        seqs = split.local_seq_ids(cp_rank)  # host copy of batch.seq_ids
+        seqs = split.local_token_to_seq(cp_rank)  # host copy of batch.token_to_seq
         T, W = seqs.numel(), cfg.sliding_window
         csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
         hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
@@ -93,7 +93,7 @@ class PrefillPlan:
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
-        return cls(cu, batch.seq_ids, cu_t[batch.seq_ids], blocks, entries)
+        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
@@ -157,9 +157,9 @@ def _store(attn: DeepseekV4Attention, plan: PrefillPlan, k_side: torch.Tensor,
     """Each sequence's state after its prompt into the static cache: the last rows of its
     window and compressor rings (by position) and this CP rank's share of its entries."""
     cp, D, c, kv = attn.groups.attn_cp, attn.head_dim, attn.compressor, batch.kv
-    assert batch.seq_keys is not None and isinstance(kv, V4Cache)
+    assert batch.cache_keys is not None and isinstance(kv, V4Cache)
     lc = kv.layers[attn.layer]
-    for s, key in enumerate(batch.seq_keys):
+    for s, key in enumerate(batch.cache_keys):
         a, b = plan.cu[s], plan.cu[s + 1]
         slot = kv.seq_slot(key)
         _write_ring(lc.window, slot, k_side[a:b, :D])

@@ -95,10 +95,10 @@ class QwenMoeAttention(nn.Module):
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
         cu = list(batch.split.cu_seqlens)
         if batch.prefix is None:
-            return prefill_attention(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat, cu,
-                                     self.scale, batch.q_runs, batch.packed_runs)
-        o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.seq_ids, k_flat, v_flat,
-                                          cu, self.scale, batch.packed_runs)
+            return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
+                                     cu, self.scale, batch.q_runs, batch.packed_runs)
+        o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
+                                          v_flat, cu, self.scale, batch.packed_runs)
         o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
                                                            kv.v[layer], self.scale)
         return merge_two_attention(o, lse, o_pre, lse_pre, torch.empty_like(q))

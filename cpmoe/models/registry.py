@@ -1,5 +1,5 @@
 """Architecture name (config.json `architectures`) -> config parser and model class, and
-whether a model fits a parallel layout (`check_model_fit`, every rule in one place)."""
+whether a model fits a parallel layout (`check_model_fit`, every rule checked from here)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cpmoe.config import ConfigError, architecture_of, read_config_json
 from cpmoe.models.base import ModelConfig
 from cpmoe.models.qwen_moe_config import parse_qwen_moe
 from cpmoe.moe.dispatch import check_backend_available
-from cpmoe.parallel.layout import LayoutError, ParallelLayout
+from cpmoe.parallel.layout import ParallelLayout
 
 
 def _qwen() -> tuple[Callable, type]:
@@ -52,17 +52,18 @@ def model_class(architecture: str) -> type:
 
 
 def check_model_fit(layout: ParallelLayout, cfg: ModelConfig) -> None:
-    """Every rule on a model and a layout together (the layout's own rules are
-    ParallelLayout's); run before spawning ranks."""
+    """Every rule on a model and a layout together, run before spawning ranks. The rules
+    live in two homes: the layout's (ParallelLayout: its own, and the model's sizes against
+    it) and the model's (`cfg.check_layout`); besides them, whether the process can run the
+    MoE backend and, for an FP8 checkpoint, whether the cuts miss its scale blocks."""
     check_backend_available(layout.moe_a2a_backend)
     cfg.check_layout(layout)  # the model's own rules (DeepSeek-V4)
     layout.check_model(num_experts=cfg.num_experts, num_attention_heads=cfg.num_attention_heads,
                        num_key_value_heads=cfg.num_key_value_heads,
-                       moe_intermediate_size=cfg.moe_intermediate_size)
-    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)]
-    if dense and cfg.intermediate_size % layout.attn_tp_size:
-        raise LayoutError(f"attention TP size {layout.attn_tp_size} must divide the model's "
-                          f"intermediate_size {cfg.intermediate_size} (dense layers {dense})")
+                       moe_intermediate_size=cfg.moe_intermediate_size,
+                       intermediate_size=cfg.intermediate_size,
+                       dense_layers=tuple(i for i in range(cfg.num_hidden_layers)
+                                          if not cfg.is_sparse_layer(i)))
     quant = cfg.quantization
     if quant is not None and not quant.online:  # checkpoint blocks: cuts must not split them
         from cpmoe.quant.layout import check_fp8_layout

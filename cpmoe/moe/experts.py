@@ -77,34 +77,41 @@ class LocalExperts(nn.Module):
             start += n
         return out_MH
 
-    def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
-        """Grouped-GEMM path (GPU): every (row, slot) pair sorted by expert, two grouped GEMMs
-        for all experts, then each row's weighted sum of its slots' outputs in one pass
-        (`ops.weighted_row_sum`: no [M, K, H] intermediate).
-        Slots of other EP ranks' experts (id -1) sort last, past the last group, and weigh
-        zero. With EP > 1 and many rows (prefill) the local count is read once per layer (the
-        only host sync) so no gather or GEMM work is spent on other ranks' slots; with few
-        rows (decode) every slot is gathered instead: no sync, so CUDA graphs can capture it
-        (grouped_mm leaves rows past the last group unwritten, and nothing reads them)."""
+    def sorted_slots(self, local_ids_MK: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """The grouped paths' order (bf16 here, FP8 in quant/experts.py): every (row, slot)
+        pair sorted by local expert, slots of other EP ranks' experts (id -1) last, past the
+        last group -> (rows_n: the source row of each of the first n sorted pairs, offs: each
+        expert's end among them (int64 [E]), n, rank_MK: where each pair's output row lands,
+        clamped to n - 1, a valid row, for the pairs not computed, which weigh zero).
+        With EP > 1 and many pairs (prefill) n is the local count, read once per layer (the
+        only host sync), so no gather or GEMM work is spent on other ranks' slots; with few
+        (decode) n is every pair: no sync, so CUDA graphs can capture it."""
         M, K = local_ids_MK.shape
         E = self.num_local_experts
         expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
         sorted_P, order = torch.sort(expert_P, stable=True)
-        bounds = torch.arange(1, E + 1, device=x_MH.device, dtype=sorted_P.dtype)
-        offs = torch.searchsorted(sorted_P, bounds).to(torch.int32)
+        bounds = torch.arange(1, E + 1, device=local_ids_MK.device, dtype=sorted_P.dtype)
+        offs = torch.searchsorted(sorted_P, bounds)
         sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
         n = int(offs[-1]) if sparse and M * K > _SYNC_MIN_SLOTS else M * K
+        rank_P = torch.empty_like(order)  # rank of every pair in the sorted order
+        rank_P[order] = torch.arange(M * K, device=order.device)
+        return order[:n] // K, offs, n, rank_P.view(M, K).clamp(max=n - 1)
+
+    def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
+        """Grouped-GEMM path (GPU): the pairs in `sorted_slots` order, two grouped GEMMs for
+        all experts, then each row's weighted sum of its slots' outputs in one pass
+        (`ops.weighted_row_sum`: no [M, K, H] intermediate). grouped_mm leaves rows past the
+        last group unwritten, and nothing reads them."""
+        rows_n, offs, n, rank_MK = self.sorted_slots(local_ids_MK)
         if n == 0:
             return torch.zeros_like(x_MH)
-        # rank of every slot in the sorted order: where its output row lands
-        rank_P = torch.empty_like(order)
-        rank_P[order] = torch.arange(M * K, device=order.device)
-        order = order[:n]
-        h = _grouped_mm(x_MH[order // K], self.gate_up_proj.transpose(1, 2), offs=offs)
+        offs = offs.to(torch.int32)
+        h = _grouped_mm(x_MH[rows_n], self.gate_up_proj.transpose(1, 2), offs=offs)
         y = _grouped_mm(self.activation(h), self.down_proj.transpose(1, 2), offs=offs)
         # slots of other ranks' experts weigh zero (their row index is any valid one)
         w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
-        rank_MK = rank_P.view(M, K).clamp(max=n - 1)
         return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
 
 

@@ -116,8 +116,10 @@ class ParallelLayout:
                               f"only --moe-a2a-backend none runs)")
 
     def check_model(self, *, num_experts: int, num_attention_heads: int,
-                    num_key_value_heads: int, moe_intermediate_size: int) -> None:
-        """Model-fit rules; KV heads fewer than attn_tp are replicated, so they must divide it."""
+                    num_key_value_heads: int, moe_intermediate_size: int,
+                    intermediate_size: int = 0, dense_layers: tuple[int, ...] = ()) -> None:
+        """Model-fit rules; KV heads fewer than attn_tp are replicated, so they must divide it;
+        dense MLP layers (`dense_layers`, of width intermediate_size) shard over attn_tp."""
         if num_experts and num_experts % self.ep_size:
             raise LayoutError(f"--ep-size {self.ep_size} must divide the model's "
                               f"num_experts {num_experts}")
@@ -134,6 +136,10 @@ class ParallelLayout:
                               f"(--ep-size {self.ep_size} x --moe-dp-size {self.moe_dp_size})) "
                               f"must divide the model's moe_intermediate_size "
                               f"{moe_intermediate_size}")
+        if dense_layers and intermediate_size % self.attn_tp_size:
+            raise LayoutError(f"attention TP size {self.attn_tp_size} must divide the model's "
+                              f"intermediate_size {intermediate_size} (dense layers "
+                              f"{list(dense_layers)})")
 
     # ---- coordinates -------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:

@@ -26,8 +26,9 @@ from safetensors import safe_open
 from cpmoe.config import ConfigError
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models.deepseek_v4 import DECODE_CACHE_NOTE, checkpoint_param_name
-from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, parse_deepseek_v4
+from cpmoe.models.deepseek_v4 import checkpoint_param_name
+from cpmoe.models.deepseek_v4_config import (CSA, DECODE_CACHE_NOTE, HCA, SLIDING,
+                                              parse_deepseek_v4)
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._v4_tasks import make_v4_model
 from tests.e2e._hf_helpers import hf_greedy

@@ -102,7 +102,7 @@ def test_v4_decode_step_makes_no_host_sync(monkeypatch):
     kv.append_decode(keys)
     step = kv.decode_step(keys)  # the host's part: books -> indices
     batch = ForwardBatch(is_decode=True, input_ids=tokens, positions=positions,
-                         seq_ids=torch.arange(len(keys)), kv=kv)
+                         token_to_seq=torch.arange(len(keys)), kv=kv)
     with torch.no_grad(), no_host_sync(monkeypatch):
         logits = runner.model.logits(runner.model.model(batch, step))
     assert torch.isfinite(logits).all()

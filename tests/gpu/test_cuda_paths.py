@@ -41,7 +41,7 @@ def test_cuda_attention_runs_match_reference(cp, dtype, tol):
     k = torch.randn(sum(lens), 4, 128, device="cuda", dtype=dtype)
     v = torch.randn(sum(lens), 4, 128, device="cuda", dtype=dtype)
     for r in range(cp):
-        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        pos, seq = split.local_positions(r), split.local_token_to_seq(r)
         q = torch.randn(pos.numel(), 32, 128, device="cuda", dtype=dtype)
         cu = list(split.cu_seqlens)
         want = att.prefill_attention(q.float().cpu(), pos, seq, k.float().cpu(),
@@ -67,7 +67,7 @@ def test_varlen_runs_match_reference(cp):
     v = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = k.float().cpu(), v.float().cpu()
     for r in range(cp):
-        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        pos, seq = split.local_positions(r), split.local_token_to_seq(r)
         q = torch.randn(pos.numel(), 32, 128, device="cuda", dtype=torch.bfloat16)
         runs = att.query_runs(pos, seq)
         packed = att.PackedRuns.build(runs, cu, torch.device("cuda"))

@@ -78,7 +78,7 @@ def test_run_decomposition_matches_masked_attention(monkeypatch, cp, strategy):
     split = CPSplit.build(lens, cp, strategy)
     k_flat, v_flat = torch.randn(sum(lens), 2, 16), torch.randn(sum(lens), 2, 16)
     for r in range(cp):
-        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        pos, seq = split.local_positions(r), split.local_token_to_seq(r)
         q = torch.randn(pos.numel(), 8, 16)
         runs = att.query_runs(pos, seq)
         assert len(runs) <= 2 * len(lens)
@@ -140,7 +140,7 @@ def test_packed_runs_give_every_run_its_causal_keys(monkeypatch, cp):
     cu = list(split.cu_seqlens)
     k_flat, v_flat = torch.randn(sum(lens), 2, 16), torch.randn(sum(lens), 2, 16)
     for r in range(cp):
-        pos, seq = split.local_positions(r), split.local_seq_ids(r)
+        pos, seq = split.local_positions(r), split.local_token_to_seq(r)
         q = torch.randn(pos.numel(), 8, 16)
         runs = att.query_runs(pos, seq)
         # after a cached prefix always one launch; without one only past 16 runs

@@ -48,7 +48,7 @@ def test_worked_batch_example() -> None:
     s = CPSplit.build([4, 3], 2, "zigzag")
     assert s.cu_seqlens == (0, 4, 7)
     assert s.local_positions(0).tolist() == [0, 3, 0]
-    assert s.local_seq_ids(0).tolist() == [0, 0, 1]
+    assert s.local_token_to_seq(0).tolist() == [0, 0, 1]
     assert s.local_flat_index(0).tolist() == [0, 3, 4]
     assert s.local_positions(1).tolist() == [1, 2, 1, 2]
     assert s.local_flat_index(1).tolist() == [1, 2, 5, 6]
@@ -84,7 +84,7 @@ def test_batch_of_uneven_lengths(strategy: str, cp: int) -> None:
     seen = []
     for r in range(cp):
         flat = s.local_flat_index(r)
-        pos, sid = s.local_positions(r), s.local_seq_ids(r)
+        pos, sid = s.local_positions(r), s.local_token_to_seq(r)
         assert flat.shape == pos.shape == sid.shape == (s.counts[r],)
         assert bool((flat[1:] > flat[:-1]).all())  # local order = flat order restricted
         # local tokens match split_positions of each sequence, in batch order

@@ -1,9 +1,11 @@
 """Imports flow down the floors of cpmoe: a module imports its own floor or a lower one, never
-a higher one, and module-level imports form no cycle.
+a higher one, and the modules' imports form no cycle.
 
-Every module under cpmoe/ is parsed with `ast`; all its imports count (module level, inside
-functions, under TYPE_CHECKING), since an import inside a function is still a dependency.
-The cycle check reads module-level imports only, the ones that run when a module loads.
+Every module under cpmoe/ is parsed with `ast`. For the floors all its imports count (module
+level, inside functions, under TYPE_CHECKING), since an import inside a function is still a
+dependency. The cycle check reads every import that runs, at module level or inside a
+function (deferring an import hides a cycle, it does not remove it), and leaves out the ones
+under `if TYPE_CHECKING:`, which only a type checker reads (two classes naming each other).
 """
 
 from __future__ import annotations
@@ -62,11 +64,30 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:
 _PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
 
 
-def imports(module: str, *, module_level_only: bool) -> list[tuple[int, str]]:
-    """(line, imported module) for each cpmoe import in `module`."""
+def _import_nodes(tree: ast.AST, running_only: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module: all of them, or (running_only) the ones that can
+    run, leaving out the bodies of `if TYPE_CHECKING:`."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif running_only and isinstance(node, ast.If) and _names_type_checking(node.test):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _names_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(module: str, *, running_only: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for each cpmoe import in `module` (see _import_nodes)."""
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
-    nodes = tree.body if module_level_only else ast.walk(tree)
-    return sorted({(n.lineno, t) for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
+    return sorted({(n.lineno, t) for n in _import_nodes(tree, running_only)
                    for t in _targets(n, module)})
 
 
@@ -78,7 +99,7 @@ def test_every_module_is_on_a_floor():
 def test_no_module_imports_a_higher_floor():
     upward = []
     for module in MODULES:
-        for line, target in imports(module, module_level_only=False):
+        for line, target in imports(module, running_only=False):
             if floor_of(target) < floor_of(module):
                 upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} "
                               f"({FLOORS[floor_of(module)][0]}) imports {target} "
@@ -110,9 +131,18 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle():
-    graph = {m: {t for _, t in imports(m, module_level_only=True) if t != m} for m in MODULES}
+    graph = {m: {t for _, t in imports(m, running_only=True) if t != m} for m in MODULES}
     cycle = _cycle(graph)
-    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_reads_deferred_imports_and_not_type_checking_ones():
+    tree = ast.parse("import cpmoe.a\nif TYPE_CHECKING:\n    import cpmoe.b\nelse:\n"
+                     "    import cpmoe.c\ndef f():\n    from cpmoe import d\n")
+    running = ["from cpmoe import d", "import cpmoe.a", "import cpmoe.c"]
+    assert sorted(map(ast.unparse, _import_nodes(tree, running_only=True))) == running
+    assert sorted(map(ast.unparse, _import_nodes(tree, running_only=False))) == sorted(
+        running + ["import cpmoe.b"])
 
 
 @pytest.mark.parametrize("graph, cycle", [

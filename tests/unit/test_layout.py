@@ -377,7 +377,8 @@ def test_model_fit_ignores_moe_rules_for_dense_models():
 
 
 def test_check_model_fit_dense_intermediate():
-    """check_model_fit's own rule: dense MLP layers are sharded over attention TP."""
+    """Dense MLP layers are sharded over attention TP (ParallelLayout.check_model, given
+    the dense layers by check_model_fit)."""
     from cpmoe.models.qwen_moe_config import QwenMoeConfig
     from cpmoe.models.registry import check_model_fit
 

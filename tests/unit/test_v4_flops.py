@@ -117,10 +117,11 @@ def _batch(runner, seqs):
     from cpmoe.cp.split import CPSplit
 
     split = CPSplit.build([len(s) for s in seqs], 1, "zigzag")
-    rel, seq_ids = split.local_positions(0), split.local_seq_ids(0)
+    rel, token_to_seq = split.local_positions(0), split.local_token_to_seq(0)
     ids = torch.tensor([t for s in seqs for t in s])
-    return ForwardBatch(is_decode=False, input_ids=ids, positions=rel, seq_ids=seq_ids,
-                        split=split, rel_positions=rel, q_runs=query_runs(rel, seq_ids))
+    return ForwardBatch(is_decode=False, input_ids=ids, positions=rel,
+                        token_to_seq=token_to_seq, split=split, rel_positions=rel,
+                        q_runs=query_runs(rel, token_to_seq))
 
 
 def test_bench_model_flops_uses_the_v4_formula(cfg):
