@@ -2,7 +2,7 @@
 
 Every (row, slot) pair is sorted by local expert as on the bf16 grouped path
 (`LocalExperts.sorted_slots`: other ranks' slots, id -1, sort last and are skipped by the
-kernel), the gathered rows are quantized per 1 x bk group, and two block-scaled grouped FP8
+kernel), the rows are quantized per 1 x bk group and gathered, and two block-scaled grouped FP8
 GEMMs (kernels.grouped_fp8_gemm) run gate/up and down with the experts' own activation in
 between (so DeepSeek-V4's clamped SwiGLU is kept); each row's weighted sum of its slots'
 outputs follows (`ops.weighted_row_sum`). With EP and many slots (prefill) the local slot
@@ -27,7 +27,8 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     rows_n, offs, n, rank_MK = experts.sorted_slots(local_ids_MK)
     if n == 0:
         return torch.zeros_like(x_MH)
-    xq, xs = quantize_act(x_MH[rows_n], block[1])
+    xq, xs = quantize_act(x_MH, block[1])  # per row: each row once, then its K slots
+    xq, xs = xq[rows_n], xs[rows_n]
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
                          out_dtype=x_MH.dtype)
     aq, a_s = quantize_act(experts.activation(h), block[1])

@@ -103,9 +103,20 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
     return out.to(out_dtype)
 
 
+def grouped_fp8_config(P: int, E: int) -> dict:
+    """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
+    scales are read per column, so tiles need not align with the scale blocks), and the
+    launch's warps and pipeline stages."""
+    if P <= 256 * E:
+        return {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 3}
+    return {"BM": 64, "BN": 64, "num_warps": 4, "num_stages": 3}
+
+
 def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
-                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
+                     ) -> torch.Tensor:
+    """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them)."""
     P, K = a.shape
     E, N, _ = w.shape
     bn, bk = block
@@ -115,9 +126,8 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
     if P == 0:
         return out
-    BM = 16 if P <= 256 * E else 64
-    BN = 64  # weight scales are read per column, so tiles need not align with bn
-    BK = bk
+    cfg = config or grouped_fp8_config(P, E)
+    BM, BN, BK = cfg["BM"], cfg["BN"], bk
     # tiles of each expert, and for every tile slot its expert (E: an empty slot)
     offs = offs.to(torch.int64)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
@@ -131,7 +141,8 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
         a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
         N, K, a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-        E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET)
+        E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
