@@ -244,7 +244,7 @@ def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 if triton is not None:
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["T"])
+    @triton.jit(do_not_specialize=["T", "l1_st", "l1_sh", "l2_st", "l2_sh"])
     def _merge_two_kernel(o1_ptr, l1_ptr, o2_ptr, l2_ptr, out_ptr, T, o1_st, o1_sh, o2_st,
                           o2_sh, l1_st, l1_sh, l2_st, l2_sh, out_st, out_sh,
                           BLOCK: tl.constexpr, D: tl.constexpr):

@@ -108,10 +108,11 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
 
 
 WARM_UP_KEY = -1  # a cache key no request uses
+WARM_UP_MIXED = 400  # tokens of the warm-up's mixed-step-sized extend (3,200 top-8 slots)
 
 
 def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
-    """One full prefill chunk, then a short extend after it (the cached-prefix path), on a
+    """One full prefill chunk, then short extends after it (the cached-prefix path), on a
     sequence freed again, before the first request: the kernels a prefill launches are
     compiled and tuned here, not in the first requests' time to first token (SGLang warms up
     its server the same way)."""
@@ -121,7 +122,12 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
         return
     ids = [(i * 7919) % runner.config.vocab_size for i in range(n)]
     runner.extend([Segment(WARM_UP_KEY, ids)])
+    # short extends after it take the few-slot experts path: 16 tokens (16-row tiles) and
+    # WARM_UP_MIXED (64-row tiles), each a kernel variant a mixed step would otherwise
+    # compile (a served run showed a 466-token step of 1.1 s, its compile)
     runner.extend([Segment(WARM_UP_KEY, ids[:16], n)])
+    if n >= 2 * WARM_UP_MIXED:
+        runner.extend([Segment(WARM_UP_KEY, ids[16:16 + WARM_UP_MIXED], n + 16)])
     kv.free(WARM_UP_KEY)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

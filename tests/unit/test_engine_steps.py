@@ -6,6 +6,7 @@ the first request leaves the cache as it found it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cpmoe.bench.one_batch import _decode_overlapped, _decode_synced
@@ -68,16 +69,21 @@ def test_bench_decode_overlapped_equals_synced():
     assert got == want and len(got) == 7 and len(times) == 6
 
 
-def test_prefill_warm_up_runs_a_chunk_and_a_cached_prefix_extend_and_frees_them(monkeypatch):
+@pytest.mark.parametrize("chunk, slots, extends", [
+    (100, 512, [[(100, 0)], [(16, 100)]]),
+    # a chunk of at least two mixed-step extends: one of WARM_UP_MIXED tokens too
+    (800, 2048, [[(800, 0)], [(16, 800)], [(400, 816)]])])
+def test_prefill_warm_up_runs_a_chunk_and_cached_prefix_extends_and_frees_them(
+        monkeypatch, chunk, slots, extends):
     from cpmoe.engine.engine import warm_up_prefill
     runner = _runner()
-    runner.allocate_kv(512, 4)
+    runner.allocate_kv(slots, 4)
     seen = []
     extend = runner.extend
     monkeypatch.setattr(runner, "extend", lambda segs: seen.append(
         [(len(s.ids), s.start) for s in segs]) or extend(segs))
-    warm_up_prefill(runner, 100)
-    assert seen == [[(100, 0)], [(16, 100)]]
+    warm_up_prefill(runner, chunk)
+    assert seen == extends
     assert not runner.kv.seqs and runner.kv.used == 0 and runner.times.prefill_s == 0
 
 
