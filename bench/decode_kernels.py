@@ -100,7 +100,7 @@ def main() -> None:
         for name, a, ws, ss, out, gated, N, k_dim in (
                 ("gate_up", x, gate_up, gate_up_s, out_act, True, I, H),
                 ("down", act, down, down_s, y, False, H, I)):
-            default = fused_moe.gemm_config(P, E, k_dim)
+            default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8)
 
             def run(cfg):
                 return lambda i: fused_moe._gemm(a, ws[i % LAYERS], slots, counts, out, TOP_K,
