@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -58,7 +59,8 @@ def interrupt_parent(info: RankInfo, owner_pid: int) -> None:
 
 def block(info: RankInfo) -> None:
     """Say so on stdout, then stay busy in this task (not reading the task pipe)."""
-    print(f"rank {info.rank} blocking", flush=True)
+    sys.stdout.write(f"rank {info.rank} blocking\n")  # one line, one write
+    sys.stdout.flush()
     time.sleep(3600)
 
 

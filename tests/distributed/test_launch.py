@@ -175,14 +175,17 @@ def test_ranks_and_helpers_exit_when_the_pool_owner_is_killed(tmp_path: Path) ->
     owner = subprocess.Popen([sys.executable, str(script)], env=env, cwd=REPO,
                              stdout=subprocess.PIPE, text=True)
     try:
-        ranks = [int(pid) for pid in owner.stdout.readline().split()]
-        busy = sorted(owner.stdout.readline().strip() for _ in ranks)
+        lines = [owner.stdout.readline()]
+        ranks = [int(pid) for pid in lines[0].split()]
+        while sum("blocking" in line for line in lines) < len(ranks) and lines[-1]:
+            lines.append(owner.stdout.readline())
+        busy = sorted(line.strip() for line in lines if "blocking" in line)
         helpers = _children(owner.pid)  # the forkserver (on cpu), the resource tracker
     finally:
         owner.kill()  # no close, no finalizer; the ranks are in a task, not reading their
         owner.wait()  # task pipe: only their watchdog can end them
         owner.stdout.close()
-    assert len(ranks) == 2 and busy == ["rank 0 blocking", "rank 1 blocking"]
+    assert len(ranks) == 2 and busy == ["rank 0 blocking", "rank 1 blocking"], lines
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in ranks + helpers) and time.monotonic() < deadline:
         time.sleep(0.1)
