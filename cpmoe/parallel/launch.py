@@ -52,9 +52,12 @@ _CLOSE_GRACE_S = 10.0  # time ranks get to leave the process group on a clean cl
 _STARTUP_EXTRA_S = 120.0  # interpreter + torch import on a loaded machine, before rendezvous
 _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 # What a cpu rank imports before its task: the forkserver imports it once, each rank is a fork
-# of that. Only modules that read no environment at import (a rank's environment is applied
-# after the fork); task modules (cpmoe.engine, the models) import in the rank, ~0.1 s each.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cpmoe.parallel.launch"]
+# of that. Only third-party modules that read no environment at import (a rank's environment
+# is applied after the fork), and no cpmoe module: Python 3.11's forkserver imports with its
+# own sys.path (cwd, PYTHONPATH, site-packages), not the owner's, so it could find another
+# cpmoe (an installed one, where the owner runs a checkout). cpmoe and the task modules
+# import in the rank after multiprocessing set the owner's sys.path: ~0.1-0.3 CPU-s.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
 
 
 class RankFailure(RuntimeError):
