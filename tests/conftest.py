@@ -162,9 +162,10 @@ COLLECTIVE_TIMEOUT_S = 300
 
 @pytest.fixture(scope="session")
 def pools():
-    """One rank pool per world size for the whole run: a pool costs an interpreter and a torch
-    import per rank (about 3 CPU-seconds each: half a minute for the 2-, 4- and 8-rank pools
-    on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
+    """One rank pool per world size for the whole run (on cpu its ranks are forks of this
+    process's forkserver, which imported torch once: a pool starts in about a second, where
+    an interpreter and a torch import per rank took half a minute for the 2-, 4- and 8-rank
+    pools on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
     e2e ones) asks `pools(world)` and gets the same live pool; a pool that died (a failed task
     kills it) is replaced on the next call. Idle ranks wait on a pipe (no CPU).
     test_launch.py's tests that kill or close a pool make their own."""

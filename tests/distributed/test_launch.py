@@ -1,9 +1,10 @@
 """Tests for cpmoe.parallel.launch: pooled gloo worlds on CPU, fail-fast, torchrun joining.
 
 Invariants the tests rely on: task functions live in _launch_helpers (picklable by reference);
-healthy pools are the distributed suite's shared ones (conftest `pools`: a rank's interpreter
-and torch import cost about 3 CPU-s, and the 2- and 4-rank pools exist anyway); every test
-that breaks a pool builds its own.
+healthy pools are the distributed suite's shared ones (conftest `pools`: the 2- and 4-rank
+pools exist anyway); every test that breaks a pool builds its own (on cpu a fork of the
+process's forkserver, which imported torch once: about 0.1 s, not an interpreter and a torch
+import per rank).
 """
 
 from __future__ import annotations

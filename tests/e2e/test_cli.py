@@ -13,10 +13,10 @@ Every call gets `--device cpu`, a timeout, `CPMOE_CACHE_DIR` pointing at a tempo
   The same file is the fault injection of the fail-fast tests: with `CPMOE_E2E_FAULT=r:l`,
   rank r's Qwen decoder layer l raises (the product code has no test hook).
 
-Each subprocess costs an interpreter + torch import (and each multi-rank call one per rank),
-so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture
-(most refused layouts and inputs as `cpmoe.cli.main` calls in the test process, with process
-starts trapped: `Cli.in_process`),
+Each subprocess costs an interpreter + torch import (and each multi-rank call one more: its
+ranks' forkserver, whose forks the ranks are), so calls are grouped: all calls that spawn no
+ranks run concurrently in one module fixture (most refused layouts and inputs as
+`cpmoe.cli.main` calls in the test process, with process starts trapped: `Cli.in_process`),
 the short multi-rank calls in a second one; the fault-injection run and the 4K-16K sweep run
 alone (the first has a fail-fast bound, the second is measured and reported).
 """
