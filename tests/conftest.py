@@ -168,13 +168,23 @@ def pools():
     pools on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
     e2e ones) asks `pools(world)` and gets the same live pool; a pool that died (a failed task
     kills it) is replaced on the next call. Idle ranks wait on a pipe (no CPU).
-    test_launch.py's tests that kill or close a pool make their own."""
+    test_launch.py's tests that kill or close a pool make their own.
+    Every task is followed by `destroy_subgroups` (tests/_groups.py): the groups a test's
+    task built would otherwise stay in the ranks, each polling, for the rest of the run."""
     from cpmoe.parallel.launch import RankPool
+    from tests._groups import destroy_subgroups
+
+    class SessionPool(RankPool):
+        def run(self, fn, *args, **kwargs):
+            out = super().run(fn, *args, **kwargs)
+            super().run(destroy_subgroups)
+            return out
+
     live: dict[int, RankPool] = {}
 
     def get(world: int) -> RankPool:
         if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+            live[world] = SessionPool(world, "cpu", collective_timeout_s=COLLECTIVE_TIMEOUT_S)
         return live[world]
 
     yield get
