@@ -162,18 +162,29 @@ COLLECTIVE_TIMEOUT_S = 300
 
 @pytest.fixture(scope="session")
 def pools():
-    """One rank pool per world size for the whole run: a pool costs an interpreter and a torch
-    import per rank (about 3 CPU-seconds each: half a minute for the 2-, 4- and 8-rank pools
-    on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
+    """One rank pool per world size for the whole run (on cpu its ranks are forks of this
+    process's forkserver, which imported torch once: a pool starts in about a second, where
+    an interpreter and a torch import per rank took half a minute for the 2-, 4- and 8-rank
+    pools on a 2-core machine), so every module that runs tasks on ranks (tests/distributed, and
     e2e ones) asks `pools(world)` and gets the same live pool; a pool that died (a failed task
     kills it) is replaced on the next call. Idle ranks wait on a pipe (no CPU).
-    test_launch.py's tests that kill or close a pool make their own."""
+    test_launch.py's tests that kill or close a pool make their own.
+    Every task is followed by `destroy_subgroups` (tests/_groups.py): the groups a test's
+    task built would otherwise stay in the ranks, each polling, for the rest of the run."""
     from cpmoe.parallel.launch import RankPool
+    from tests._groups import destroy_subgroups
+
+    class SessionPool(RankPool):
+        def run(self, fn, *args, **kwargs):
+            out = super().run(fn, *args, **kwargs)
+            super().run(destroy_subgroups)
+            return out
+
     live: dict[int, RankPool] = {}
 
     def get(world: int) -> RankPool:
         if world not in live or not live[world].alive:
-            live[world] = RankPool(world, "cpu", collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+            live[world] = SessionPool(world, "cpu", collective_timeout_s=COLLECTIVE_TIMEOUT_S)
         return live[world]
 
     yield get

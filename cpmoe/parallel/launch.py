@@ -8,9 +8,18 @@ Invariants:
   all reaped) and ``run`` raises ``RankFailure`` for it within about a second, never waiting for
   peers stuck in a collective.  A dead pool never runs again.
 - No orphans: ranks exit on close, on GC, at interpreter exit (weakref.finalize) and, through a
-  watchdog thread, when their parent process disappears.
-- ``env`` overrides apply at the start of the rank body, i.e. after ``import torch``; 'spawn'
-  start method, so a script creating a pool must guard it with ``if __name__ == "__main__"``.
+  watchdog thread, when the pool's owner disappears (the end of a pipe only the owner holds).
+- How ranks start: on cuda, 'spawn' (a fresh interpreter; a CUDA context must never be
+  forked). On cpu, 'forkserver': one server process per owner, started with SIGINT ignored,
+  imports torch once (``_FORKSERVER_PRELOAD``) and forks every rank from that, so a rank costs
+  no interpreter start and no torch import (about 2.5 CPU-s each with 'spawn'). It never
+  touches CUDA, holds no threads when forking, and exits with the owner (multiprocessing's
+  'alive' pipe: once the owner and all ranks are gone). Either way a script creating a pool
+  must guard it with ``if __name__ == "__main__"``.
+- The rank body starts from the owner's environment at pool creation (a forked rank inherits
+  the server's, which is older: ``_worker_main`` replaces it), then applies ``env`` overrides,
+  i.e. after ``import torch``. What a library reads at import (OpenMP's OMP_* variables) is
+  the owner's environment when it started its forkserver; torch threads are set per rank.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,6 +51,13 @@ _KILL_GRACE_S = 0.5  # SIGTERM -> SIGKILL grace when aborting
 _CLOSE_GRACE_S = 10.0  # time ranks get to leave the process group on a clean close
 _STARTUP_EXTRA_S = 120.0  # interpreter + torch import on a loaded machine, before rendezvous
 _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+# What a cpu rank imports before its task: the forkserver imports it once, each rank is a fork
+# of that. Only third-party modules that read no environment at import (a rank's environment
+# is applied after the fork), and no cpmoe module: Python 3.11's forkserver imports with its
+# own sys.path (cwd, PYTHONPATH, site-packages), not the owner's, so it could find another
+# cpmoe (an installed one, where the owner runs a checkout). cpmoe and the task modules
+# import in the rank after multiprocessing set the owner's sys.path: ~0.1-0.3 CPU-s.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
 
 
 class RankFailure(RuntimeError):
@@ -142,8 +159,10 @@ def _sigint_ignored():
     """Start ranks with SIGINT ignored. Ctrl-C reaches the whole process group, and a rank
     still starting up (importing, before `_worker_main` ignores it) would print a
     KeyboardInterrupt traceback; an ignored signal stays ignored across exec, and Python then
-    installs no KeyboardInterrupt handler. The parent stops the ranks itself. (Only the main
-    thread may change signal handlers; a pool made elsewhere keeps the old behaviour.)"""
+    installs no KeyboardInterrupt handler. The parent stops the ranks itself. On cpu the
+    forkserver starts under it (its forks inherit the ignored signal) and the parent waits
+    for the forks with SIGINT live. (Only the main thread may change signal handlers; a pool
+    made elsewhere keeps the old behaviour.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -154,11 +173,22 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank busy in a task does not read its task pipe, so only reparenting tells it.
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
+def _watch_owner(owner: Connection) -> None:
+    # A rank busy in a task does not read its task pipe. Only the owner holds the other end
+    # of `owner` (a forked rank's parent is the forkserver, so getppid() cannot tell): EOF
+    # means it closed the pool or died.
+    with contextlib.suppress(Exception):
+        owner.poll(None)
     os._exit(1)
+
+
+def _context(kind: str) -> Any:
+    """The multiprocessing context ranks of this device kind start from (module docstring)."""
+    if kind == "cuda" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the server runs
+    return ctx
 
 
 def available_cpus() -> int:
@@ -204,17 +234,20 @@ def set_cpu_threads(ranks_on_host: int, kind: str = "cpu") -> None:
 
 
 def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: float,
-                 env: dict[str, str], parent_pid: int, tasks: Connection,
-                 results: Connection) -> None:
+                 owner_env: dict[str, str], env: dict[str, str], owner: Connection,
+                 tasks: Connection, results: Connection) -> None:
     """Entry point of a pool rank: join the group, then run tasks until told to exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's job: it kills us
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # parent dumps stacks on hang
+    if os.environ != owner_env:  # a forked rank: the forkserver's environment is older
+        os.environ.clear()
+        os.environ.update(owner_env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}, **env)
     with contextlib.suppress(Exception):  # a rank's prints show live, not at its exit
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_owner, args=(owner,), daemon=True).start()
     try:
         if kind == "cuda":
             torch.cuda.set_device(rank)
@@ -250,6 +283,7 @@ class _PoolState:
     procs: list[Any] = field(default_factory=list)
     tasks: list[Connection] = field(default_factory=list)  # parent -> rank
     results: list[Connection] = field(default_factory=list)  # rank -> parent
+    owner: Connection | None = None  # write end the ranks watch (_watch_owner); never written
     store: dist.TCPStore | None = None
     dead: bool = False
 
@@ -271,13 +305,14 @@ class _PoolState:
             if p.exitcode is None:
                 p.kill()
             p.join()  # reap: no zombies left behind
-        for conn in self.tasks + self.results:
+        for conn in self.tasks + self.results + ([self.owner] if self.owner else []):
             conn.close()
-        self.tasks, self.results, self.store = [], [], None
+        self.tasks, self.results, self.owner, self.store = [], [], None, None
 
 
 class RankPool:
-    """world_size spawned ranks sharing one torch.distributed world, reused across tasks."""
+    """world_size ranks (started as the module docstring says) in one torch.distributed world,
+    reused across tasks."""
 
     def __init__(self, world_size: int, device: str = "cpu", *, collective_timeout_s: float = 60.0,
                  env: dict[str, str] | None = None) -> None:
@@ -290,24 +325,32 @@ class RankPool:
         self._finalizer = weakref.finalize(self, state.shutdown)  # GC and interpreter exit
         state.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=collective_timeout_s))
-        ctx = mp.get_context("spawn")
+        ctx = _context(self.device)
+        forked = ctx.get_start_method() == "forkserver"
+        owner_r, state.owner = ctx.Pipe(duplex=False)
+        owner_env = dict(os.environ)
         try:
+            if forked:  # the server's ranks inherit its ignored SIGINT, and it imports torch
+                with _sigint_ignored():  # without a KeyboardInterrupt traceback
+                    forkserver.ensure_running()  # (returns at once; start() waits for it)
             for rank in range(world_size):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_worker_main, name=f"cpmoe-rank{rank}", daemon=True,
                     args=(rank, world_size, self.device, state.store.port, collective_timeout_s,
-                          dict(env or {}), os.getpid(), task_r, res_w))
-                with _sigint_ignored():
-                    proc.start()
+                          owner_env, dict(env or {}), owner_r, task_r, res_w))
+                with contextlib.nullcontext() if forked else _sigint_ignored():
+                    proc.start()  # forked: Ctrl-C while the server imports torch stops us
                 task_r.close()  # drop the parent's copies of the child's ends so that
                 res_w.close()  # a dead rank reads as EOF
                 state.procs.append(proc)
                 state.tasks.append(task_w)
                 state.results.append(res_r)
+            owner_r.close()  # the ranks hold it now; the owner keeps only the write end
             self._collect("ready", 0, time.monotonic() + collective_timeout_s + _STARTUP_EXTRA_S)
         except BaseException:
+            owner_r.close()  # idempotent
             state.shutdown(graceful=False)
             raise
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -48,11 +49,24 @@ def fail_in_collective(info: RankInfo, bad_rank: int, how: str) -> float:
     return t.item()
 
 
-def interrupt_parent(info: RankInfo) -> None:
-    """Rank 0 sends SIGINT to the pool's parent, as a Ctrl-C would; all ranks then block."""
+def interrupt_parent(info: RankInfo, owner_pid: int) -> None:
+    """Rank 0 sends SIGINT to the pool's owner, as a Ctrl-C would; all ranks then block.
+    (The owner's pid is passed: a cpu rank's parent process is the forkserver.)"""
     if info.rank == 0:
-        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(owner_pid, signal.SIGINT)
     time.sleep(3600)
+
+
+def block(info: RankInfo) -> None:
+    """Say so on stdout, then stay busy in this task (not reading the task pipe)."""
+    sys.stdout.write(f"rank {info.rank} blocking\n")  # one line, one write
+    sys.stdout.flush()
+    time.sleep(3600)
+
+
+def read_env(info: RankInfo, *names: str) -> dict[str, str | None]:
+    """These environment variables as this rank sees them."""
+    return {name: os.environ.get(name) for name in names}
 
 
 def report_dist_state(info: RankInfo, tag: str) -> dict[str, object]:

@@ -66,18 +66,17 @@ def test_v4_cache_bytes_per_rank_are_a_quarter_on_attn_cp4(strategy, pool, model
         assert diff <= TOL, f"rank {rank}: decode logits differ from one rank by {diff:.3e}"
 
 
-def test_plan_states_the_v4_per_rank_cache_bytes(model_dir):
+def test_plan_states_the_v4_per_rank_cache_bytes(model_dir, capsys):
+    # `plan` starts no process and reads no weight: cpmoe.cli.main in this process (a
+    # subprocess was an interpreter and a torch import; test_cli runs `plan` as a command)
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-m", "cpmoe.cli", "plan", "--model", str(model_dir),
-                           "--tp-size", "4", "--attn-cp-size", "4", "--ep-size", "4", "--json"],
-                          capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    note = json.loads(proc.stdout)["decode_cache"]
+    from cpmoe.cli import main
+    code = main(["plan", "--model", str(model_dir), "--tp-size", "4", "--attn-cp-size", "4",
+                 "--ep-size", "4", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    note = json.loads(out.out)["decode_cache"]
     cfg = load_model_config(model_dir)[0]
     busiest = max(sum(sequence_bytes(cfg, 4096, r, 4, 4).values()) for r in range(4))
     assert "sharded over 4 CP rank(s)" in note

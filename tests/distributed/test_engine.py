@@ -71,8 +71,13 @@ def test_chunked_prefill_over_sharded_kv_matches_one_shot(layout, pools, qwen3_m
                 f"than 1/{layout.attn_cp_size} + 5% of the sequence's")
 
 
-PRESSURE = [ParallelLayout(), ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=4),
-            ParallelLayout(tp_size=2, attn_cp_size=2, cp_strategy="interleave")]
+# By default one rank and CP 2 under each strategy: zigzag with EP, interleave with MoE-TP
+# (preemption is the scheduler's and the CP ranks' KV pages; the cache is split by CP alone,
+# 96 // cp slots per rank). The demo layout tp4-cp2-ep4 (the same CP 2 and zigzag, under
+# attention TP 2 and EP 4: 11 s of 4 ranks on 2 cores) runs in `full`.
+PRESSURE = [ParallelLayout(), ParallelLayout(tp_size=2, attn_cp_size=2, ep_size=2),
+            ParallelLayout(tp_size=2, attn_cp_size=2, cp_strategy="interleave")] + full_matrix(
+    [ParallelLayout(tp_size=4, attn_cp_size=2, ep_size=4)], lambda lay: False)
 
 
 @pytest.mark.parametrize("layout", PRESSURE, ids=layout_id)

@@ -24,13 +24,15 @@ from tests.e2e._fp8_helpers import hf_logits, make_fp8_checkpoint
 
 NEW_TOKENS = 4
 # The suite's budget (15 minutes on 2 cores) takes one layout of each kind that cuts FP8
-# weights and scales differently: attention TP 1 / 2 / 8, MoE-TP 2 / 4 / 8, EP (none,
-# alltoall; 8 ranks with one expert each), EP x MoE-TP, MoE-DP, both CP strategies and CP 1 /
-# 2 / 8 (CP cuts no weight). CPMOE_FULL=1 runs all 48 layouts (the `full` marker).
+# weights and scales differently: attention TP 1 / 2 / 8, MoE-TP 2 / 4 / 8 (tp8-cp1: the
+# finest cuts, the one 8-rank layout), EP (none, alltoall), EP x MoE-TP, MoE-DP, both CP
+# strategies and CP 1 / 2 (CP cuts no weight). CPMOE_FULL=1 runs all 48 layouts (the `full`
+# marker), among them tp8-cp8-dp1-ep8-none-zigzag (EP with one expert per rank: EP moves
+# whole experts, as tp4-cp2-dp1-ep4-alltoall-zigzag's two per rank; CP 8 is test_layouts').
 FP8_LAYOUTS = {"tp2-cp1-dp1-ep1-none-zigzag", "tp2-cp2-dp1-ep2-none-interleave",
                "tp4-cp2-dp1-ep1-none-interleave", "tp4-cp2-dp1-ep2-none-zigzag",
                "tp4-cp2-dp1-ep4-alltoall-zigzag", "tp4-cp2-dp2-ep2-none-interleave",
-               "tp8-cp1-dp1-ep1-none-zigzag", "tp8-cp8-dp1-ep8-none-zigzag"}
+               "tp8-cp1-dp1-ep1-none-zigzag"}
 LAYOUTS = full_matrix(MATRIX, lambda lay: layout_id(lay) in FP8_LAYOUTS)
 HF_TOL = 1e-4
 KINDS = [(k, v) for v in ("aligned", "partial") for k in ("qwen3_moe", "qwen2_moe")]

@@ -1,9 +1,10 @@
 """Tests for cpmoe.parallel.launch: pooled gloo worlds on CPU, fail-fast, torchrun joining.
 
 Invariants the tests rely on: task functions live in _launch_helpers (picklable by reference);
-healthy pools are the distributed suite's shared ones (conftest `pools`: a rank's interpreter
-and torch import cost about 3 CPU-s, and the 2- and 4-rank pools exist anyway); every test
-that breaks a pool builds its own.
+healthy pools are the distributed suite's shared ones (conftest `pools`: the 2- and 4-rank
+pools exist anyway); every test that breaks a pool builds its own (on cpu a fork of the
+process's forkserver, which imported torch once: about 0.1 s, not an interpreter and a torch
+import per rank).
 """
 
 from __future__ import annotations
@@ -126,8 +127,79 @@ def test_keyboard_interrupt_in_parent_kills_ranks_and_reraises() -> None:
     pool = RankPool(2)
     pids = _pids(pool)
     with pytest.raises(KeyboardInterrupt):
-        pool.run(h.interrupt_parent, timeout_s=30)
+        pool.run(h.interrupt_parent, os.getpid(), timeout_s=30)
     assert not pool.alive and all(_gone(pid) for pid in pids)
+
+
+def test_ranks_see_the_environment_at_pool_creation_then_the_overrides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On cpu the ranks are forks of a forkserver started earlier (by the shared pools):
+    # its environment predates these variables.
+    monkeypatch.setenv("CPMOE_TEST_LATE", "set after the forkserver")
+    monkeypatch.setenv("CPMOE_TEST_OVERRIDDEN", "parent")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with RankPool(2, env={"CPMOE_TEST_OVERRIDDEN": "override"}) as pool:
+        seen = pool.run(h.read_env, "CPMOE_TEST_LATE", "CPMOE_TEST_OVERRIDDEN",
+                        "OMP_WAIT_POLICY", "RANK")
+    assert seen == [{"CPMOE_TEST_LATE": "set after the forkserver",
+                     "CPMOE_TEST_OVERRIDDEN": "override", "OMP_WAIT_POLICY": None,
+                     "RANK": str(rank)} for rank in range(2)]
+
+
+OWNER = """
+import sys, time
+import _launch_helpers as h
+from cpmoe.parallel.launch import RankPool
+if __name__ == "__main__":
+    pool = RankPool(2)
+    print(*(pid for _, pid in pool.run(h.gather_pid)), flush=True)
+    pool.run(h.block)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: once its parent (the killed owner) is gone, who reaps an orphan is
+    the machine's init, which in some containers never does."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_ranks_and_helpers_exit_when_the_pool_owner_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]))
+    owner = subprocess.Popen([sys.executable, str(script)], env=env, cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [owner.stdout.readline()]
+        ranks = [int(pid) for pid in lines[0].split()]
+        while sum("blocking" in line for line in lines) < len(ranks) and lines[-1]:
+            lines.append(owner.stdout.readline())
+        busy = sorted(line.strip() for line in lines if "blocking" in line)
+        helpers = _children(owner.pid)  # the forkserver (on cpu), the resource tracker
+    finally:
+        owner.kill()  # no close, no finalizer; the ranks are in a task, not reading their
+        owner.wait()  # task pipe: only their watchdog can end them
+        owner.stdout.close()
+    assert len(ranks) == 2 and busy == ["rank 0 blocking", "rank 1 blocking"], lines
+    deadline = time.monotonic() + 10
+    while not all(map(_exited, ranks + helpers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in ranks + helpers if not _exited(pid)] == []
 
 
 def test_closed_pool_refuses_run_and_leaves_no_processes() -> None:

@@ -163,6 +163,31 @@ def marked_processes(marker: str) -> list[tuple[int, str, str]]:
     return found
 
 
+FORKSERVER = "multiprocessing.forkserver"  # in the cmdline of a forkserver and its children
+
+
+def pool_processes(marker: str) -> list[tuple[int, str, str]]:
+    """The marked processes a RankPool started: its forkserver and ranks on cpu, its spawned
+    ranks ('spawn_main') on cuda."""
+    return [p for p in marked_processes(marker) if FORKSERVER in p[2] or "spawn_main" in p[2]]
+
+
+def marked_ranks(marker: str) -> list[tuple[int, str, str]]:
+    """The ranks among marked_processes(marker): spawned interpreters ('spawn_main'), or
+    forks of a forkserver (RankPool on cpu): a forkserver cmdline whose parent process has
+    one too (the forkserver itself is a child of the pool's owner)."""
+    procs = pool_processes(marker)
+    servers = {pid for pid, _, cmd in procs if FORKSERVER in cmd}
+    return [p for p in procs if "spawn_main" in p[2] or _ppid(p[0]) in servers]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # ---- module fixtures the serve tests share (import them into the test module) -------------
 
 @pytest.fixture(scope="module")

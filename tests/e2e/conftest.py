@@ -3,8 +3,8 @@
 demo_sampled_generate: the tokens `cpmoe generate` samples on the demo layout (tp 4, attn-cp
 2, ep 4) for one prompt of the built-in model, run once per session: test_serve compares its
 tp-4 server and test_serve_torchrun its two-node torchrun server against the same call (each
-call is 5 interpreters with a torch import: the CLI and its 4 ranks). The built-in model is
-drawn from a fixed seed, so every cache folder holds the same weights.
+call is the CLI and its ranks' forkserver, each a torch import, and 4 ranks). The built-in
+model is drawn from a fixed seed, so every cache folder holds the same weights.
 """
 
 from __future__ import annotations

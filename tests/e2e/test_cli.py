@@ -6,15 +6,17 @@ Every call gets `--device cpu`, a timeout, `CPMOE_CACHE_DIR` pointing at a tempo
 - `CPMOE_E2E_MARKER=<unique id>`: inherited by every process the call starts, so a /proc scan
   finds exactly that call's processes (ranks included);
 - `CPMOE_E2E_SPAWN_LOG=<folder>` with a `sitecustomize.py` on PYTHONPATH that writes one file
-  per Python interpreter started: the CLI itself, and each rank / resource tracker it spawns.
+  per Python interpreter started: the CLI itself, each helper it starts (resource tracker,
+  the ranks' forkserver), and one per process forked from an interpreter (a rank on cpu is a
+  fork of the forkserver: its file reads "fork: <the forkserver's cmdline>").
   "No rank was spawned" is then a fact read from that folder, not a timing guess.
   The same file is the fault injection of the fail-fast tests: with `CPMOE_E2E_FAULT=r:l`,
   rank r's Qwen decoder layer l raises (the product code has no test hook).
 
-Each subprocess costs an interpreter + torch import (and each multi-rank call one per rank),
-so calls are grouped: all calls that spawn no ranks run concurrently in one module fixture
-(most refused layouts and inputs as `cpmoe.cli.main` calls in the test process, with process
-starts trapped: `Cli.in_process`),
+Each subprocess costs an interpreter + torch import (and each multi-rank call one more: its
+ranks' forkserver, whose forks the ranks are), so calls are grouped: all calls that spawn no
+ranks run concurrently in one module fixture (most refused layouts and inputs as
+`cpmoe.cli.main` calls in the test process, with process starts trapped: `Cli.in_process`),
 the short multi-rank calls in a second one; the fault-injection run and the 4K-16K sweep run
 alone (the first has a fail-fast bound, the second is measured and reported).
 """
@@ -45,7 +47,7 @@ from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
 from tests._full import FULL, full_run
-from tests.e2e._serve_helpers import marked_processes
+from tests.e2e._serve_helpers import FORKSERVER, marked_processes, marked_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256  # the conftest checkpoints
@@ -58,14 +60,21 @@ MULTI_WORKERS = 2
 SITECUSTOMIZE = '''\
 import os
 _log = os.environ.get("CPMOE_E2E_SPAWN_LOG")
-if _log:
+
+
+def _log_start(prefix=""):
     try:
         with open("/proc/self/cmdline", "rb") as _f:
             _cmd = _f.read().replace(b"\\0", b" ").decode(errors="replace")
         with open(os.path.join(_log, str(os.getpid())), "w") as _f:
-            _f.write(_cmd)
+            _f.write(prefix + _cmd)
     except OSError:
         pass
+
+
+if _log:
+    _log_start()
+    os.register_at_fork(after_in_child=lambda: _log_start("fork: "))
 _fault = os.environ.get("CPMOE_E2E_FAULT")  # "rank:layer": that rank's Qwen layer raises
 with open("/proc/self/cmdline", "rb") as _f:
     _helper = b"resource_tracker" in _f.read()  # it never runs a model: no torch import
@@ -104,7 +113,8 @@ class CliResult:
     def ranks_spawned(self) -> int:
         if self.spawn_log is None:  # every start was refused: count the attempts
             return len(self.started)
-        return sum("spawn_main" in cmd for cmd in self.interpreters())
+        return sum("spawn_main" in cmd or (cmd.startswith("fork: ") and FORKSERVER in cmd)
+                   for cmd in self.interpreters())
 
     def describe(self) -> str:
         return (f"cpmoe {' '.join(self.args)}\n  exit {self.returncode}\n"
@@ -701,7 +711,7 @@ def test_injected_fault_fails_fast_and_leaves_no_rank(cli, workdir, ids_file, qw
     out = workdir / "fault.safetensors"
     res = cli("prefill", "--model", qwen3_moe_dir, *TP4_CP2_EP4, "--input-ids-file", ids_file,
               "--dump-logits", out, env={"CPMOE_E2E_FAULT": "1:1"}, timeout=120)
-    ranks_left = [p for p in marked_processes(res.marker) if "spawn_main" in p[2]]
+    ranks_left = marked_ranks(res.marker)
     assert res.returncode == 1, res.describe()
     assert res.elapsed_s < 30, f"took {res.elapsed_s:.1f} s\n{res.describe()}"
     first = shown_lines(res.stderr)[0]

@@ -26,7 +26,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests._full import full_matrix, full_run
-from tests.e2e._serve_helpers import REPO_ROOT, marked_processes
+from tests.e2e._serve_helpers import (REPO_ROOT, marked_processes, marked_ranks,
+                                      pool_processes)
 from tests.e2e.test_cli import Cli, CliResult, shown_lines
 
 TP2 = ("--tp-size", "2", "--attn-cp-size", "2", "--ep-size", "2")
@@ -275,8 +276,13 @@ def test_a_failing_torchrun_rank_shows_its_error_and_its_peer_one_line(cli, qwen
 
 # ---- Ctrl-C --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("after_s", [0.2, 3.0], ids=["ranks-starting", "ranks-running"])
-def test_ctrl_c_stops_the_ranks_and_exits_130_without_a_traceback(cli, qwen3_moe_dir, after_s):
+# ranks-starting: 0.2 s after the pool's first process appeared (on cpu the forkserver, still
+# importing torch, before any rank exists; with 'spawn' a rank's interpreter still importing);
+# ranks-running: 3 s after both ranks exist (loading the model, then generating).
+@pytest.mark.parametrize("ranks,after_s", [(0, 0.2), (2, 3.0)],
+                         ids=["ranks-starting", "ranks-running"])
+def test_ctrl_c_stops_the_ranks_and_exits_130_without_a_traceback(cli, qwen3_moe_dir, ranks,
+                                                                   after_s):
     marker = uuid.uuid4().hex
     env = {**os.environ, "CPMOE_CACHE_DIR": str(cli.cache_dir), "CPMOE_E2E_MARKER": marker,
            "PYTHONPATH": str(REPO_ROOT)}
@@ -287,10 +293,10 @@ def test_ctrl_c_stops_the_ranks_and_exits_130_without_a_traceback(cli, qwen3_moe
         start_new_session=True)  # its own process group, as a terminal's foreground job
     try:
         deadline = time.monotonic() + 120
-        while sum("spawn_main" in cmd for _, _, cmd in marked_processes(marker)) < 2:
+        while not pool_processes(marker) or len(marked_ranks(marker)) < ranks:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
-        time.sleep(after_s)  # 0.2: the ranks' interpreters are still importing
+        time.sleep(after_s)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole group
         out, err = proc.communicate(timeout=60)
     finally:
