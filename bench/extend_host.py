@@ -40,7 +40,8 @@ class Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if not self.paused and not name.startswith(("aten.view", "aten._unsafe_view",
+        on_device = MAKING[0] or _on_device(args, kwargs)
+        if not self.paused and on_device and not name.startswith(("aten.view", "aten._unsafe_view",
                                                     "aten.t.", "aten.transpose",
                                                     "aten.as_strided", "aten.detach",
                                                     "aten.alias", "aten.split.",
@@ -54,14 +55,18 @@ class Counter(TorchDispatchMode):
                                           and (kwargs or {}).get("output_size")):
                 self.syncs[name] += 1
         out = func(*args, **(kwargs or {}))
-        if _on_device(args, kwargs):  # what a GPU step would hold on the device
+        if on_device:  # what a GPU step would hold on the device
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     DEVICE.add(id(t))
                     KEEP.append(t)
-        if not self.paused and name in _SYNC_OPS and _on_device(args, kwargs):
+        if not self.paused and name in _SYNC_OPS and on_device:
             self.syncs["device: " + name] += 1
         return out
+
+
+MAKING = [False]  # a factory call on the (fake) CUDA device is running
+IN_FORWARD = [False]  # the model's forward is running: its factories make device tensors
 
 
 DEVICE: set[int] = set()  # ids of tensors a GPU step holds on the device (--cuda-paths)
@@ -161,9 +166,20 @@ def _device(t: torch.Tensor, cuda: bool) -> torch.Tensor:
 
 
 def fake_cuda_device(runner) -> None:
-    """The runner's device reads "cuda"; tensors it asks there stay on the CPU, and every
+    """In the model's forward every tensor is on the device.
+    The runner's device reads "cuda"; tensors it asks there stay on the CPU, and every
     copy from the host to it without non_blocking counts as a host read (a stream sync)."""
     runner.device = torch.device("cuda")
+    for name in ("hidden_states", "logits"):
+        orig = getattr(runner.model, name)
+
+        def forward(*a, _orig=orig, **k):
+            IN_FORWARD[0] = True
+            try:
+                return _orig(*a, **k)
+            finally:
+                IN_FORWARD[0] = False
+        setattr(runner.model, name, forward)
 
     def h2d(kwargs, device) -> None:
         if COUNTER is not None and not COUNTER.paused and device is not None and \
@@ -175,17 +191,26 @@ def fake_cuda_device(runner) -> None:
 
         def factory(*a, _orig=orig, **k):
             h2d(k, k.get("device"))
-            cuda = "cuda" in str(k.get("device"))
+            cuda = "cuda" in str(k.get("device")) or IN_FORWARD[0]
             k["device"] = _cpu(k.get("device"))
-            return _device(_orig(*a, **k), cuda)
+            MAKING[0] = cuda
+            try:
+                return _device(_orig(*a, **k), cuda)
+            finally:
+                MAKING[0] = False
         setattr(torch, name, factory)
     for name in ("arange", "zeros", "full", "empty", "ones"):
         orig = getattr(torch, name)
 
         def factory(*a, _orig=orig, **k):
-            cuda = "cuda" in str(k.get("device"))
+            cuda = "cuda" in str(k.get("device")) or IN_FORWARD[0]
             k["device"] = _cpu(k.get("device"))
-            return _device(_orig(*a, **k), cuda)
+            k.pop("pin_memory", None)  # no pinned memory without CUDA
+            MAKING[0] = cuda
+            try:
+                return _device(_orig(*a, **k), cuda)
+            finally:
+                MAKING[0] = False
         setattr(torch, name, factory)
     to = torch.Tensor.to
 
@@ -197,8 +222,10 @@ def fake_cuda_device(runner) -> None:
             k["device"] = _cpu(k["device"])
         out = to(self, *a, **k)
         cuda = dev is not None and "cuda" in str(dev)
-        if cuda and out is self and id(self) not in DEVICE:  # a copy on the GPU
-            with _one_op("aten._to_copy.default"):
+        if cuda and id(self) not in DEVICE:  # a copy to the GPU
+            if COUNTER is not None and not COUNTER.paused:
+                COUNTER.ops["host->device copy"] += 1
+            if out is self:
                 out = self.clone()
         return _device(out, cuda)
     torch.Tensor.to = tensor_to
@@ -241,10 +268,11 @@ def main() -> None:
         runner.extend(segs)
     for n, f in saved.items():
         setattr(torch.Tensor, n, f)
-    ops, syncs = sum(COUNTER.ops.values()), sum(COUNTER.syncs.values())
+    ops = sum(COUNTER.ops.values())
+    syncs = sum(n for k, n in COUNTER.syncs.items() if k.startswith(("device", "host->")))
     print(f"{'CUDA' if args.cuda_paths else 'CPU'} paths, {args.layers} layers, {args.seqs} x "
-          f"{args.new} new after {args.prefix}: {ops} ops/step ({ops / args.layers:.1f} per "
-          f"layer), {syncs} host reads/step: {dict(COUNTER.syncs)}")
+          f"{args.new} new after {args.prefix}: {ops} device ops/step ({ops / args.layers:.1f}"
+          f" per layer), {syncs} syncs/step; reads: {dict(COUNTER.syncs)}")
     for name, n in COUNTER.ops.most_common(args.top):
         print(f"  {n:6d}  {name}")
 
