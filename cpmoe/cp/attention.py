@@ -284,7 +284,8 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
     """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
     slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
     lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
-    one varlen launch for every sequence, else sequence by sequence."""
+    one varlen launch for every sequence (o in q's dtype when `in_order` covers every row),
+    else sequence by sequence."""
     R, H, D = q.shape
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if prefix.counts:
@@ -296,8 +297,8 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         if fused:
             om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
                                       prefix.max_k, False, scale)
-            if whole:  # nothing to scatter
-                return om.float(), lm
+            if whole:  # nothing to scatter; o stays 16-bit (its readers widen it)
+                return om, lm
     o = torch.zeros(R, H, D, dtype=torch.float32, device=q.device)
     lse = torch.full((R, H), float("-inf"), device=q.device)
     if not prefix.counts:
