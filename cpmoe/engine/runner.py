@@ -341,9 +341,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             return parts
         raw = [p.contiguous().view(-1).view(torch.uint8) for p in parts if p is not None]
-        pads = [-r.numel() % 8 for r in raw]  # every part starts 8-byte aligned
+        pads = [-r.numel() % 16 for r in raw]  # 16-byte aligned, as Triton specializes
         size = sum(r.numel() + pad for r, pad in zip(raw, pads))
-        buf = torch.zeros(max(size, 8), dtype=torch.uint8, pin_memory=True)
+        buf = torch.zeros(max(size, 16), dtype=torch.uint8, pin_memory=True)
         at = 0
         for r, pad in zip(raw, pads):
             buf[at:at + r.numel()] = r
@@ -355,7 +355,7 @@ class ModelRunner:
                 continue
             n = p.numel() * p.element_size()
             out.append(dev[at:at + n].view(p.dtype).view(p.shape))
-            at += n + (-n % 8)
+            at += n + (-n % 16)
         return out
 
     def _store_extend(self, batch: ForwardBatch, segments: list[Segment]) -> None:
