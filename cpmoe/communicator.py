@@ -190,8 +190,8 @@ def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGr
                          k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend: this rank's queries [T, H, D] against their sequences' cached prefixes, whose
-    K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32 (o in q's dtype
-    where `prefix_partial` leaves it so, at CP 1), exact over the whole prefix. The queries
+    K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32 (at CP 1 o as
+    `prefix_partial` leaves it: q's dtype on CUDA), exact over the whole prefix. The queries
     are all-gathered over ATTN_CP, every rank attends all of them to its own shard, and one
     all-to-all returns each rank's partial results for its own rows, merged by log-sum-exp
     (no rank ever holds another's prefix K/V)."""

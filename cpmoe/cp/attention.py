@@ -282,10 +282,10 @@ def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.
 def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
                    v_pool: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
-    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
+    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D],
     lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
-    one varlen launch for every sequence (o in q's dtype when `in_order` covers every row),
-    else sequence by sequence."""
+    one varlen launch for every sequence, o in q's dtype (its readers widen it as they load
+    it: no fp32 copy per layer); else sequence by sequence, o fp32."""
     R, H, D = q.shape
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if prefix.counts:
@@ -297,14 +297,14 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         if fused:
             om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
                                       prefix.max_k, False, scale)
-            if whole:  # nothing to scatter; o stays 16-bit (its readers widen it)
+            if whole:  # nothing to scatter
                 return om, lm
-    o = torch.zeros(R, H, D, dtype=torch.float32, device=q.device)
+    o = torch.zeros(R, H, D, dtype=q.dtype if fused else torch.float32, device=q.device)
     lse = torch.full((R, H), float("-inf"), device=q.device)
     if not prefix.counts:
         return o, lse
     if fused:
-        o[prefix.q_rows], lse[prefix.q_rows] = om.float(), lm
+        o[prefix.q_rows], lse[prefix.q_rows] = om, lm
         return o, lse
     zero = torch.zeros(1, dtype=torch.int64, device=q.device)
     row = key = 0
