@@ -254,10 +254,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, cfg["vocab_size"], (args.prefix + args.seqs * args.new,),
                         generator=gen).tolist()
-    runner.extend([Segment(0, ids[:args.prefix])])
+    if args.prefix:
+        runner.extend([Segment(0, ids[:args.prefix])])
     segs = []
     for i in range(args.seqs):
-        runner.kv.fork(i + 1, 0, args.prefix)
+        if args.prefix:  # else new sequences
+            runner.kv.fork(i + 1, 0, args.prefix)
         segs.append(Segment(i + 1, ids[args.prefix + i * args.new:
                                        args.prefix + (i + 1) * args.new], args.prefix))
     saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "cpu")}
