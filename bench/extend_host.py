@@ -51,16 +51,14 @@ class Counter(TorchDispatchMode):
                                                     "aten.unbind", "aten.squeeze",
                                                     "aten.permute", "aten.chunk")):
             self.ops[name] += 1
-            if name in _SYNC_OPS and not (name == "aten.repeat_interleave.Tensor"
-                                          and (kwargs or {}).get("output_size")):
-                self.syncs[name] += 1
         out = func(*args, **(kwargs or {}))
         if on_device:  # what a GPU step would hold on the device
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     DEVICE.add(id(t))
                     KEEP.append(t)
-        if not self.paused and name in _SYNC_OPS and on_device:
+        if not self.paused and name in _SYNC_OPS and on_device and not (
+                name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size")):
             self.syncs["device: " + name] += 1
         return out
 
@@ -266,6 +264,7 @@ def main() -> None:
     for n, f in saved.items():
         setattr(torch.Tensor, n, _host_reads(n, f))
     COUNTER = Counter()
+    MAKING[0] = not args.cuda_paths  # CPU paths: every tensor is "on the device"
     with COUNTER:
         runner.extend(segs)
     for n, f in saved.items():
