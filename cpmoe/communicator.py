@@ -190,10 +190,11 @@ def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGr
                          k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend: this rank's queries [T, H, D] against their sequences' cached prefixes, whose
-    K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32, exact over the
-    whole prefix. The queries are all-gathered over ATTN_CP, every rank attends all of them
-    to its own shard, and one all-to-all returns each rank's partial results for its own
-    rows, merged by log-sum-exp (no rank ever holds another's prefix K/V)."""
+    K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32 (at CP 1 o as
+    `prefix_partial` leaves it: q's dtype on CUDA), exact over the whole prefix. The queries
+    are all-gathered over ATTN_CP, every rank attends all of them to its own shard, and one
+    all-to-all returns each rank's partial results for its own rows, merged by log-sum-exp
+    (no rank ever holds another's prefix K/V)."""
     cp = groups.attn_cp
     assert batch.prefix is not None and batch.split is not None
     q_all = q if cp.size == 1 else comm.all_gather(batch.split.pad_local(q), cp)
@@ -202,8 +203,8 @@ def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGr
         return o, lse
     R, H, D = o.shape
     rows = batch.split.max_count
-    back = comm.all_to_all(torch.cat([o.reshape(R, H * D), lse], dim=1), [rows] * cp.size,
-                           [rows] * cp.size, cp).view(cp.size, rows, H * D + H)
+    back = comm.all_to_all(torch.cat([o.reshape(R, H * D).float(), lse], dim=1),
+                           [rows] * cp.size, [rows] * cp.size, cp).view(cp.size, rows, H * D + H)
     o, lse = merge_with_lse(back[..., :H * D].reshape(cp.size, rows, H, D), back[..., H * D:])
     return o[:batch.num_tokens], lse[:batch.num_tokens]
 

@@ -77,7 +77,9 @@ class PackedPrefix:
     cached prefix (`slots`, in order), both on the device; `counts` (host) gives each packed
     sequence's (rows, slots), never 0. Sequences with no rows or no slots here are left out:
     their rows see no cached key on this rank (lse -inf); all may be (the step still takes
-    the cached-prefix path on every rank: it has collectives)."""
+    the cached-prefix path on every rank: it has collectives). `in_order`: q_rows is
+    0, 1, .. (as when every sequence of a CP-1 step has a prefix): `prefix_partial` then
+    reads and writes the queries in place, no gather or scatter per layer."""
 
     q_rows: torch.Tensor  # int64 [R]
     slots: torch.Tensor  # int64 [N]
@@ -86,6 +88,7 @@ class PackedPrefix:
     cu_k: torch.Tensor  # int32 [n + 1]
     max_q: int
     max_k: int
+    in_order: bool = False
 
     @classmethod
     def build(cls, rows: list[torch.Tensor], slots: list[torch.Tensor],
@@ -95,10 +98,11 @@ class PackedPrefix:
         cu = torch.tensor([(0, 0)] + counts, dtype=torch.int64).cumsum(0)
         cu_q, cu_k = cu.t().contiguous().to(device, torch.int32)
         none = torch.zeros(0, dtype=torch.int64)
-        return cls(torch.cat([r for r, _ in keep] or [none]).to(device),
-                   torch.cat([s for _, s in keep] or [none]).to(device), counts, cu_q, cu_k,
-                   max((n for n, _ in counts), default=0),
-                   max((n for _, n in counts), default=0))
+        q_rows = torch.cat([r for r, _ in keep] or [none])
+        in_order = torch.equal(q_rows, torch.arange(q_rows.numel()))
+        return cls(q_rows.to(device), torch.cat([s for _, s in keep] or [none]).to(device),
+                   counts, cu_q, cu_k, max((n for n, _ in counts), default=0),
+                   max((n for _, n in counts), default=0), in_order)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -278,21 +282,29 @@ def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.
 def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
                    v_pool: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
-    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D] fp32,
+    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D],
     lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
-    one varlen launch for every sequence, else sequence by sequence."""
+    one varlen launch for every sequence, o in q's dtype (its readers widen it as they load
+    it: no fp32 copy per layer); else sequence by sequence, o fp32."""
     R, H, D = q.shape
-    o = torch.zeros(R, H, D, dtype=torch.float32, device=q.device)
+    fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if prefix.counts:
+        whole = prefix.in_order and prefix.q_rows.numel() == R  # every row, in order
+        k_all = k_pool.view(-1, *k_pool.shape[-2:])
+        v_all = v_pool.view(-1, *v_pool.shape[-2:])
+        qs = q if whole else q[prefix.q_rows]
+        k, v = k_all[prefix.slots], v_all[prefix.slots]
+        if fused:
+            om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
+                                      prefix.max_k, False, scale)
+            if whole:  # nothing to scatter
+                return om, lm
+    o = torch.zeros(R, H, D, dtype=q.dtype if fused else torch.float32, device=q.device)
     lse = torch.full((R, H), float("-inf"), device=q.device)
     if not prefix.counts:
         return o, lse
-    k_all = k_pool.view(-1, *k_pool.shape[-2:])
-    v_all = v_pool.view(-1, *v_pool.shape[-2:])
-    qs, k, v = q[prefix.q_rows], k_all[prefix.slots], v_all[prefix.slots]
-    if qs.is_cuda and qs.dtype in (torch.bfloat16, torch.float16):
-        om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
-                                  prefix.max_k, False, scale)
-        o[prefix.q_rows], lse[prefix.q_rows] = om.float(), lm
+    if fused:
+        o[prefix.q_rows], lse[prefix.q_rows] = om, lm
         return o, lse
     zero = torch.zeros(1, dtype=torch.int64, device=q.device)
     row = key = 0

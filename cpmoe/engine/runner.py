@@ -285,33 +285,83 @@ class ModelRunner:
         if kv is not None and kv.cp_size == cp.size > 1:
             rotations = [kv.rotation(s.key, len(s.ids), strategy) for s in segments]
         split = CPSplit.build([len(s.ids) for s in segments], cp.size, strategy, rotations)
-        flat = self._ids([t for s in segments for t in s.ids])
+        flat = torch.tensor([t for s in segments for t in s.ids], dtype=torch.int64)
         rel, token_to_seq = split.local_positions(cp.rank), split.local_token_to_seq(cp.rank)
         starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
         runs = query_runs(rel, token_to_seq)
         varlen = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                   and not self.own_cache
                   and PackedRuns.wanted(runs, any(s.start for s in segments)))
-        packed = PackedRuns.build(runs, split.cu_seqlens, self.device) if varlen else None
+        host = torch.device("cpu")  # everything is built on the host, then moved at once
+        packed = PackedRuns.build(runs, split.cu_seqlens, host) if varlen else None
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
-                             positions=(rel + starts[token_to_seq]).to(self.device),
-                             token_to_seq=token_to_seq.to(self.device), split=split,
-                             rel_positions=rel.to(self.device), q_runs=runs,
-                             packed_runs=packed)
+                             positions=rel + starts[token_to_seq], token_to_seq=token_to_seq,
+                             split=split, rel_positions=rel, q_runs=runs, packed_runs=packed)
         if self.kv is not None:
             self._store_extend(batch, segments)
         elif any(s.start for s in segments):
             raise ValueError("extending cached sequences needs a KV cache (allocate_kv)")
+        last = self._batch_to_device(batch, torch.tensor(split.cu_seqlens[1:]) - 1)
         hidden = self.model.hidden_states(batch)
         if last_only:
-            hidden = hidden[torch.tensor(split.cu_seqlens[1:], device=self.device) - 1]
+            hidden = hidden[last]
         logits = self.model.logits(hidden).float()
         self.times.prefill_s += time.perf_counter() - t0
         return logits
 
+    def _batch_to_device(self, batch: ForwardBatch, last: torch.Tensor) -> torch.Tensor:
+        """The extend batch's host-built tensors (and `last`, each sequence's last row) ->
+        the device, in place, in one copy (`_upload`) -> `last` there. The split's gathered
+        -> flat order travels along (CP > 1: its first use, in layer 0, would copy it)."""
+        fields = [(batch, ("input_ids", "positions", "token_to_seq", "rel_positions",
+                           "write_slots"))]
+        for meta in (batch.packed_runs, batch.prefix):
+            if meta is not None:
+                fields.append((meta, ("cu_q", "cu_k") + (
+                    ("keys",) if isinstance(meta, PackedRuns) else ("q_rows", "slots"))))
+        split, cp = batch.split, self.groups.attn_cp.size > 1
+        assert split is not None
+        parts = [getattr(o, n) for o, names in fields for n in names]
+        moved = self._upload(parts + [last] + ([split._gathered_to_flat] if cp else []))
+        at = iter(moved)
+        for o, names in fields:
+            for n in names:
+                setattr(o, n, next(at))
+        last = next(at)
+        if cp and self.device.type != "cpu":  # CPSplit._on's cache: where unpermute looks
+            g2f = next(at)
+            split._dev_cache[("g2f", g2f.device)] = g2f
+        return last
+
+    def _upload(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Host tensors -> the same on the device (None stays None) in one copy from pinned
+        memory, without a stream sync: PyTorch syncs the stream after every copy from
+        pageable host memory, and an extend step had ten of them (the last, of `last`,
+        after the whole forward was queued). Each comes back as a view of one buffer."""
+        if self.device.type == "cpu":
+            return parts
+        raw = [p.contiguous().view(-1).view(torch.uint8) for p in parts if p is not None]
+        pads = [-r.numel() % 16 for r in raw]  # 16-byte aligned, as Triton specializes
+        size = sum(r.numel() + pad for r, pad in zip(raw, pads))
+        buf = torch.zeros(max(size, 16), dtype=torch.uint8, pin_memory=True)
+        at = 0
+        for r, pad in zip(raw, pads):
+            buf[at:at + r.numel()] = r
+            at += r.numel() + pad
+        dev, at, out = buf.to(self.device, non_blocking=True), 0, []
+        for p in parts:
+            if p is None:
+                out.append(None)
+                continue
+            n = p.numel() * p.element_size()
+            out.append(dev[at:at + n].view(p.dtype).view(p.shape))
+            at += n + (-n % 16)
+        return out
+
     def _store_extend(self, batch: ForwardBatch, segments: list[Segment]) -> None:
         """Pages for every rank's new tokens (all or nothing), their write slots here, and
-        where each sequence's cached prefix lies on this rank."""
+        where each sequence's cached prefix lies on this rank (host tensors, moved to the
+        device with the rest of the batch)."""
         kv, cp, split = self.kv, self.groups.attn_cp, batch.split
         assert kv is not None and split is not None
         news, need = [], [0] * kv.cp_size
@@ -334,12 +384,13 @@ class ModelRunner:
             rows = self._gathered_rows(split, len(segments))
             batch.prefix = PackedPrefix.build(
                 [rows[s] for s, seg in enumerate(segments) if seg.start],
-                [kv.local_slots(seg.key) for seg in segments if seg.start], self.device)
+                [kv.local_slots(seg.key) for seg in segments if seg.start],
+                torch.device("cpu"))
         slots = []
         for seg, new in zip(segments, news):
             slots += kv.extend(seg.key, new)
         batch.kv, batch.cache_keys = kv, [s.key for s in segments]
-        batch.write_slots = self._ids(slots)
+        batch.write_slots = torch.tensor(slots, dtype=torch.int64)
 
     def _gathered_rows(self, split: CPSplit, n: int) -> list[torch.Tensor]:
         """Rows of each of the n sequences among the queries all-gathered over CP (every

@@ -71,6 +71,10 @@ class QwenMoeAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x_TH), self.k_proj(x_TH), self.v_proj(x_TH)], dim=-1)
         if batch.is_decode:
             o = self._decode(qkv, rope, batch, layer)
+        elif batch.kv is not None and batch.write_slots is not None:
+            # q/k norm + RoPE and the K/V writes in one kernel (as decode), K/V read back
+            q = self._store(qkv, rope, batch, layer)
+            o = self._extend(q, *batch.kv.read(layer, batch.write_slots), batch, layer)
         else:
             q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D,
                                  self.num_kv_heads * D], dim=-1)
@@ -84,13 +88,21 @@ class QwenMoeAttention(nn.Module):
                              layer)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
+    def _store(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """q/k norm + RoPE with the new k/v written to `batch.write_slots` -> q (one kernel
+        on the GPU: `ops.qkv_norm_rope_store`, the same q/k math as `ops.norm_rope`)."""
+        kv = batch.kv
+        norms = (None, None, 0.0) if self.q_norm is None else (
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return qkv_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, *norms, *rope,
+                                   kv.k[layer], kv.v[layer], batch.write_slots)
+
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 layer: int) -> torch.Tensor:
         """This rank's chunk rows attend their own sequence's new tokens (K/V gathered over
         CP) causally and, for sequences with cached tokens, the cached prefix."""
         kv = batch.kv
-        if kv is not None and batch.write_slots is not None:
-            kv.write(layer, batch.write_slots, k, v)
         assert batch.split is not None
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
         cu = list(batch.split.cu_seqlens)
@@ -109,10 +121,7 @@ class QwenMoeAttention(nn.Module):
         GPU), then every row attends its sequence's pages, merged over the CP ranks."""
         kv = batch.kv
         assert kv is not None and batch.block_table is not None and batch.kv_lens is not None
-        norms = (None, None, 0.0) if self.q_norm is None else (
-            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = qkv_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, *norms, *rope,
-                                kv.k[layer], kv.v[layer], batch.write_slots)
+        q = self._store(qkv, rope, batch, layer)
         cp = self.groups.attn_cp.size
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,

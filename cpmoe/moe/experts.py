@@ -89,15 +89,22 @@ class LocalExperts(nn.Module):
         (decode) n is every pair: no sync, so CUDA graphs can capture it."""
         M, K = local_ids_MK.shape
         E = self.num_local_experts
-        expert_P = torch.where(local_ids_MK >= 0, local_ids_MK, E).flatten()
+        # A narrow sort key (a radix sort makes a pass per key byte, 8 for int64): uint8
+        # when it takes every id, -1 (other ranks' experts) becoming 255, past them all
+        if E < 255:
+            key, expert_P = torch.uint8, local_ids_MK.flatten().to(torch.uint8)
+        else:
+            key, expert_P = torch.int32, torch.where(local_ids_MK >= 0, local_ids_MK, E
+                                                     ).flatten().to(torch.int32)
         sorted_P, order = torch.sort(expert_P, stable=True)
-        bounds = torch.arange(1, E + 1, device=local_ids_MK.device, dtype=sorted_P.dtype)
+        bounds = torch.arange(1, E + 1, device=local_ids_MK.device, dtype=key)
         offs = torch.searchsorted(sorted_P, bounds)
         sparse = self.shard[1] > 1  # EP: some slots belong to other ranks
         n = int(offs[-1]) if sparse and M * K > _SYNC_MIN_SLOTS else M * K
         rank_P = torch.empty_like(order)  # rank of every pair in the sorted order
         rank_P[order] = torch.arange(M * K, device=order.device)
-        return order[:n] // K, offs, n, rank_P.view(M, K).clamp(max=n - 1)
+        rank_MK = rank_P.view(M, K)  # ranks past n - 1 only where n < M * K
+        return order[:n] // K, offs, n, rank_MK.clamp(max=n - 1) if n < M * K else rank_MK
 
     def _forward_grouped(self, x_MH, local_ids_MK, weights_MK) -> torch.Tensor:
         """Grouped-GEMM path (GPU): the pairs in `sorted_slots` order, two grouped GEMMs for

@@ -178,3 +178,23 @@ def test_packed_prefix_leaves_out_empty_shards_and_matches_per_sequence_attentio
     none = att.PackedPrefix.build(rows[1:], slots[1:], torch.device("cpu"))
     o, lse = att.prefix_partial(q, none, pool_k, pool_v, 0.3)
     assert none.counts == [] and torch.isinf(lse).all()
+
+
+def test_packed_prefix_over_every_row_in_order_attends_in_place():
+    """Every query row, in order (each sequence of a CP-1 step has a prefix): in_order, and
+    prefix_partial gives what it gives when the rows are gathered and scattered back."""
+    torch.manual_seed(4)
+    pool_k, pool_v = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    rows = [torch.tensor([0, 1, 2]), torch.tensor([3, 4])]
+    slots = [torch.tensor([4, 5, 6, 9]), torch.tensor([1, 2])]
+    q = torch.randn(5, 8, 16)
+    prefix = att.PackedPrefix.build(rows, slots, torch.device("cpu"))
+    assert prefix.in_order
+    o, lse = att.prefix_partial(q, prefix, pool_k, pool_v, 0.3)
+    shuffled = att.PackedPrefix.build(rows[::-1], slots[::-1], torch.device("cpu"))
+    assert not shuffled.in_order
+    want_o, want_lse = att.prefix_partial(q, shuffled, pool_k, pool_v, 0.3)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    fewer = att.PackedPrefix.build(rows, slots, torch.device("cpu"))  # rows 0..4 of 6
+    o6, lse6 = att.prefix_partial(torch.cat([q, q[:1]]), fewer, pool_k, pool_v, 0.3)
+    assert torch.equal(o6[:5], o) and torch.isinf(lse6[5]).all() and (o6[5] == 0).all()

@@ -39,3 +39,25 @@ def test_grouped_path_matches_loop(ep_size: int) -> None:
     if ep_size > 1:  # a rank none of whose experts was picked returns zeros
         none = mb._forward_grouped(x.bfloat16(), torch.full((M, K), -1), w)
         assert torch.count_nonzero(none) == 0
+
+
+@pytest.mark.parametrize("E", [8, 300])
+@pytest.mark.parametrize("ep_size", [1, 2])
+@pytest.mark.parametrize("M", [5, 2000])
+def test_sorted_slots_is_the_int64_sort_of_the_ids(E: int, ep_size: int, M: int) -> None:
+    """sorted_slots sorts narrow keys (uint8 with -1 wrapped to 255 past every expert, or
+    int32): the same stable order, offsets and ranks as sorting the int64 ids with -1 as E."""
+    torch.manual_seed(E + M)
+    K = 4
+    m = ex.LocalExperts(E, 8, 8, torch.float32, shard=(0, ep_size, 0, 1))
+    ids = torch.randint(-1, E, (M, K))
+    rows, offs, n, rank = m.sorted_slots(ids)
+    key = torch.where(ids >= 0, ids, E).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    want_offs = torch.searchsorted(sorted_key, torch.arange(1, E + 1))
+    want_n = int(want_offs[-1]) if ep_size > 1 and M * K > ex._SYNC_MIN_SLOTS else M * K
+    want_rank = torch.empty_like(order)
+    want_rank[order] = torch.arange(M * K)
+    assert n == want_n and torch.equal(offs, want_offs) and offs.dtype == torch.int64
+    assert torch.equal(rows, order[:n] // K)
+    assert torch.equal(rank, want_rank.view(M, K).clamp(max=n - 1))
