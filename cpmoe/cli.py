@@ -363,8 +363,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"({kv / layout.attn_cp_size:.0f} per prompt token with attn_cp "
                   f"{layout.attn_cp_size})", file=sys.stderr)
         print(f"KV capacity {res.kv_capacity} tokens per rank (pages of {opts.page_size}); "
-              f"CUDA graphs {res.graph_bytes / 2**20:.1f} MiB; prefill {res.prefill_s:.3f} s, "
-              f"{res.decode_steps} decode steps {res.decode_s:.3f} s", file=sys.stderr)
+              f"CUDA graphs {res.graph_bytes / 2**20:.1f} MiB; host time launching prefill "
+              f"{res.prefill_s:.3f} s, {res.decode_steps} decode steps {res.decode_s:.3f} s",
+              file=sys.stderr)
     return 0
 
 

@@ -80,6 +80,9 @@ class Segment:
 
 @dataclass
 class StepTimes:
+    """Host seconds inside `extend` / `decode` calls: the time to build and launch their work.
+    Neither call waits for the device (no stream sync), so on CUDA the device may still be
+    running it when they return; the wait for tokens falls in the step loop."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
