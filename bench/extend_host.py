@@ -184,26 +184,18 @@ def fake_cuda_device(runner) -> None:
                 "cuda" in str(device) and not kwargs.get("non_blocking"):
             COUNTER.syncs["host->device copy"] += 1
 
-    for name in ("tensor", "as_tensor"):
+    # tensor/as_tensor copy host data (a host->device copy when given a CUDA device); the
+    # others fill on the device
+    for name in ("tensor", "as_tensor", "arange", "zeros", "full", "empty", "ones"):
         orig = getattr(torch, name)
 
-        def factory(*a, _orig=orig, **k):
-            h2d(k, k.get("device"))
+        def factory(*a, _orig=orig, _copies=name in ("tensor", "as_tensor"), **k):
+            if _copies:
+                h2d(k, k.get("device"))
+            else:
+                k.pop("pin_memory", None)  # no pinned memory without CUDA
             cuda = "cuda" in str(k.get("device")) or IN_FORWARD[0]
             k["device"] = _cpu(k.get("device"))
-            MAKING[0] = cuda
-            try:
-                return _device(_orig(*a, **k), cuda)
-            finally:
-                MAKING[0] = False
-        setattr(torch, name, factory)
-    for name in ("arange", "zeros", "full", "empty", "ones"):
-        orig = getattr(torch, name)
-
-        def factory(*a, _orig=orig, **k):
-            cuda = "cuda" in str(k.get("device")) or IN_FORWARD[0]
-            k["device"] = _cpu(k.get("device"))
-            k.pop("pin_memory", None)  # no pinned memory without CUDA
             MAKING[0] = cuda
             try:
                 return _device(_orig(*a, **k), cuda)
