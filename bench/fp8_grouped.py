@@ -7,8 +7,10 @@ At Qwen3-30B-A3B's expert shape (128 experts, hidden 2048, intermediate 768, top
 prefill chunks of 4K and 16K tokens with uniform routing (each expert ~1/128 of the slots):
 the gate/up GEMM ([P, 2048] x [1536, 2048]^T per expert) and the down GEMM ([P, 768] x
 [2048, 768]^T), FP8 under every tile configuration of the sweep vs `grouped_fp8_config`'s
-choice vs bf16 `torch.nn.functional.grouped_mm`. Time per call from CUDA events (median of
-10 after warm-up); TFLOP/s = 2 P N K / time. Prints a table per GEMM; writes JSON.
+choice vs bf16 `torch.nn.functional.grouped_mm`. Time per call: `timing.cuda_ms` (CUDA
+events over 5 back-to-back calls after one untimed; the figures of BENCHMARKS.md at 721b0ce
+took the median of 10 calls synced one by one); TFLOP/s = 2 P N K / time. Prints a table
+per GEMM; writes JSON.
 """
 
 from __future__ import annotations
@@ -16,30 +18,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 
 import torch
 
 from cpmoe.bench.provenance import provenance
+from cpmoe.bench.timing import cuda_ms
 from cpmoe.moe.experts import _grouped_mm
 from cpmoe.quant import kernels
 
 E, H, I, TOP_K = 128, 2048, 768, 8
-
-
-def time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,17 +51,17 @@ def main() -> None:
             ws = torch.rand(E, N // 128, K // 128, device="cuda") + 0.5
             aq, a_s = kernels.quantize_act(a, 128)
             flops = 2 * P * N * K
-            bf16 = time_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
+            bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
             default = kernels.grouped_fp8_config(P, E)
 
             def fp8(cfg):
                 return lambda: kernels.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (128, 128),
                                                         config=cfg)
-            base = time_ms(fp8(default))
+            base = cuda_ms(fp8(default))
             best = (base, default)
             for cfg in grid:
                 try:
-                    t = time_ms(fp8(cfg))
+                    t = cuda_ms(fp8(cfg))
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
                     print(f"{name} P {P} {cfg}: {type(e).__name__}")
                     continue
