@@ -343,23 +343,18 @@ class ModelRunner:
         after the whole forward was queued). Each comes back as a view of one buffer."""
         if self.device.type == "cpu":
             return parts
-        raw = [p.contiguous().view(-1).view(torch.uint8) for p in parts if p is not None]
-        pads = [-r.numel() % 16 for r in raw]  # 16-byte aligned, as Triton specializes
-        size = sum(r.numel() + pad for r, pad in zip(raw, pads))
+        raw = [None if p is None else p.contiguous().view(-1).view(torch.uint8) for p in parts]
+        starts, size = [], 0
+        for r in raw:  # each part 16-byte aligned, as Triton specializes pointers on it
+            starts.append(size)
+            size += 0 if r is None else r.numel() + (-r.numel() % 16)
         buf = torch.zeros(max(size, 16), dtype=torch.uint8, pin_memory=True)
-        at = 0
-        for r, pad in zip(raw, pads):
-            buf[at:at + r.numel()] = r
-            at += r.numel() + pad
-        dev, at, out = buf.to(self.device, non_blocking=True), 0, []
-        for p in parts:
-            if p is None:
-                out.append(None)
-                continue
-            n = p.numel() * p.element_size()
-            out.append(dev[at:at + n].view(p.dtype).view(p.shape))
-            at += n + (-n % 16)
-        return out
+        for r, at in zip(raw, starts):
+            if r is not None:
+                buf[at:at + r.numel()] = r
+        dev = buf.to(self.device, non_blocking=True)
+        return [None if p is None else dev[at:at + r.numel()].view(p.dtype).view(p.shape)
+                for p, r, at in zip(parts, raw, starts)]
 
     def _store_extend(self, batch: ForwardBatch, segments: list[Segment]) -> None:
         """Pages for every rank's new tokens (all or nothing), their write slots here, and
