@@ -4,6 +4,9 @@ reads of tensor values (each a stream sync on CUDA) per step, for a tiny Qwen3-M
 
     python3 -m bench.extend_host --layers 48 --seqs 6 --new 100 --prefix 256
 
+--engine-step runs it as the engine loop does (`engine.run_step`), one sequence's prompt
+continuing past the step, so the rows to sample are picked out of the logits as well.
+
 --cuda-paths takes the model's CUDA branches on the CPU (Tensor.is_cuda reads True; each
 Triton kernel, flash-attention and grouped-GEMM call counts as one op, computed by its
 reference or stubbed), which is what a GPU step launches; without it, the CPU reference
@@ -17,11 +20,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpmoe.bench.spec import SHAPES
+from cpmoe.engine.engine import run_step
+from cpmoe.engine.scheduler import StepPlan
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
 
@@ -60,6 +66,12 @@ class Counter(TorchDispatchMode):
         if not self.paused and name in _SYNC_OPS and on_device and not (
                 name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size")):
             self.syncs["device: " + name] += 1
+        if not self.paused and on_device and name.startswith("aten.index") and any(
+                isinstance(t, torch.Tensor) and t.dim() and id(t) not in DEVICE
+                for t in torch.utils._pytree.tree_leaves((args[1:], kwargs))):
+            # a host index for a device tensor (x[python_list]): PyTorch copies it to the
+            # device from pageable memory, a stream sync
+            self.syncs["host->device copy: " + name] += 1
         return out
 
 
@@ -221,6 +233,14 @@ def fake_cuda_device(runner) -> None:
     torch.Tensor.to = tensor_to
 
 
+def _prompts(segs: list[Segment]) -> SimpleNamespace:
+    """What run_step reads of the scheduler: each running request's tokens. The last
+    sequence's prompt runs past this step (a chunk), so only the others are sampled."""
+    return SimpleNamespace(running={
+        g.key: SimpleNamespace(tokens=[0] * (g.start + len(g.ids) + (i == len(segs) - 1)))
+        for i, g in enumerate(segs)})
+
+
 def main() -> None:
     global COUNTER
     p = argparse.ArgumentParser()
@@ -230,6 +250,9 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--cuda-paths", action="store_true")
     p.add_argument("--top", type=int, default=0, help="print the N most frequent ops")
+    p.add_argument("--engine-step", action="store_true",
+                   help="run the step as the engine does (engine.run_step), the last "
+                        "sequence's prompt not yet complete: the logits rows picked too")
     args = p.parse_args()
     cfg = {**SHAPES["tiny"], "num_hidden_layers": args.layers}
     dtype = torch.float32
@@ -258,7 +281,11 @@ def main() -> None:
     COUNTER = Counter()
     MAKING[0] = not args.cuda_paths  # CPU paths: every tensor is "on the device"
     with COUNTER:
-        runner.extend(segs)
+        if args.engine_step:
+            run_step(runner, StepPlan(extend=[(g.key, g.ids, g.start) for g in segs]),
+                     _prompts(segs))
+        else:
+            runner.extend(segs)
     for n, f in saved.items():
         setattr(torch.Tensor, n, f)
     ops = sum(COUNTER.ops.values())

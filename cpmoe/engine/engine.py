@@ -178,10 +178,13 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
         parts.append(runner.decode([r for r, _ in plan.decode], [t for _, t in plan.decode]))
     if plan.extend:
         logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend])
-        if sched is not None:
+        if sched is not None:  # the sequences whose prompt this step completes
             done = [i for i, (rid, ids, s) in enumerate(plan.extend)
                     if s + len(ids) == len(sched.running[rid].tokens)]
-            parts.append(logits[done])
+            if len(done) == len(plan.extend):
+                parts.append(logits)
+            elif done:  # rows picked on the device: a Python-list index would sync
+                parts.append(logits.index_select(0, runner.rows_to_device(done)))
     kind = ("mixed" if plan.decode and plan.extend else "decode" if plan.decode else
             "prefill" if plan.extend else "idle")
     out = None

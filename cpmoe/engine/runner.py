@@ -356,6 +356,10 @@ class ModelRunner:
         return [None if p is None else dev[at:at + r.numel()].view(p.dtype).view(p.shape)
                 for p, r, at in zip(parts, raw, starts)]
 
+    def rows_to_device(self, rows: list[int]) -> torch.Tensor:
+        """Row indices -> an int64 device tensor, copied without a stream sync."""
+        return self._upload([torch.tensor(rows, dtype=torch.int64)])[0]
+
     def _store_extend(self, batch: ForwardBatch, segments: list[Segment]) -> None:
         """Pages for every rank's new tokens (all or nothing), their write slots here, and
         where each sequence's cached prefix lies on this rank (host tensors, moved to the
