@@ -85,6 +85,7 @@ class Outcome:
     tokens: int = 0  # produced (usage.completion_tokens)
     cached: int = 0  # prompt tokens from the server's prefix cache (usage)
     ttft: float = 0.0
+    sent: float = 0.0  # from the start to the request body written to the socket
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # perf_counter of each chunk
@@ -113,8 +114,14 @@ async def _one(client, url: str, model: str, prompt: list[int], out_len: int) ->
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
+
+    async def trace(event: str, info: dict) -> None:  # httpcore's connection events
+        if event.endswith("send_request_body.complete"):
+            res.sent = time.perf_counter() - start
+
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 extensions={"trace": trace}) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
@@ -214,6 +221,8 @@ def summarize(results: list[Outcome], wall: float) -> dict:
             "total_cached_tokens": cached,
             "prefix_hit_rate": cached / inputs if inputs else 0.0,
             "ttft_s": _stats([r.ttft for r in ok]),
+            # the client's own share of TTFT: until the request was on the wire
+            "send_s": _stats([r.sent for r in ok]),
             "itl_s": _stats([x for r in ok for x in r.itl]),
             "tpot_s": _stats(tpot), "e2e_latency_s": _stats([r.latency for r in ok])}
 
@@ -313,6 +322,8 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         server_log = args.out.with_suffix(".server.log")
         server_log.write_text("".join(server.log))
         print(f"wrote {server_log}")
+    summary["server_ttft_s"] = _server_mean(metrics, "cpmoe_time_to_first_token_seconds")
+    summary["server_intake_s"] = _server_mean(metrics, "cpmoe_request_intake_seconds")
     if long is not None:
         summary["long_prompt"] = interference(results, long, _chunk_size(args.launch or []))
     head = {**provenance(argv),
@@ -386,6 +397,12 @@ def _scrape(url: str) -> dict:
     return out
 
 
+def _server_mean(metrics: dict, name: str) -> float | None:
+    """A histogram's mean from the server's counters (None: a server without it)."""
+    n = metrics.get(f"{name}_count")
+    return metrics[f"{name}_sum"] / n if n else None
+
+
 def _long_line(lp: dict) -> str:
     if lp["error"]:
         return f"long prompt of {lp['prompt_len']} tokens: FAILED: {lp['error']}"
@@ -393,6 +410,14 @@ def _long_line(lp: dict) -> str:
             f"{lp['chunks']} chunks ({lp['step_s'] * 1e3:.1f} ms a step); streams' ITL "
             f"meanwhile p99 {(lp['itl_during_s']['p99'] or 0) * 1e3:.1f} ms = "
             f"{lp['p99_itl_vs_2x_step'] or 0:.2f} x (2 steps)")
+
+
+def _ttft_line(s: dict) -> str:
+    """Where the client's TTFT went: its own sending, the server's intake, the server."""
+    return (f"TTFT mean {s['ttft_s']['mean'] * 1e3:.1f} ms here: request on the wire after "
+            f"{s['send_s']['mean'] * 1e3:.1f} ms; the server's own TTFT "
+            f"{s['server_ttft_s'] * 1e3:.1f} ms, of it intake (body, parse, tokenize) "
+            f"{(s['server_intake_s'] or 0) * 1e3:.1f} ms")
 
 
 def report(s: dict) -> str:
@@ -409,6 +434,7 @@ def report(s: dict) -> str:
              f"prefix cache: {s.get('total_cached_tokens', 0):,} of "
              f"{s.get('total_input_tokens', 0):,} prompt tokens cached (hit rate "
              f"{s.get('prefix_hit_rate', 0.0):.1%})",
+             *([_ttft_line(s)] if s.get("server_ttft_s") is not None else []),
              "| ms | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
              row("TTFT", s["ttft_s"]), row("ITL", s["itl_s"]), row("TPOT", s["tpot_s"]),
              row("E2E", s["e2e_latency_s"])]

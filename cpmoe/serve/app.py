@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -166,6 +167,7 @@ def _prepare(state: ServeState, raw: bytes, chat: bool) -> list[api.Job]:
 
 async def _generate(state: ServeState, request: Request, endpoint: str) -> Response:
     chat = endpoint == "chat"
+    arrived = time.monotonic()  # server-side TTFT counts the body, parsing and tokenizing
     runs: list[_Run] = []
     try:
         raw = await request.body()
@@ -173,7 +175,7 @@ async def _generate(state: ServeState, request: Request, endpoint: str) -> Respo
                                                                 state, raw, chat)
         try:
             for job in jobs:
-                runs.append(_Run(state, state.client.submit(job), job))
+                runs.append(_Run(state, state.client.submit(job, arrived), job))
         except QueueFull as e:
             raise _unavailable(str(e), "queue_full") from None
         except EngineDown as e:

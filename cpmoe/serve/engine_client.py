@@ -108,7 +108,9 @@ class EngineClient:
         return self.failure is None and not self._stopping
 
     # ---- event loop side ---------------------------------------------------------------------
-    def submit(self, job: Job) -> RequestStream:
+    def submit(self, job: Job, arrived: float | None = None) -> RequestStream:
+        """`arrived`: when the HTTP request came in (time.monotonic); its wait until now is
+        the request's intake time."""
         if not self.alive:
             raise EngineDown("the engine is not running")
         if self.metrics.waiting >= self.max_queue:
@@ -116,6 +118,9 @@ class EngineClient:
                             f"{self.max_queue}); retry later")
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         stream = RequestStream(rid, len(job.prompt_ids))
+        if arrived is not None:
+            self.metrics.intake.observe(stream.arrived - arrived)
+            stream.arrived = arrived
         self._streams[rid] = stream
         self.metrics.waiting += 1
         self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens,

@@ -55,6 +55,7 @@ class Metrics:
     steps: Counter = field(default_factory=Counter)  # step kind -> n
     step_seconds: Counter = field(default_factory=Counter)  # step kind -> seconds
     ttft: Histogram = field(default_factory=Histogram)
+    intake: Histogram = field(default_factory=Histogram)  # arrival -> submitted to the engine
     itl: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
     waiting: int = 0  # accepted, no token yet (the queue --max-queue bounds)
@@ -102,6 +103,9 @@ class Metrics:
         family("cpmoe_time_to_first_token_seconds", "histogram",
                "Arrival to first generated token", self.ttft.lines(
                    "cpmoe_time_to_first_token_seconds"))
+        family("cpmoe_request_intake_seconds", "histogram",
+               "Arrival to submitted to the engine (body read, parsed, tokenized)",
+               self.intake.lines("cpmoe_request_intake_seconds"))
         family("cpmoe_inter_token_latency_seconds", "histogram",
                "Time between consecutive tokens of a request", self.itl.lines(
                    "cpmoe_inter_token_latency_seconds"))

@@ -253,6 +253,9 @@ def test_64_concurrent_clients_get_their_tokens_and_kv_returns_to_zero(servers, 
                    for r in ("stop", "length"))
     assert finished == len(specs) - cancelled
     assert delta["cpmoe_time_to_first_token_seconds_count"] >= len(specs) - abandoned
+    # every submitted choice had its intake (arrival -> submitted to the engine) timed
+    assert delta["cpmoe_request_intake_seconds_count"] >= len(specs)
+    assert delta["cpmoe_request_intake_seconds_sum"] > 0
     # the batch log (SGLang's lines) accounts for every prefilled prompt token, step by step
     logged = re.findall(r"Prefill batch\. #new-seq: (\d+), #new-token: (\d+)",
                         server.stderr()[log_before:])

@@ -425,6 +425,12 @@ def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
         r"Prefill batch\. #new-seq: \d+, #new-token: (\d+), #cached-token: (\d+)", log)]
     assert sum(n for n, _ in logged) == metrics["cpmoe_prompt_tokens_computed_total"]
     assert sum(c for _, c in logged) == sum(cached)
+    # TTFT's parts: every request's body went out before its first token came back, and
+    # the server's own TTFT (arrival -> first token) is within what the client saw
+    reqs = body["requests"]
+    assert all(0 < r["sent"] < r["ttft"] for r in reqs), [(r["sent"], r["ttft"]) for r in reqs]
+    assert 0 < summary["server_intake_s"] < summary["server_ttft_s"] < summary["ttft_s"]["mean"]
+    assert "the server's own TTFT" in proc.stdout
 
 
 # ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
