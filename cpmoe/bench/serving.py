@@ -16,9 +16,12 @@ and the number of distinct prefixes, after SGLang's generated-shared-prefix data
 The prefix cache's hit rate is reported: prompt tokens the server took from its cache
 (`usage.prompt_tokens_details.cached_tokens`) over all prompt tokens.
 
-Reported (mean, p50, p90, p99): TTFT (request sent -> first token), ITL (between streamed
-chunks after the first), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end
-latency; request, input and output token throughput over the run's wall time.
+Reported (mean, p50, p90, p99): TTFT (request started -> first token), ITL (between
+streamed chunks after the first), TPOT ((latency - TTFT) / (output tokens - 1)) and
+end-to-end latency; request, input and output token throughput over the run's wall time.
+Where TTFT goes: the client's part (started -> request body on the wire, `send_s`) and,
+from the server's /metrics after the run, its own TTFT (arrival -> first token) and the
+intake within it (body read, parsed, tokenized). Each request has its own connection.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import random
 import re
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -109,7 +113,8 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
              length(args.random_output_len)) for _ in range(args.num_prompts)]
 
 
-async def _one(client, url: str, model: str, prompt: list[int], out_len: int) -> Outcome:
+async def _one(connect, url: str, model: str, prompt: list[int], out_len: int) -> Outcome:
+    """One streamed completion on its own connection (`connect()`: a new client)."""
     res = Outcome(len(prompt), out_len)
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -120,8 +125,9 @@ async def _one(client, url: str, model: str, prompt: list[int], out_len: int) ->
             res.sent = time.perf_counter() - start
 
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body,
-                                 extensions={"trace": trace}) as resp:
+        async with connect() as client, client.stream(
+                "POST", f"{url}/v1/completions", json=body,
+                extensions={"trace": trace}) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
@@ -161,35 +167,42 @@ async def run_load(url: str, model: str, requests: list[tuple[list[int], int]],
     rng = random.Random(seed + 1)
     bar = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
 
-    async def guarded(client, prompt, out_len) -> Outcome:
+    # A client (connection) per request, as sglang.bench_serving opens a session per
+    # request: one shared httpx pool reusing idle keep-alive connections put a burst of 128
+    # requests on the wire over seconds (encode/httpx#3215), which the run counted as TTFT.
+    # The clients share one SSL context: building one per client costs ~20 ms.
+    timeout = httpx.Timeout(3600.0, connect=60.0)
+    ssl_context = ssl.create_default_context()
+
+    def connect() -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, verify=ssl_context)
+
+    async def guarded(prompt, out_len) -> Outcome:
         async with limit:
-            res = await _one(client, url, model, prompt, out_len)
+            res = await _one(connect, url, model, prompt, out_len)
         bar.update(1)
         return res
 
-    timeout = httpx.Timeout(3600.0, connect=60.0)
-    limits = httpx.Limits(max_connections=(concurrency or len(requests)) + 8)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt, out_len in requests:
-            tasks.append(asyncio.create_task(guarded(client, prompt, out_len)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        long = None
-        if long_prompt is not None:
-            long = await _interfere(client, url, model, long_prompt, tasks)
-        results = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    tasks = []
+    for prompt, out_len in requests:
+        tasks.append(asyncio.create_task(guarded(prompt, out_len)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    long = None
+    if long_prompt is not None:
+        long = await _interfere(connect, url, model, long_prompt, tasks)
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
     bar.close()
     return list(results), wall, long
 
 
-async def _interfere(client, url: str, model: str, prompt: list[int], tasks) -> dict:
+async def _interfere(connect, url: str, model: str, prompt: list[int], tasks) -> dict:
     """Once every running stream has had a few tokens, one long prompt: its window."""
     await asyncio.sleep(2.0)
     sent = time.perf_counter()
-    res = await _one(client, url, model, prompt, 1)
+    res = await _one(connect, url, model, prompt, 1)
     return {"prompt_len": len(prompt), "sent": sent, "done": time.perf_counter(),
             "ttft_s": res.ttft, "error": res.error if not res.ok else ""}
 
