@@ -28,7 +28,7 @@ case "$part" in
 esac
 case "$part" in
   smoke)
-    step gpu-tests python3 -m pytest -q tests/gpu
+    step gpu-tests python3 -m pytest tests/gpu
     step one-batch-1k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
       --batch-size 1,16,64,256 --input-len 1024 --output-len 32 \
       --out "$out/one-batch-1k.json" --plot
@@ -99,7 +99,7 @@ PY
       --long-prompt-len 65536 --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
     ;;
   fp8)
-    step fp8-tests python3 -m pytest -q -s tests/gpu/test_fp8_cuda.py
+    step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py
     for q in bf16 fp8; do
       quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
       step "fp8-decode-$q" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
@@ -109,7 +109,7 @@ PY
     done
     ;;
   v4)
-    step v4-tests python3 -m pytest -q tests/gpu/test_deepseek_v4_cuda.py
+    step v4-tests python3 -m pytest tests/gpu/test_deepseek_v4_cuda.py
     v4=$(mktemp -d)/v4-4l.json
     python3 -c "from transformers import DeepseekV4Config as C; import json, sys; \
       d = C(num_hidden_layers=4).to_dict(); d['architectures'] = ['DeepseekV4ForCausalLM']; \

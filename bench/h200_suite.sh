@@ -34,7 +34,7 @@ case "$part" in
       --iters 2 --warmup 1 --plot --out "$out/qwen3-30b-a3b-2gpu-$stamp.json"
     ;;
   profile)
-    step "gpu-tests-$stamp" python3 -m pytest -q tests/gpu
+    step "gpu-tests-$stamp" python3 -m pytest tests/gpu
     step "attention-cp-$stamp" python3 -m cpmoe.bench.attention_cp --out "$out/attention_cp-$stamp.json"
     step "expert-load-$stamp" python3 -m bench.expert_load --lengths 16384,65536 --ep 2
     for length in 65536 131072; do

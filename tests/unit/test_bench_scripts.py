@@ -74,7 +74,7 @@ def test_a_failing_check_fails_the_suite_and_the_later_checks_still_run(tmp_path
 
 
 def test_failing_gpu_tests_fail_the_profile_part_after_every_step_ran(tmp_path):
-    rc, out, calls = _run(tmp_path, "h200_suite.sh", "profile", fail="-m pytest -q")
+    rc, out, calls = _run(tmp_path, "h200_suite.sh", "profile", fail="-m pytest tests/gpu")
     assert rc == 1 and [ln.split(":")[0].rsplit("-", 1)[0] for ln in _failed_lines(out)] == \
         ["gpu-tests"]
     assert any("cpmoe.cli check" in c for c in calls)
@@ -89,7 +89,7 @@ def test_a_part_whose_steps_pass_exits_0_and_lists_no_failure(tmp_path):
 
 
 def test_engine_smoke_fails_on_failing_tests_and_still_takes_the_figures(tmp_path):
-    rc, out, calls = _run(tmp_path, "h200_engine.sh", "smoke", fail="-m pytest -q")
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "smoke", fail="-m pytest tests/gpu")
     assert rc == 1 and _failed_lines(out)[0].startswith("gpu-tests:")
     assert any("bench-one-batch" in c for c in calls)
     assert "fake failure" in (out / "gpu-tests.log").read_text()
