@@ -29,6 +29,7 @@ preemption).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -342,17 +343,25 @@ def _plain(req: Request) -> bool:
 
 
 def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
-    """Every rank: run rank 0's plans until it says stop -> the frontend's result."""
+    """Every rank: run rank 0's plans until it says stop -> the frontend's result.
+
+    What exists when the loop starts (the model, its caches, the graphs: long-lived) is
+    frozen out of Python's garbage collector while it runs: a full collection would walk
+    it all, a pause of 0.1 s or more in some step (vLLM and SGLang freeze it likewise)."""
     world = runner.groups.world
     sched = driver.sched if driver is not None else None
-    while True:
-        plan = comm.broadcast_object(driver.next_plan() if driver else None, world)
-        assert isinstance(plan, StepPlan)
-        if plan.stop:
-            return plan.result
-        out = run_step(runner, plan, sched)
-        if driver is not None:
-            driver.finish_step(plan, out)
+    gc.freeze()
+    try:
+        while True:
+            plan = comm.broadcast_object(driver.next_plan() if driver else None, world)
+            assert isinstance(plan, StepPlan)
+            if plan.stop:
+                return plan.result
+            out = run_step(runner, plan, sched)
+            if driver is not None:
+                driver.finish_step(plan, out)
+    finally:  # a rank pool runs the next task in this process: its objects are its own
+        gc.unfreeze()
 
 
 @dataclass

@@ -102,3 +102,22 @@ def test_sampled_and_penalised_rows_see_the_request_as_before_their_token():
                                    for i in range(len(prompts))]
     penalised = SamplingParams(frequency_penalty=1.5)
     assert len(generate(runner, prompts, 6, sampling=penalised)[0]) == 6
+
+
+def test_the_step_loop_runs_with_what_existed_before_it_out_of_the_collector(monkeypatch):
+    """gc.freeze for the loop (a full collection walking the model is a pause in a step),
+    gc.unfreeze after it: a rank pool's next task owns its objects again."""
+    import gc
+    runner, prompts = _runner(), _prompts()
+    frozen: list[int] = []
+    step = engine.run_step
+
+    def spy(runner, plan, sched):
+        frozen.append(gc.get_freeze_count())
+        return step(runner, plan, sched)
+
+    monkeypatch.setattr(engine, "run_step", spy)
+    assert gc.get_freeze_count() == 0
+    generate(runner, prompts, 4, options=EngineOptions(**OPTS))
+    assert frozen and min(frozen) > 1000  # the model's objects, at least
+    assert gc.get_freeze_count() == 0
