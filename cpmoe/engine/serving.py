@@ -20,6 +20,7 @@ import torch
 
 from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
                                  prepare_runner, radix_cache)
+from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.scheduler import Scheduler, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
@@ -57,6 +58,22 @@ class LinkFrontend(Frontend):
         self.conn.send(("step", events, stats))
 
 
+WARM_UP_PROMPTS = (16, 100)  # tokens of the warm-up batch's prompts
+WARM_UP_TOKENS = 4  # tokens each generates
+
+
+def warm_up_serving(runner: ModelRunner, opts: EngineOptions) -> None:
+    """Every rank: one short batch through the engine loop (scheduler, sampling, the
+    overlapped steps, decode graphs) before the server says it is ready, its KV freed
+    again. The runner's warm-up covers the forward's kernels; this covers what only a
+    served step launches, which the first requests would otherwise wait on (a server's
+    first step took 1.0 s against 0.2 s for the next server on the same machine). SGLang
+    sends its own server a request likewise."""
+    vocab = runner.config.vocab_size
+    prompts = [[(i * 7919 + n) % vocab for i in range(n)] for n in WARM_UP_PROMPTS]
+    generate(runner, prompts, WARM_UP_TOKENS, options=opts)
+
+
 def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     # A SIGTERM to the whole process group (systemd, `timeout`) is the server's to handle: it
     # stops this loop cleanly. The pool's own aborts escalate to SIGKILL anyway.
@@ -67,6 +84,7 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
                          load_format=spec.options.load_format,
                          quantization=spec.options.quantization)
     sizes = prepare_runner(runner, spec.options, spec.default_kv_tokens)
+    warm_up_serving(runner, spec.options)
     pid = torch.tensor([os.getpid()], dtype=torch.int64, device=runner.device)
     pids = [int(p) for p in runner.gather_from_ranks(pid)]
     driver = None

@@ -121,3 +121,27 @@ def test_the_step_loop_runs_with_what_existed_before_it_out_of_the_collector(mon
     generate(runner, prompts, 4, options=EngineOptions(**OPTS))
     assert frozen and min(frozen) > 1000  # the model's objects, at least
     assert gc.get_freeze_count() == 0
+
+
+def test_serving_warm_up_runs_a_batch_through_the_engine_loop_and_frees_it(monkeypatch):
+    """The server's warm-up goes through the step loop a request takes (overlapped steps,
+    sampling), prefix cache on, and leaves the cache as it found it: no sequence, no page
+    held, nothing cached."""
+    from cpmoe.engine.serving import WARM_UP_PROMPTS, WARM_UP_TOKENS, warm_up_serving
+    runner = _runner()
+    runner.allocate_kv(512, 4)
+    plans = []
+    step = engine.run_step
+
+    def spy(runner, plan, sched):
+        plans.append(plan)
+        return step(runner, plan, sched)
+
+    monkeypatch.setattr(engine, "run_step", spy)
+    warm_up_serving(runner, EngineOptions(**OPTS))
+    prefilled = sum(len(ids) for p in plans for _, ids, _ in p.extend)
+    assert prefilled == sum(WARM_UP_PROMPTS)
+    assert sum(len(p.decode) for p in plans) == len(WARM_UP_PROMPTS) * (WARM_UP_TOKENS - 1)
+    assert any(p.overlap for p in plans)
+    kv = runner.kv
+    assert not kv.seqs and kv.used == 0 and kv.cached_pages == [0]
