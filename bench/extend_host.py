@@ -4,8 +4,10 @@ reads of tensor values (each a stream sync on CUDA) per step, for a tiny Qwen3-M
 
     python3 -m bench.extend_host --layers 48 --seqs 6 --new 100 --prefix 256
 
---engine-step runs it as the engine loop does (`engine.run_step`), one sequence's prompt
-continuing past the step, so the rows to sample are picked out of the logits as well.
+--decode counts an eager decode step of those sequences instead (the path of a batch
+above the CUDA graphs' largest). --engine-step runs the extend as the engine loop does
+(`engine.run_step`), one sequence's prompt continuing past the step, so the rows to sample
+are picked out of the logits as well.
 
 --cuda-paths takes the model's CUDA branches on the CPU (Tensor.is_cuda reads True; each
 Triton kernel, flash-attention and grouped-GEMM call counts as one op, computed by its
@@ -135,7 +137,8 @@ def take_cuda_paths() -> None:
 
     torch.Tensor.is_cuda = property(lambda self: True)
     ops._use_triton = lambda x: False  # fused ops: their reference, counted as one op
-    for mod, names in ((qwen, ("norm_rope", "merge_two_attention", "qkv_norm_rope_store")),
+    for mod, names in ((qwen, ("norm_rope", "merge_two_attention", "qkv_norm_rope_store",
+                               "paged_decode_attention")),
                        (layers, ("add_rms_norm",)), (router, ("softmax_topk",)),
                        (experts, ("silu_and_mul", "weighted_row_sum")),
                        (communicator, ("merge_partials",))):
@@ -250,6 +253,9 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--cuda-paths", action="store_true")
     p.add_argument("--top", type=int, default=0, help="print the N most frequent ops")
+    p.add_argument("--decode", action="store_true",
+                   help="count an eager decode step of the sequences instead (no graphs: "
+                        "a batch above --cuda-graph-max-bs, or --disable-cuda-graph)")
     p.add_argument("--engine-step", action="store_true",
                    help="run the step as the engine does (engine.run_step), the last "
                         "sequence's prompt not yet complete: the logits rows picked too")
@@ -281,7 +287,9 @@ def main() -> None:
     COUNTER = Counter()
     MAKING[0] = not args.cuda_paths  # CPU paths: every tensor is "on the device"
     with COUNTER:
-        if args.engine_step:
+        if args.decode:
+            runner.decode([g.key for g in segs], [g.ids[0] for g in segs])
+        elif args.engine_step:
             run_step(runner, StepPlan(extend=[(g.key, g.ids, g.start) for g in segs]),
                      _prompts(segs))
         else:

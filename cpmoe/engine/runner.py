@@ -423,9 +423,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(len(keys)):
             logits = self.graphs.replay(tokens, positions, slots, lens, keys)
         else:
-            meta = self._ids([tokens, positions, slots, lens])
+            # one copy from pinned memory, without a stream sync (as an extend step's)
+            meta, table = self._upload([
+                torch.tensor([tokens, positions, slots, lens], dtype=torch.int64),
+                torch.tensor(kv.block_table(keys), dtype=torch.int32)])
             self.feed(meta[0], tokens)
-            table = torch.tensor(kv.block_table(keys), dtype=torch.int32).to(self.device)
             batch = ForwardBatch(is_decode=True, input_ids=meta[0], positions=meta[1],
                                  token_to_seq=torch.arange(len(keys), device=self.device), kv=kv,
                                  write_slots=meta[2], block_table=table,

@@ -37,3 +37,11 @@ def test_the_engine_step_picks_the_rows_to_sample_without_a_host_sync():
     Python-list index is a copy from pageable memory)."""
     _, syncs, out = _count(2, "--engine-step")
     assert syncs == 0, out
+
+
+def test_an_eager_decode_step_makes_no_host_sync():
+    """A decode step outside the CUDA graphs (above --cuda-graph-max-bs, or with
+    --disable-cuda-graph) uploads its ids, positions, slots, lengths and block table in one
+    copy from pinned memory (it made two pageable copies: two stream syncs a step)."""
+    _, syncs, out = _count(2, "--decode")
+    assert syncs == 0, out
