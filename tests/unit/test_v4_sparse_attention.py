@@ -1,0 +1,115 @@
+"""DeepSeek-V4's sparse sink-attention kernel (cpmoe.models.deepseek_v4_sparse) in Triton's
+CPU interpreter against the torch reference `sink_attention` on the gathered keys (a
+subprocess: TRITON_INTERPRET is read at import; skipped without Triton), plus its input
+checks and the dispatch rule of prefill.
+
+Cases: 4 heads (one padded head block of 16) and 20 (two blocks, the second 4/16 full),
+D 64 and 80 (not a power of two), S not a multiple of BLOCK_N, random masks with rows of no
+valid key and rows of exactly one, repeated indices within a row, invalid entries pointing
+at NaN pool rows (never read), a pool that is a column slice of wider rows, int32 and int64
+indices, `out=` a strided view.
+
+Tolerance, float32: the kernel's IEEE fp32 dots and online softmax differ from the
+reference's einsum/softmax only in summation order and exp2 vs exp (a few fp32 ulps of the
+scores, amplified by |s| <= ~10 here), so |o - ref| <= 2e-5 * attn(|k|) + 1e-6, with attn(|k|)
+the reference on |k| (the scale of the sum). bf16 (one small case): p and o are each rounded
+once to bf16, one ulp 2^-7 each (the interpreter truncates where the GPU rounds), so
+|o - ref32| <= 2^-7 * (attn(|k|) + |ref32|) + 2e-5 * attn(|k|).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpmoe.models import deepseek_v4_sparse as sparse
+from tests._interpreter import run_interpreted
+
+_KERNEL = r"""
+import torch
+from cpmoe.models.deepseek_v4_prefill import sink_attention
+from cpmoe.models.deepseek_v4_sparse import sparse_sink_attention
+
+g = torch.Generator().manual_seed(0)
+
+
+def case(T, H, D, S, M, dtype=torch.float32, idx_dtype=torch.int64, sliced=False,
+         into_out=False):
+    wide = torch.randn(M, D + 24 if sliced else D, generator=g)
+    wide[-3:] = float("nan")  # rows only invalid entries point at
+    pool = (wide[:, 5:5 + D] if sliced else wide).to(dtype)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    valid = torch.rand(T, S, generator=g) < 0.6
+    valid[0] = False  # no valid key: o = 0
+    valid[1] = False
+    valid[1, S // 2] = True  # exactly one
+    valid[2] = True
+    idx = torch.randint(0, M - 3, (T, S), generator=g)
+    idx[2, 1::2] = idx[2, 0]  # repeated keys count once each
+    idx[~valid] = torch.randint(M - 3, M, (int((~valid).sum()),), generator=g)
+    sinks = torch.randn(H, generator=g)
+    scale = D ** -0.5
+    out = None
+    if into_out:
+        out = torch.full((T, H + 3, D), float("nan"), dtype=dtype)[:, 1:H + 1]
+    o = sparse_sink_attention(q, pool, idx.to(idx_dtype), valid, sinks, scale, out=out)
+    clean = pool.float().nan_to_num(0.0)  # the reference multiplies masked NaNs by 0
+    want = sink_attention(q.float(), clean[idx], valid, sinks, scale)
+    abs_k = sink_attention(q.float(), clean.abs()[idx], valid, sinks, scale)
+    bound = 2e-5 * abs_k + 1e-6
+    if dtype != torch.float32:
+        bound += 2.0 ** -7 * (abs_k + want.abs())
+    err = (o.float() - want).abs()
+    assert o.dtype == dtype and o.shape == q.shape
+    assert (err <= bound).all(), (T, H, D, S, dtype, (err - bound).max().item())
+    assert torch.equal(o[0], torch.zeros_like(o[0]))
+    if out is not None:
+        assert o.data_ptr() == out.data_ptr()
+    return err.max().item()
+
+
+errors = [
+    case(7, 4, 64, 45, 50),
+    case(6, 20, 64, 77, 120, idx_dtype=torch.int32, into_out=True),
+    case(5, 20, 80, 33, 40, sliced=True),
+    case(4, 4, 64, 96, 30),  # S a multiple of BLOCK_N, many repeats (M < S)
+    case(4, 4, 32, 20, 25, dtype=torch.bfloat16),
+]
+print("sparse sink kernel ok", errors)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_kernel_matches_sink_attention_in_the_interpreter() -> None:
+    out = run_interpreted(_KERNEL, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sparse sink kernel ok" in out.stdout
+
+
+def test_prefill_runs_the_kernel_only_on_cuda_in_16_bit() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not sparse.kernel_applies(cpu, torch.bfloat16)
+    assert not sparse.kernel_applies(cuda, torch.float32)
+    assert sparse.kernel_applies(cuda, torch.bfloat16) == (sparse.triton is not None)
+    assert sparse.kernel_applies(cuda, torch.float16) == (sparse.triton is not None)
+
+
+def test_bad_inputs_raise_one_line_errors() -> None:
+    q, pool = torch.randn(3, 4, 16), torch.randn(10, 16)
+    idx, valid = torch.zeros(3, 5, dtype=torch.int64), torch.ones(3, 5, dtype=torch.bool)
+    sinks = torch.zeros(4)
+    cases = [
+        ((q, pool.half(), idx, valid, sinks), "pool in q's dtype"),
+        ((q, torch.randn(10, 8), idx, valid, sinks), r"need q \[T, H, D\] and pool \[M, D\]"),
+        ((q, pool, idx[:2], valid[:2], sinks), r"need idx and valid \[T=3, S\]"),
+        ((q, pool, idx.float(), valid, sinks), "idx must be int32/int64"),
+        ((q, pool, idx, valid.int(), sinks), "valid bool"),
+        ((q, pool, idx, valid, torch.zeros(5)), r"sinks \[4\]"),
+        ((q, pool.t().contiguous().t(), idx, valid, sinks), "contiguous last axis"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            sparse.sparse_sink_attention(*args, scale=0.25)
+        assert "\n" not in str(info.value)
