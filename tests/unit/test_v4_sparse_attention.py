@@ -7,15 +7,17 @@ Cases: 4 heads (one padded head block of 16) and 20 (two blocks, the second 4/16
 D 64 and 80 (not a power of two), S not a multiple of BLOCK_N, random masks with rows of no
 valid key and rows of exactly one, repeated indices within a row, invalid entries pointing
 at NaN pool rows (never read), a pool that is a column slice of wider rows, int32 and int64
-indices, `out=` a strided view. Then `prefill_attention`'s kernel branch, forced on for a
-tiny float32 V4, against its reference branch.
+indices, `out=` a strided view.
 
 Tolerance, float32: the kernel's IEEE fp32 dots and online softmax differ from the
 reference's einsum/softmax only in summation order and exp2 vs exp (a few fp32 ulps of the
-scores, amplified by |s| <= ~10 here), so |o - ref| <= 2e-5 * attn(|k|) + 1e-6, with attn(|k|)
-the reference on |k| (the scale of the sum). bf16 (one small case): p and o are each rounded
-once to bf16, one ulp 2^-7 each (the interpreter truncates where the GPU rounds), so
-|o - ref32| <= 2^-7 * (attn(|k|) + |ref32|) + 2e-5 * attn(|k|).
+scores, amplified by |s| <= ~10 here), so |o - ref| <= 2e-5 * attn(|k|) + 1e-6, where
+attn(|k|) = sum_n p_n |k_n| (the reference's probabilities on |k|: the scale of the sum).
+bf16 (one small case): p and o are each rounded once to bf16, one ulp 2^-7 each (the
+interpreter truncates where the GPU rounds), so
+|o - ref32| <= 2^-7 * (attn(|k|) + |ref32|) + 2e-5 * attn(|k|) + 1e-6.
+Then `prefill_attention`'s kernel branch, forced on for a tiny float32 V4, against its
+reference branch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from cpmoe.models.deepseek_v4_prefill import sink_attention
 from cpmoe.models.deepseek_v4_sparse import sparse_sink_attention
 
 g = torch.Generator().manual_seed(0)
+
+
+# sum_n p_n |kv_n|: the reference's probabilities (keys kv) applied to |kv|, the scale of
+# the errors that rounding p or the scores puts on o
+def abs_attention(q, kv, valid, sinks, scale):
+    s = torch.einsum("thd,tnd->thn", q.float(), kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", p, kv.abs())
 
 
 def case(T, H, D, S, M, dtype=torch.float32, idx_dtype=torch.int64, sliced=False,
@@ -58,7 +70,7 @@ def case(T, H, D, S, M, dtype=torch.float32, idx_dtype=torch.int64, sliced=False
     o = sparse_sink_attention(q, pool, idx.to(idx_dtype), valid, sinks, scale, out=out)
     clean = pool.float().nan_to_num(0.0)  # the reference multiplies masked NaNs by 0
     want = sink_attention(q.float(), clean[idx], valid, sinks, scale)
-    abs_k = sink_attention(q.float(), clean.abs()[idx], valid, sinks, scale)
+    abs_k = abs_attention(q, clean[idx], valid, sinks, scale)
     bound = 2e-5 * abs_k + 1e-6
     if dtype != torch.float32:
         bound += 2.0 ** -7 * (abs_k + want.abs())
