@@ -178,3 +178,40 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         with pytest.raises(ValueError, match=message) as info:
             sparse.sparse_sink_attention(*args, scale=0.25)
         assert "\n" not in str(info.value)
+
+
+def test_kernel_blocks_are_sized_without_gathered_keys() -> None:
+    """At V4's widths (64 heads of 512, window 128 + top-512, 64 indexer heads) a 4096-token
+    prompt (1024 CSA entries) fits 1024-row blocks with the kernel and 182 without: the
+    gathered keys and scores, not the indexer's, bound the torch path's blocks."""
+    from cpmoe.models.deepseek_v4_prefill import rows_per_block
+
+    assert rows_per_block(640, 64, 512, 64 * 1024, kernel=True) == 1024
+    assert rows_per_block(640, 64, 512, 64 * 1024, kernel=False) == (1 << 26) // (640 * 576)
+    assert rows_per_block(640, 64, 512, 64 * 16384, kernel=True) == 64  # the indexer's bound
+    assert rows_per_block(1 << 30, 64, 512, 0, kernel=False) == 1
+
+
+def test_benchmark_rows_and_cli_on_cpu() -> None:
+    """bench.v4_sparse_attention: CSA rows as prefill builds them (window keys p-W+1..p valid
+    where >= 0, then min(topk, entries) distinct picks, valid where the entry is closed at
+    p); its arguments parse; without CUDA it exits with one clear line."""
+    from bench import v4_sparse_attention as bench
+
+    L, W, K, R = 64, 8, 6, 4
+    idx, valid = bench.csa_rows(L, W, K, R, torch.device("cpu"), torch.Generator())
+    assert idx.shape == valid.shape == (L, W + K)
+    pos = torch.arange(L)
+    assert torch.equal(valid[:, :W].sum(1), (pos + 1).clamp(max=W))
+    assert torch.equal(idx[:, W - 1], pos)  # the newest window key is the row's own
+    picks = idx[:, W:] - L
+    assert ((picks >= 0) & (picks < L // R)).all()
+    assert torch.equal(valid[:, W:], picks < ((pos + 1) // R)[:, None])
+    assert torch.equal(valid[:, W:].sum(1), ((pos + 1) // R).clamp(max=K))
+    assert all(len(set(row.tolist())) == K for row in picks)
+    a = bench.parse_args(["--lengths", "1024", "--sweep"])
+    assert (a.lengths, a.heads, a.dim, a.window, a.topk, a.sweep) == ("1024", 64, 512, 128,
+                                                                        512, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--lengths", "128"])
