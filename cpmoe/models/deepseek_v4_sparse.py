@@ -28,7 +28,8 @@ key ends with acc = 0. o = acc / sum, rounded once. The value product takes p ro
 the key dtype (bf16 tensor cores), as flash attention does.
 
 Sizes that change every block (T, S and the index/mask row strides) are not specialized on,
-so a prefill compiles one variant per dtype and config, not one per new residue mod 16.
+so a prefill compiles one variant per dtype, pool stride and config, not one per new
+residue mod 16.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def _fp32_dots(dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["idx_st", "idx_ss", "val_st", "val_ss", "S"])
+    # S and the row strides of idx/valid (S when contiguous) change every block; the unit
+    # key strides stay specialized (1 in prefill: contiguous index loads)
+    @triton.jit(do_not_specialize=["idx_st", "val_st", "S"])
     def _sparse_sink_kernel(q_ptr, pool_ptr, idx_ptr, val_ptr, sink_ptr, o_ptr, scale_log2,
                             q_st, q_sh, pool_sm, idx_st, idx_ss, val_st, val_ss, o_st, o_sh,
                             H, D, S, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
