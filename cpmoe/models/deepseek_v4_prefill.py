@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries
     from cpmoe.models.layers import RotaryEmbedding
 
-# Elements of the largest per-block temporary (scores or gathered keys): ~256 MB in fp32.
+# Elements of the largest per-block temporary (the indexer's scores, or on the torch path the
+# gathered keys and their scores): ~256 MB in fp32.
 _BLOCK_ELEMS = 1 << 26
 # fp32-sized elements per key of a row on the kernel path: the int64 index lists (window,
 # picks, their concatenation) and the masks, nothing gathered.
