@@ -27,9 +27,9 @@ sum = exp(sink - max) = 1), so the sink is in every denominator and a row with n
 key ends with acc = 0. o = acc / sum, rounded once. The value product takes p rounded to
 the key dtype (bf16 tensor cores), as flash attention does.
 
-Sizes that change every block (T, S and the index/mask row strides) are not specialized on,
-so a prefill compiles one variant per dtype, pool stride and config, not one per new
-residue mod 16.
+Sizes that change every block (S and the index/mask row strides; T only sizes the grid) are
+not specialized on, so a prefill compiles one variant per dtype, pool stride and config, not
+one per new residue mod 16.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ from cpmoe._triton import import_triton
 
 triton, tl = import_triton()
 
-# Defaults for D = 512 on an H100/H200: a [16, 512] fp32 accumulator (64 registers a thread
-# at 4 warps) and [32, 512] bf16 key tiles (32 KB of shared memory a stage).
+# Defaults for D = 512 on an H100/H200, chosen by size, not yet measured (`python3 -m
+# bench.v4_sparse_attention --sweep` times the alternatives): a [16, 512] fp32 accumulator
+# (64 registers a thread at 4 warps) and [32, 512] bf16 key tiles (32 KB of shared memory a
+# stage).
 BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 32, 4, 2
 
 
