@@ -289,7 +289,7 @@ class DeepseekV4Model(nn.Module):
         h = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
         plan: PrefillPlan | DecodeStep
         if not batch.is_decode:
-            plan = PrefillPlan.build(batch, self.cp_rank, self.config)
+            plan = PrefillPlan.build(batch, self.cp_rank, self.config, x.dtype)
         elif step is not None:
             plan = step
         else:

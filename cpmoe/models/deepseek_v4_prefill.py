@@ -10,11 +10,12 @@ without per-sequence work:
   budget): each row's keys are an index list into [K-side KV rows ; pooled entries] -- the
   W window positions, then its HCA entries (every closed entry of its sequence) or its CSA
   picks (the indexer's top-k over the closed entries of its sequence, scored against the
-  block's entry range with other sequences masked) -- gathered once and attended with the
-  sink (`sink_attention`).
+  block's entry range with other sequences masked) -- attended with the sink: on CUDA in
+  16 bits by a Triton kernel that walks the index lists without gathering
+  (`deepseek_v4_sparse.py`), elsewhere gathered once and attended in fp32 by
+  `sink_attention`, the reference.
 Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
-absolute positions. The budgeted block loop is the torch path; a CUDA kernel that walks the
-index lists without gathering would replace it.
+absolute positions.
 
 Legend: T = local query rows, N = flat K-side rows, E = entries of the batch, W = window,
 S = compressed keys per row, B = sequences, D = head dim.
@@ -30,13 +31,29 @@ import torch
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from cpmoe.models.deepseek_v4_cache import V4Cache
+from cpmoe.models.deepseek_v4_sparse import kernel_applies, sparse_sink_attention
 
 if TYPE_CHECKING:
     from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries
     from cpmoe.models.layers import RotaryEmbedding
 
-# Elements of the largest per-block temporary (scores or gathered keys): ~256 MB in fp32.
+# Elements of the largest per-block temporary (the indexer's scores, or on the torch path the
+# gathered keys and their scores): ~256 MB in fp32.
 _BLOCK_ELEMS = 1 << 26
+# fp32-sized elements per key of a row on the kernel path: the int64 index lists (window,
+# picks, their concatenation) and the masks, nothing gathered.
+_KERNEL_KEY_ELEMS = 8
+
+
+def rows_per_block(keys: int, heads: int, head_dim: int, index_scores: int,
+                   kernel: bool) -> int:
+    """Query rows of a block whose per-row temporaries fit `_BLOCK_ELEMS`. Per row: its key
+    list (`keys` = W + CSA picks or HCA entries), gathered [keys, D] and scored [Hq, keys] in
+    fp32 on the torch path, only indices and masks with the kernel; and the indexer's scores
+    against the block's CSA entries (`index_scores` = index heads x entries, at most all of
+    the batch's), the same on both paths."""
+    per_key = _KERNEL_KEY_ELEMS if kernel else heads + head_dim
+    return max(1, _BLOCK_ELEMS // max(1, keys * per_key, index_scores))
 
 
 @dataclass
@@ -74,7 +91,9 @@ class PrefillPlan:
     entries: dict[int, EntryIndex]  # by compress rate
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cp_rank: int, cfg: DeepseekV4Config) -> "PrefillPlan":
+    def build(cls, batch: ForwardBatch, cp_rank: int, cfg: DeepseekV4Config,
+              dtype: torch.dtype = torch.float32) -> "PrefillPlan":
+        """`dtype`: the model's; with the kernel (`kernel_applies`) blocks can be larger."""
         split = batch.split
         assert split is not None
         cu, device = list(split.cu_seqlens), batch.positions.device
@@ -84,12 +103,10 @@ class PrefillPlan:
         T, W = seqs.numel(), cfg.sliding_window
         csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
         hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
-        # Per row: gathered keys (W + CSA picks or HCA entries) with their scores, and the
-        # indexer's scores against the CSA entries of the block (at most all of them).
         keys = W + max(cfg.index_topk if csa else 0, hca.offsets[-1] if hca else 0)
-        per_row = max(keys * (cfg.num_attention_heads + cfg.head_dim),
-                      cfg.index_n_heads * csa.offsets[-1] if csa else 0)
-        step = max(1, _BLOCK_ELEMS // per_row)
+        step = rows_per_block(keys, cfg.num_attention_heads, cfg.head_dim,
+                              cfg.index_n_heads * csa.offsets[-1] if csa else 0,
+                              kernel_applies(device, dtype))
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
@@ -125,6 +142,7 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
             index_keys = c.indexer.pool_flat(k_side[:, D + 2 * c.width:], ei.start_row,
                                              ei.window, rope)
     out = torch.empty_like(qs.q)
+    kernel = kernel_applies(qs.q.device, qs.q.dtype)
     arange_w = torch.arange(W, device=kv_N.device)
     for r0, r1, s0, s1 in plan.blocks:
         r = slice(r0, r1)
@@ -145,7 +163,10 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
                     r1 - r0, -1)
                 cvalid = visible
             idx, valid = torch.cat([idx, cidx], dim=1), torch.cat([valid, cvalid], dim=1)
-        out[r] = sink_attention(qs.q[r], pool[idx], valid, attn.sinks, attn.scale)
+        if kernel:
+            sparse_sink_attention(qs.q[r], pool, idx, valid, attn.sinks, attn.scale, out[r])
+        else:
+            out[r] = sink_attention(qs.q[r], pool[idx], valid, attn.sinks, attn.scale)
     if batch.kv is not None:
         _store(attn, plan, k_side, ent, index_keys, batch)
     return out

@@ -15,6 +15,17 @@ The tolerance is bf16's ~3 significant digits through 4 layers of low-rank proje
 hyper-connections and MoE (measured errors sit near 1e-2); indexer picks may differ where
 scores nearly tie, which the whole-matrix norm absorbs.
 
+- prefill attention's two branches: every layer's `prefill_attention` of the bf16 prefill is
+  run both with the sparse Triton kernel (the CUDA default, `deepseek_v4_sparse.py`) and
+  with the gather + fp32 `sink_attention` reference branch (forced), on the same inputs;
+  the kernel's result goes on. Elementwise, with u = 2^-8, delta the fp32 error bound of a
+  score and attn(|k|) = sum_n p_n |k_n| from the kernel's own inputs:
+  |kernel - reference| <= u * (attn(|k|) + 2 |reference|) + (2 delta + 1e-5) * attn(|k|)
+  + 1e-6 (the kernel's bound against fp32, tests/gpu/test_v4_sparse_attention_cuda.py, plus
+  the reference branch's own rounding of its output to bf16). Comparing logits instead would
+  blur a wrong index or mask into the model's bf16 noise (a dropped window key moved the
+  700-token logits by 9e-2, the 33-token ones not at all).
+
 - CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
   replayed from graphs (bf16; 3 rows in batch bucket 4, one context bucket) gives the
   eager step's tokens, token for token, and every step's logits within a relative
@@ -84,6 +95,65 @@ def test_v4_bf16_prefill_and_decode_match_float32():
         assert _rel(a, b) <= TOL, f"prefill of {n} tokens: bf16 vs float32 {_rel(a, b):.3e}"
     for s, (a, b) in enumerate(zip(dec16, dec32)):
         assert _rel(a, b) <= TOL, f"decode step {s}: bf16 vs float32 {_rel(a, b):.3e}"
+
+
+U_BF16 = 2.0 ** -8
+
+
+def abs_attention(q, kv, valid, sinks, scale):
+    """sum_n p_n |kv_n|: the reference's probabilities (keys kv) applied to |kv|."""
+    s = torch.einsum("thd,tnd->thn", q.float(), kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", p, kv.abs())
+
+
+@cuda
+def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.models import deepseek_v4_attention, deepseek_v4_prefill as prefill
+    from cpmoe.parallel.groups import ProcessGroups
+
+    kernel, applies, attention = (prefill.sparse_sink_attention, prefill.kernel_applies,
+                                  prefill.prefill_attention)
+    use_kernel, slack, worst = [True], [], []
+
+    def kernel_with_bounds(q, pool, idx, valid, sinks, scale, out):
+        """The kernel, noting each block's attn(|k|) and fp32 score error bound delta."""
+        kv = pool.float()[idx]
+        delta = q.shape[-1] * 2.0 ** -24 * scale * (q.float().norm(dim=-1).max()
+                                                    * kv.norm(dim=-1).max()).item()
+        slack.append((abs_attention(q, kv, valid, sinks, scale), delta))
+        return kernel(q, pool, idx, valid, sinks, scale, out)
+
+    def both_branches(*args):
+        slack.clear()
+        got = attention(*args)
+        use_kernel[0] = False
+        want = attention(*args)
+        use_kernel[0] = True
+        assert slack, "the kernel branch did not run"
+        abs_k = torch.cat([a for a, _ in slack])  # blocks run in row order
+        delta = max(d for _, d in slack)
+        bound = (U_BF16 * (abs_k + 2 * want.float().abs()) + (2 * delta + 1e-5) * abs_k
+                 + 1e-6)
+        worst.append(((got.float() - want.float()).abs() / bound).max().item())
+        return got
+
+    monkeypatch.setattr(prefill, "sparse_sink_attention", kernel_with_bounds)
+    monkeypatch.setattr(prefill, "kernel_applies",
+                        lambda device, dtype: use_kernel[0] and applies(device, dtype))
+    monkeypatch.setattr(deepseek_v4_attention, "prefill_attention", both_branches)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, SMALL_V4["vocab_size"], (n,), generator=gen).tolist()
+            for n in LENGTHS]
+    runner = ModelRunner.from_config(SMALL_V4, ProcessGroups.single("cuda"), torch.bfloat16,
+                                     seed=0)
+    runner.prefill(seqs)
+    print(f"V4 prefill attention, kernel vs reference branch, error / bound per layer: {worst}")
+    assert len(worst) == SMALL_V4["num_hidden_layers"], worst
+    assert max(worst) <= 1.0, worst
 
 
 def greedy_decode(dtype: torch.dtype, graphs: bool, device: str = "cuda",
