@@ -178,3 +178,32 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         with pytest.raises(ValueError, match=message) as info:
             indexer.indexer_scores(*args)
         assert "\n" not in str(info.value)
+
+
+def test_benchmark_reference_is_the_scorers_torch_branch_and_cli_on_cpu() -> None:
+    """bench.v4_indexer times what the scorer runs without the kernel: its `torch_scores` on
+    bf16 inputs equals `DeepseekV4IndexerScorer` (on CPU: the torch branch) bit for bit; its
+    causal mask opens entry c at position 4c + 3; its arguments parse; without CUDA it exits
+    with one clear line."""
+    from bench import v4_indexer as bench
+    from cpmoe.models.deepseek_v4_attention import DeepseekV4IndexerScorer
+
+    g = torch.Generator().manual_seed(0)
+    scorer = DeepseekV4IndexerScorer(24, 6, 32, torch.bfloat16)
+    scorer.weights_proj.weight.copy_(torch.randn(6, 24, generator=g))
+    q = torch.randn(9, 6, 32, generator=g).bfloat16()
+    keys, x = torch.randn(11, 32, generator=g).bfloat16(), torch.randn(9, 24).bfloat16()
+    visible = torch.rand(9, 11, generator=g) < 0.6
+    w = scorer.weights_proj(x).float() * 6 ** -0.5
+    want = scorer(q, keys, x, visible)
+    assert torch.equal(bench.torch_scores(q, keys, w, 32 ** -0.5, visible), want)
+    assert (want == float("-inf")).sum() == (~visible).sum()
+    seen = bench.causal_visible(40, 4, torch.device("cpu"))
+    assert seen.shape == (40, 10)
+    assert torch.equal(seen.sum(1), (torch.arange(40) + 1) // 4)
+    assert not seen[2, 0] and seen[3, 0] and not seen[38, 9] and seen[39, 9]
+    a = bench.parse_args(["--lengths", "1024", "--sweep"])
+    assert (a.lengths, a.heads, a.dim, a.rate, a.sweep) == ("1024", 64, 128, 4, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--lengths", "128"])
