@@ -44,11 +44,12 @@ _BLOCK_ELEMS = 1 << 26
 # fp32-sized elements per key of a row on the kernel path: the int64 index lists (window,
 # picks, their concatenation) and the masks, nothing gathered.
 _KERNEL_KEY_ELEMS = 8
-# fp32-sized elements per CSA entry of a row on the kernel path, counted from the code, not
-# measured: the indexer kernel's scores (1), the visible mask and its two operands (bools,
-# 3/4), then `sort`'s values (1) and int64 indices (2) and, inside ATen's stable segmented
-# sort, about as much again and more: an int64 iota of the indices, a sorted copy of keys and
-# indices and cub's alternate buffers (~7).
+# fp32-sized elements per CSA entry of a row on the kernel path, counted from the code
+# (tests/gpu/test_v4_indexer_cuda.py measures the sort's peak): the indexer kernel's scores
+# (1) and the visible mask with its two operands (bools, 3/4), then the stable sort's values
+# (1) and int64 indices (2) and, past 4096 entries (ATen's segmented radix sort; in-place
+# below), an int64 iota of the indices (2) and cub's alternate key and index buffers (3).
+# About 10, rounded up.
 _KERNEL_INDEX_ELEMS = 12
 
 

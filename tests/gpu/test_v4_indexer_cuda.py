@@ -85,3 +85,32 @@ def test_kernel_matches_fp32_torch_path_at_v4_shape(dtype) -> None:
     print(f"\n{dtype}: max |kernel - fp32| {err.max().item():.3g}, max err/bound "
           f"{(err / bound.clamp(min=1e-30)).max().item():.3g}, max |score| "
           f"{torch.where(visible, want, 0).abs().max().item():.3g}")
+
+
+@cuda
+@pytest.mark.parametrize("entries", [2000, 6000])
+def test_scores_and_sort_fit_the_prefill_plans_count(entries) -> None:
+    """`select_visible`'s C-sized temporaries on the kernel path (the kernel's scores, then
+    the stable sort: in place up to 4096 entries, ATen's segmented radix sort above, counted
+    at about 9 elements an entry) peak within what `rows_per_block` counts for them:
+    _KERNEL_INDEX_ELEMS fp32-sized elements an entry of a row (which also counts the visible
+    mask, made before here)."""
+    from cpmoe.models import deepseek_v4_prefill as prefill
+
+    rows, dev = 200, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(rows, H, D, device=dev, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(entries, D, device=dev, generator=gen).to(torch.bfloat16)
+    w = torch.randn(rows, H, device=dev, generator=gen) * H ** -0.5
+    visible = torch.rand(rows, entries, device=dev, generator=gen) < 0.5
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    scores = indexer_scores(q, keys, w, D ** -0.5, visible)
+    picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :512]
+    torch.cuda.synchronize()
+    per_entry = (torch.cuda.max_memory_allocated() - base) / (4 * rows * entries)
+    print(f"\n{entries} entries: {per_entry:.2f} fp32-sized elements an entry of a row "
+          f"(counted: {prefill._KERNEL_INDEX_ELEMS})")
+    assert picks.shape == (rows, 512)
+    assert per_entry <= prefill._KERNEL_INDEX_ELEMS, per_entry
