@@ -101,7 +101,10 @@ if triton is not None:
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + c.to(tl.int64)[:, None] * k_sc + d[None, :],
                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_C, D_PAD]
-        k_t = tl.trans(k.to(tl.float32)) if FP32_DOT else tl.trans(k)
+        if FP32_DOT:
+            k_t = tl.trans(k.to(tl.float32))
+        else:
+            k_t = tl.trans(k)
         q_rows = q_ptr + t64[:, None] * q_st + d[None, :]
         q_ok = t_ok[:, None] & d_ok[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
