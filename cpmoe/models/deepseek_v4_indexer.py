@@ -22,7 +22,8 @@ rounding where the torch path summed the heads of an fp32 [T, h, C] tensor: the 
 another order.
 
 T, C and the row strides of the mask and output (C) change every block and are not
-specialized on, so a prefill compiles one variant per dtype, head count and config.
+specialized on, so a prefill compiles one variant per dtype and config, not one per new
+residue mod 16.
 """
 
 from __future__ import annotations
