@@ -86,9 +86,9 @@ def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
     q = torch.randn(L, H, D, device=dev, generator=gen).to(torch.bfloat16)
     sinks = torch.randn(H, device=dev, generator=gen)
     scale, keys = D ** -0.5, idx.shape[1]
-    index_scores = a.index_heads * (L // a.rate)
-    rows_k = rows_per_block(keys, H, D, index_scores, kernel=True)
-    rows_r = rows_per_block(keys, H, D, index_scores, kernel=False)
+    entries = L // a.rate
+    rows_k = rows_per_block(keys, H, D, a.index_heads, entries, kernel=True)
+    rows_r = rows_per_block(keys, H, D, a.index_heads, entries, kernel=False)
     out_k, out_r = torch.empty_like(q), torch.empty_like(q)
 
     def kernel(**opts):

@@ -42,7 +42,9 @@ from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rop
                                  default_inv_freq, unweighted_rms_norm)
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
+from cpmoe.models.deepseek_v4_indexer import indexer_scores
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4_sparse import kernel_applies
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.parallel.groups import ProcessGroups
 
@@ -146,12 +148,18 @@ class DeepseekV4IndexerScorer(nn.Module):
         self.softmax_scale, self.weights_scaling = dim ** -0.5, heads ** -0.5
         self.weights_proj = Linear(hidden, heads, bias=False, dtype=dtype)
 
-    def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
-        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row).
-        For fp32 inputs the math is fp64, rounded to fp32 at the end: a score then does not
-        depend on how many rows and entries share the kernels (batch composition, CP shard;
-        fp32 reductions order by shape), so near-tied top-k picks do not flip between
-        layouts; fp32 for 16-bit inputs."""
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, x_TH: torch.Tensor,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, h, dI] against keys [C, dI] shared by every row (keys [T, C, dI]: per row);
+        with visible [T, C], -inf where it is False. For fp32 inputs the math is fp64,
+        rounded to fp32 at the end: a score then does not depend on how many rows and
+        entries share the kernels (batch composition, CP shard; fp32 reductions order by
+        shape), so near-tied top-k picks do not flip between layouts; fp32 for 16-bit
+        inputs, on CUDA with shared keys in one Triton kernel (`deepseek_v4_indexer.py`:
+        no [T, h, C] temporary, 16-bit tensor cores)."""
+        if keys.dim() == 2 and keys.dtype == q.dtype and kernel_applies(q.device, q.dtype):
+            weights = self.weights_proj(x_TH).float() * self.weights_scaling
+            return indexer_scores(q, keys, weights, self.softmax_scale, visible)
         acc = torch.float64 if q.dtype == torch.float32 else torch.float32
         if keys.dim() == 3:
             dots = torch.einsum("thd,tcd->thc", q.to(acc), keys.to(acc))
@@ -159,7 +167,8 @@ class DeepseekV4IndexerScorer(nn.Module):
             dots = torch.matmul(q.to(acc), keys.to(acc).T)
         scores = F.relu(dots) * self.softmax_scale
         weights = self.weights_proj(x_TH).to(acc) * self.weights_scaling
-        return (scores * weights[..., None]).sum(dim=1).float()
+        scores = (scores * weights[..., None]).sum(dim=1).float()
+        return scores if visible is None else scores.masked_fill(~visible, float("-inf"))
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -188,8 +197,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         depends on the row's length, so it would differ between batch compositions and CP
         layouts). Exact ties are scores of 0: every head's q.k negative."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_interleaved_rope(q, cos, sin), keys_Ed, x_TH)
-        scores = scores.masked_fill(~visible_TE, float("-inf"))
+        scores = self.scorer(apply_interleaved_rope(q, cos, sin), keys_Ed, x_TH, visible_TE)
         k = min(self.topk, keys_Ed.shape[0])
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(visible_TE.gather(1, picks), picks, -1)

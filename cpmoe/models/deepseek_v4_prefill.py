@@ -10,9 +10,10 @@ without per-sequence work:
   budget): each row's keys are an index list into [K-side KV rows ; pooled entries] -- the
   W window positions, then its HCA entries (every closed entry of its sequence) or its CSA
   picks (the indexer's top-k over the closed entries of its sequence, scored against the
-  block's entry range with other sequences masked) -- attended with the sink: on CUDA in
-  16 bits by a Triton kernel that walks the index lists without gathering
-  (`deepseek_v4_sparse.py`), elsewhere gathered once and attended in fp32 by
+  block's entry range with other sequences masked; on CUDA in 16 bits by a Triton kernel
+  without the [rows, heads, entries] dot products, `deepseek_v4_indexer.py`) -- attended
+  with the sink: on CUDA in 16 bits by a Triton kernel that walks the index lists without
+  gathering (`deepseek_v4_sparse.py`), elsewhere gathered once and attended in fp32 by
   `sink_attention`, the reference.
 Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
 absolute positions.
@@ -43,17 +44,28 @@ _BLOCK_ELEMS = 1 << 26
 # fp32-sized elements per key of a row on the kernel path: the int64 index lists (window,
 # picks, their concatenation) and the masks, nothing gathered.
 _KERNEL_KEY_ELEMS = 8
+# fp32-sized elements per CSA entry of a row on the kernel path, counted from the code
+# (tests/gpu/test_v4_indexer_cuda.py measures the sort's peak): the indexer kernel's scores
+# (1) and the visible mask with its two operands (bools, 3/4), then the stable sort's values
+# (1) and int64 indices (2) and, past 4096 entries (ATen's segmented radix sort; in-place
+# below), an int64 iota of the indices (2) and cub's alternate key and index buffers (3).
+# About 10, rounded up.
+_KERNEL_INDEX_ELEMS = 12
 
 
-def rows_per_block(keys: int, heads: int, head_dim: int, index_scores: int,
+def rows_per_block(keys: int, heads: int, head_dim: int, index_heads: int, entries: int,
                    kernel: bool) -> int:
     """Query rows of a block whose per-row temporaries fit `_BLOCK_ELEMS`. Per row: its key
     list (`keys` = W + CSA picks or HCA entries), gathered [keys, D] and scored [Hq, keys] in
     fp32 on the torch path, only indices and masks with the kernel; and the indexer's scores
-    against the block's CSA entries (`index_scores` = index heads x entries, at most all of
-    the batch's), the same on both paths."""
-    per_key = _KERNEL_KEY_ELEMS if kernel else heads + head_dim
-    return max(1, _BLOCK_ELEMS // max(1, keys * per_key, index_scores))
+    against the block's CSA entries (at most `entries`, all of the batch's): [index_heads,
+    entries] fp32 dot products on the torch path, only [entries] scores and the sort's
+    temporaries with the kernel."""
+    if kernel:
+        per_row = max(keys * _KERNEL_KEY_ELEMS, entries * _KERNEL_INDEX_ELEMS)
+    else:
+        per_row = max(keys * (heads + head_dim), index_heads * entries)
+    return max(1, _BLOCK_ELEMS // max(1, per_row))
 
 
 @dataclass
@@ -104,9 +116,8 @@ class PrefillPlan:
         csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
         hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
         keys = W + max(cfg.index_topk if csa else 0, hca.offsets[-1] if hca else 0)
-        step = rows_per_block(keys, cfg.num_attention_heads, cfg.head_dim,
-                              cfg.index_n_heads * csa.offsets[-1] if csa else 0,
-                              kernel_applies(device, dtype))
+        step = rows_per_block(keys, cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads,
+                              csa.offsets[-1] if csa else 0, kernel_applies(device, dtype))
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)

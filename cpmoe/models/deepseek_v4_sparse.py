@@ -105,11 +105,11 @@ def sparse_sink_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor
         q.stride(0), q.stride(1), pool.stride(0), idx.stride(0), idx.stride(1),
         mask.stride(0), mask.stride(1), out.stride(0), out.stride(1), H, D, idx.shape[1],
         BLOCK_H=heads, BLOCK_N=block_n, D_PAD=max(16, triton.next_power_of_2(D)),
-        FP32_DOT=_fp32_dots(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        FP32_DOT=fp32_dots(q.dtype), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def _fp32_dots(dtype: torch.dtype) -> bool:
+def fp32_dots(dtype: torch.dtype) -> bool:
     """float32 inputs take IEEE fp32 dots. So do 16-bit ones in Triton's interpreter, whose
     tl.dot returns garbage on bf16 operands (3.9): the same 16-bit values, exact products."""
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"

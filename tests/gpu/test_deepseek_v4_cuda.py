@@ -26,6 +26,13 @@ scores nearly tie, which the whole-matrix norm absorbs.
   blur a wrong index or mask into the model's bf16 noise (a dropped window key moved the
   700-token logits by 9e-2, the 33-token ones not at all).
 
+- the indexer's two branches: every call of the indexer score kernel in the bf16 prefill
+  (`deepseek_v4_indexer.py`, the CUDA default for shared keys; once per CSA layer and row
+  block) is checked against the scorer's fp32 torch branch on the same inputs, elementwise
+  within (3 dI + 2 h + 4) 2^-24 scale sum_h |w| (|q| . |k|) (derived in
+  tests/gpu/test_v4_indexer_cuda.py), -inf exactly where not visible. Scores, not picks:
+  picks may legitimately differ where scores nearly tie.
+
 - CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
   replayed from graphs (bf16; 3 rows in batch bucket 4, one context bucket) gives the
   eager step's tokens, token for token, and every step's logits within a relative
@@ -153,6 +160,41 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
     runner.prefill(seqs)
     print(f"V4 prefill attention, kernel vs reference branch, error / bound per layer: {worst}")
     assert len(worst) == SMALL_V4["num_hidden_layers"], worst
+    assert max(worst) <= 1.0, worst
+
+
+@cuda
+def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
+    from bench.v4_indexer import torch_scores
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.models import deepseek_v4_attention
+    from cpmoe.parallel.groups import ProcessGroups
+    from tests.gpu.test_v4_indexer_cuda import score_bound
+
+    kernel, worst = deepseek_v4_attention.indexer_scores, []
+
+    def checked(q, keys, w, scale, visible):
+        """The kernel, checked against the torch branch's scores of the same inputs."""
+        got = kernel(q, keys, w, scale, visible)
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        want = torch_scores(q, keys, w, scale, visible)
+        bound = score_bound(q, keys, w, scale)
+        torch.backends.cuda.matmul.allow_tf32 = saved
+        assert torch.equal(got == float("-inf"), ~visible)
+        err = torch.where(visible, got - want, 0).abs()
+        worst.append((err / bound.clamp(min=1e-30)).max().item())
+        return got
+
+    monkeypatch.setattr(deepseek_v4_attention, "indexer_scores", checked)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, SMALL_V4["vocab_size"], (n,), generator=gen).tolist()
+            for n in LENGTHS]
+    runner = ModelRunner.from_config(SMALL_V4, ProcessGroups.single("cuda"), torch.bfloat16,
+                                     seed=0)
+    runner.prefill(seqs)
+    print(f"V4 prefill indexer, kernel vs torch scores, error / bound per call: {worst}")
+    assert len(worst) == 2, worst  # CSA layers 1 and 3, one row block each
     assert max(worst) <= 1.0, worst
 
 

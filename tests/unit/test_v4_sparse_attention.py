@@ -131,9 +131,9 @@ def spy(q, pool, idx, valid, sinks, scale, out):
 
 prefill.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
 prefill.sparse_sink_attention = spy
-prefill._BLOCK_ELEMS = 1 << 13  # blocks of 25 rows (8 elements a key, 24 + 16 keys)
+prefill._BLOCK_ELEMS = 1 << 13  # blocks of 14 rows (12 elements an entry, 37 + 10 CSA)
 got = runner.prefill(seqs)
-blocks = -(-191 // 25)
+blocks = -(-191 // 14)
 assert len(calls) == 3 * blocks, calls  # every layer, every block, through the kernel
 assert max(s for _, s in calls) > 32, calls  # CSA rows: window 24 + 16 picks, two tiles
 err, top = (got - want).abs().max().item(), want.abs().max().item()
@@ -182,14 +182,17 @@ def test_bad_inputs_raise_one_line_errors() -> None:
 
 def test_kernel_blocks_are_sized_without_gathered_keys() -> None:
     """At V4's widths (64 heads of 512, window 128 + top-512, 64 indexer heads) a 4096-token
-    prompt (1024 CSA entries) fits 1024-row blocks with the kernel and 182 without: the
-    gathered keys and scores, not the indexer's, bound the torch path's blocks."""
+    prompt (1024 CSA entries) fits 5461-row blocks with the kernels (the indexer's scores and
+    sort, 12 elements an entry) and 182 without: the gathered keys and scores, not the
+    indexer's dot products, bound the torch path's blocks."""
     from cpmoe.models.deepseek_v4_prefill import rows_per_block
 
-    assert rows_per_block(640, 64, 512, 64 * 1024, kernel=True) == 1024
-    assert rows_per_block(640, 64, 512, 64 * 1024, kernel=False) == (1 << 26) // (640 * 576)
-    assert rows_per_block(640, 64, 512, 64 * 16384, kernel=True) == 64  # the indexer's bound
-    assert rows_per_block(1 << 30, 64, 512, 0, kernel=False) == 1
+    assert rows_per_block(640, 64, 512, 64, 1024, kernel=True) == (1 << 26) // (12 * 1024)
+    assert rows_per_block(640, 64, 512, 64, 1024, kernel=False) == (1 << 26) // (640 * 576)
+    assert rows_per_block(640, 64, 512, 64, 16384, kernel=True) == 341  # the indexer's bound
+    assert rows_per_block(640, 64, 512, 64, 16384, kernel=False) == 64
+    assert rows_per_block(640, 64, 512, 64, 0, kernel=True) == (1 << 26) // (640 * 8)
+    assert rows_per_block(1 << 30, 64, 512, 64, 0, kernel=False) == 1
 
 
 def test_benchmark_rows_and_cli_on_cpu() -> None:

@@ -1,0 +1,209 @@
+"""DeepSeek-V4's lightning-indexer score kernel (cpmoe.models.deepseek_v4_indexer) in Triton's
+CPU interpreter against a float64 evaluation of its formula (a subprocess: TRITON_INTERPRET
+is read at import; skipped without Triton), plus its input checks and `select_visible`
+through the kernel branch against the reference branch.
+
+Cases: 6 heads, D 32, 64 and 48 (not a power of two: a padded, masked tile), T and C not
+multiples of the tiles with several tiles each way (the defaults 64 x 128 and 16 x 16),
+random signs so about half of the dot products are negative (relu matters: the test checks
+that dropping it would fail), a head whose weight is 0 for every row and a row whose weights
+are all 0 (its scores exactly 0), a visible mask (-inf exactly where False), strided q and w,
+and one bf16 case.
+
+Tolerance, elementwise, from fp32 rounding (u = 2^-24): the kernel's IEEE fp32 dot of D
+products is off by at most D u sum_i |q_i k_i| = D u A[t, h, c]; relu moves no error up;
+summing h weighted heads in fp32 and the final scale add at most (h + 2) u scale
+sum_h |w| relu <= (h + 2) u S with S[t, c] = scale sum_h |w[t, h]| A[t, h, c]; the float64
+reference rounded to fp32 adds u |ref| <= u S. So |kernel - ref| <= (D + h + 3) u S. bf16
+inputs: the products of 16-bit values are exact in fp32, the same bound against the float64
+formula on the bf16 values. A wrong head, weight, key or tile edge moves scores by a fair
+share of S, thousands of times the bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpmoe.models import deepseek_v4_indexer as indexer
+from tests._interpreter import run_interpreted
+
+_KERNEL = r"""
+import torch
+from cpmoe.models.deepseek_v4_indexer import indexer_scores
+
+g = torch.Generator().manual_seed(0)
+
+
+def reference(q, keys, w, scale, relu=True):
+    dots = torch.einsum("thd,cd->thc", q.double(), keys.double())
+    dots = dots.clamp(min=0) if relu else dots
+    return scale * (w.double()[..., None] * dots).sum(1)
+
+
+def case(T, H, D, C, dtype=torch.float32, masked=False, **tiles):
+    q = torch.randn(T, H + 2, D, generator=g)[:, 1:H + 1].to(dtype)  # strided heads
+    keys = torch.randn(C, D, generator=g).to(dtype)
+    w = torch.randn(H, T, generator=g).T  # strided rows
+    w[:, 2] = 0.0  # a head that counts for nobody
+    w[3] = 0.0  # a row whose scores are all 0
+    scale = D ** -0.5
+    visible = torch.rand(T, C, generator=g) < 0.7 if masked else None
+    got = indexer_scores(q, keys, w, scale, visible, **tiles)
+    want = reference(q, keys, w, scale)
+    abs_sum = scale * (w.double().abs()[..., None]
+                       * torch.einsum("thd,cd->thc", q.double().abs(), keys.double().abs())
+                       ).sum(1)
+    bound = (D + H + 3) * 2.0 ** -24 * abs_sum
+    assert got.dtype == torch.float32 and got.shape == (T, C)
+    if visible is not None:
+        assert torch.equal(got == float("-inf"), ~visible)
+        got, want, bound = (torch.where(visible, x, 0) for x in (got, want, bound))
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (T, H, D, C, dtype, (err - bound).max().item())
+    assert (got[3] == 0).all()
+    without_relu = (reference(q, keys, w, scale, relu=False) - want).abs()
+    if visible is not None:
+        without_relu = torch.where(visible, without_relu, 0)
+    assert without_relu.max() > 1000 * bound.max()  # the check above would catch no relu
+    return err.max().item(), bound.max().item()
+
+
+results = [
+    case(70, 6, 64, 130),  # defaults: 2 x 2 tiles, both partial
+    case(37, 6, 32, 45, masked=True, block_t=16, block_c=16),  # 3 x 3 tiles
+    case(20, 6, 48, 50, masked=True, block_t=16, block_c=32),  # D padded to 64
+    case(33, 6, 32, 40, dtype=torch.bfloat16, block_t=16, block_c=16),
+]
+print("indexer kernel ok", results)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_kernel_matches_float64_formula_in_the_interpreter() -> None:
+    out = run_interpreted(_KERNEL, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "indexer kernel ok" in out.stdout
+
+
+_SELECT = r"""
+import torch
+from cpmoe.models import deepseek_v4_attention as attention
+from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+
+CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 128, "hidden_size": 64, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32,
+    "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+    "sliding_window": 24, "index_n_heads": 6, "index_head_dim": 32, "index_topk": 8,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 2,
+    "compress_ratios": [4, 0], "num_hash_layers": 1, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+}
+g = torch.Generator().manual_seed(1)
+idx = attention.DeepseekV4Indexer(parse_deepseek_v4(CONFIG), torch.float32)
+for p in idx.parameters():
+    p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+T, E = 40, 150
+q_res, x = torch.randn(T, 32, generator=g), torch.randn(T, 64, generator=g)
+angles = torch.rand(T, 8, generator=g) * 6.3
+keys = torch.randn(E, 32, generator=g)
+visible = torch.rand(T, E, generator=g) < 0.5
+visible[5] = False  # no visible entry: every pick -1
+visible[6] = False
+visible[6, :3] = True  # fewer visible entries than top-k
+args = (q_res, x, angles.cos(), angles.sin(), keys, visible)
+calls = []
+kernel = attention.indexer_scores
+
+
+def spy(*a):
+    calls.append(a[0].shape)
+    return kernel(*a)
+
+
+attention.indexer_scores = spy
+attention.kernel_applies = lambda device, dtype: False
+want = idx.select_visible(*args)
+q = attention.apply_interleaved_rope(idx.q_b_proj(q_res).view(T, 6, 32), angles.cos(),
+                                     angles.sin())
+scores = idx.scorer(q, keys, x, visible)
+attention.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
+got = idx.select_visible(*args)
+assert calls == [(T, 6, 32)], calls  # the kernel branch ran, once
+
+# well separated: rows whose top-k + 1 visible scores are distinct by far more than the
+# kernel's fp32 error (~1e-6 of their scale) or tie exactly at 0 (every head's q.k <= 0,
+# exactly 0 on both branches) must get the same picks; most rows are
+top = scores.sort(dim=-1, descending=True).values[:, :9]
+gaps = (top[:, :-1] - top[:, 1:]).nan_to_num(float("inf"), float("inf"))
+zero_tie = (top[:, :-1] == 0) & (top[:, 1:] == 0)
+apart = ((gaps > 1e-4 * scores[visible].abs().max()) | zero_tie).all(dim=1)
+assert apart.sum() >= 30 and zero_tie.any() and apart[5] and apart[6], (apart, zero_tie)
+assert torch.equal(got[apart], want[apart]), (got != want).nonzero()[:5]
+assert (got[5] == -1).all() and (got[6, 3:] == -1).all()
+assert sorted(got[6, :3].tolist()) == [0, 1, 2]
+print("select_visible kernel branch ok", int(apart.sum()))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_select_visible_kernel_branch_matches_reference_branch_in_the_interpreter() -> None:
+    """`select_visible` of a float32 indexer (6 heads of 32, top-8 of 150 entries, random
+    visibility; a row that sees nothing, one that sees fewer than top-k) with the kernel
+    branch forced on picks what the float64 reference branch picks, on every row whose top-9
+    scores are apart by far more than the kernel's fp32 error or tie exactly at 0 (at least 30
+    of the 40 rows, checked; near ties may legitimately flip)."""
+    out = run_interpreted(_SELECT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "select_visible kernel branch ok" in out.stdout
+
+
+def test_bad_inputs_raise_one_line_errors() -> None:
+    q, keys, w = torch.randn(3, 4, 16), torch.randn(10, 16), torch.randn(3, 4)
+    visible = torch.ones(3, 10, dtype=torch.bool)
+    cases = [
+        ((q, keys[:, :8], w, 0.25), r"need q \[T, h, D\] and keys \[C, D\]"),
+        ((q, keys.half(), w, 0.25), "keys in q's dtype"),
+        ((q, keys, w.double(), 0.25), r"need w float32 \(3, 4\)"),
+        ((q, keys, w[:2], 0.25), r"need w float32 \(3, 4\)"),
+        ((q, keys, w, 0.25, visible.int()), r"need visible bool \(3, 10\)"),
+        ((q, keys, w, 0.25, visible[:, :5]), r"need visible bool \(3, 10\)"),
+        ((q, keys.t().contiguous().t(), w, 0.25), "contiguous last axis"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            indexer.indexer_scores(*args)
+        assert "\n" not in str(info.value)
+
+
+def test_benchmark_reference_is_the_scorers_torch_branch_and_cli_on_cpu() -> None:
+    """bench.v4_indexer times what the scorer runs without the kernel: its `torch_scores` on
+    bf16 inputs equals `DeepseekV4IndexerScorer` (on CPU: the torch branch) bit for bit; its
+    causal mask opens entry c at position 4c + 3; its arguments parse; without CUDA it exits
+    with one clear line."""
+    from bench import v4_indexer as bench
+    from cpmoe.models.deepseek_v4_attention import DeepseekV4IndexerScorer
+
+    g = torch.Generator().manual_seed(0)
+    scorer = DeepseekV4IndexerScorer(24, 6, 32, torch.bfloat16)
+    scorer.weights_proj.weight.copy_(torch.randn(6, 24, generator=g))
+    q = torch.randn(9, 6, 32, generator=g).bfloat16()
+    keys, x = torch.randn(11, 32, generator=g).bfloat16(), torch.randn(9, 24).bfloat16()
+    visible = torch.rand(9, 11, generator=g) < 0.6
+    w = scorer.weights_proj(x).float() * 6 ** -0.5
+    want = scorer(q, keys, x, visible)
+    assert torch.equal(bench.torch_scores(q, keys, w, 32 ** -0.5, visible), want)
+    assert (want == float("-inf")).sum() == (~visible).sum()
+    seen = bench.causal_visible(40, 4, torch.device("cpu"))
+    assert seen.shape == (40, 10)
+    assert torch.equal(seen.sum(1), (torch.arange(40) + 1) // 4)
+    assert not seen[2, 0] and seen[3, 0] and not seen[38, 9] and seen[39, 9]
+    a = bench.parse_args(["--lengths", "1024", "--sweep"])
+    assert (a.lengths, a.heads, a.dim, a.rate, a.sweep) == ("1024", 64, 128, 4, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--lengths", "128"])
