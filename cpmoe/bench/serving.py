@@ -447,7 +447,8 @@ def report(s: dict) -> str:
              f"prefix cache: {s.get('total_cached_tokens', 0):,} of "
              f"{s.get('total_input_tokens', 0):,} prompt tokens cached (hit rate "
              f"{s.get('prefix_hit_rate', 0.0):.1%})",
-             *([_ttft_line(s)] if s.get("server_ttft_s") is not None else []),
+             *([_ttft_line(s)] if s.get("server_ttft_s") is not None
+               and s["ttft_s"]["mean"] is not None else []),
              "| ms | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
              row("TTFT", s["ttft_s"]), row("ITL", s["itl_s"]), row("TPOT", s["tpot_s"]),
              row("E2E", s["e2e_latency_s"])]

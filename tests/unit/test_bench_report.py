@@ -172,3 +172,16 @@ def test_long_prompt_interference_splits_gaps_at_its_window_and_reports_a_failur
     failed = interference([stream], {**long, "ttft_s": 0.0, "error": "HTTP 400"}, 100)
     assert failed["p99_itl_vs_2x_step"] is None and failed["step_s"] is None
     assert "FAILED: HTTP 400" in _long_line(failed)
+
+
+def test_ttft_breakdown_line_reports_the_parts_and_skips_a_run_without_successes():
+    """The report's TTFT line gives the client's send delay beside the server's own TTFT and
+    intake; a run where every request failed has no TTFT to break down (no crash)."""
+    from cpmoe.bench.serving import Outcome, report, summarize
+    ok = Outcome(8, 2, ok=True, tokens=2, ttft=0.5, sent=0.125, latency=0.75)
+    s = {**summarize([ok], 1.0), "server_ttft_s": 0.25, "server_intake_s": 0.0625}
+    assert ("TTFT mean 500.0 ms here: request on the wire after 125.0 ms; the server's own "
+            "TTFT 250.0 ms, of it intake (body, parse, tokenize) 62.5 ms") in report(s)
+    failed = {**summarize([Outcome(8, 2)], 1.0), "server_ttft_s": 0.25,
+              "server_intake_s": 0.0625}
+    assert "on the wire" not in report(failed)
