@@ -22,7 +22,6 @@ the defaults; an option set that does not compile or fit is reported and skipped
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -75,7 +74,7 @@ def run_blocks(fn, T: int, rows: int) -> None:
 def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
                  gen: torch.Generator) -> dict:
     """Both paths at one prompt length -> a result row (printed as it goes)."""
-    from cpmoe.bench.timing import cuda_ms
+    from cpmoe.bench.timing import cuda_ms, sweep_ms
 
     H, D, C = a.heads, a.dim, L // a.rate
     q = torch.randn(L, H, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -105,7 +104,7 @@ def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
           f"blocks), {ms_r / ms_k:.2f}x; max |diff| {diff:.3g} (max |score| {top:.3g})",
           flush=True)
     if a.sweep:
-        row["sweep"] = sweep(kernel, flops, a.iters)
+        row["sweep"] = sweep_ms(kernel, SWEEP, flops, a.iters)
     return row
 
 
@@ -124,26 +123,6 @@ def largest_difference(q, keys, w, scale, visible, rows_k: int, rows_r: int
     run_blocks(fill(want, torch_scores), q.shape[0], rows_r)
     err = torch.where(visible, got - want, 0).abs().max().item()
     return err, torch.where(visible, want, 0).abs().max().item()
-
-
-def sweep(kernel, flops: int, iters: int) -> list[dict]:
-    """The kernel under every option set of SWEEP, fastest first (printed)."""
-    from cpmoe.bench.timing import cuda_ms
-
-    results = []
-    for values in itertools.product(*SWEEP.values()):
-        opts = dict(zip(SWEEP, values))
-        try:
-            ms = cuda_ms(kernel(**opts), iters)
-        except Exception as e:  # out of shared memory / registers for this tile
-            print(f"  {opts}: failed ({str(e).splitlines()[0][:100]})", flush=True)
-            continue
-        results.append({**opts, "ms": ms, "tflops": flops / ms / 1e9})
-    results.sort(key=lambda r: r["ms"])
-    for r in results:
-        print(f"  block_t {r['block_t']:>3} block_c {r['block_c']:>3} warps {r['num_warps']} "
-              f"stages {r['num_stages']}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s")
-    return results
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,6 @@ compile or fit is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -78,7 +77,7 @@ def run_blocks(fn, T: int, rows: int) -> None:
 def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
                  gen: torch.Generator) -> dict:
     """Both paths at one prompt length -> a result row (printed as it goes)."""
-    from cpmoe.bench.timing import cuda_ms
+    from cpmoe.bench.timing import cuda_ms, sweep_ms
 
     H, D = a.heads, a.dim
     idx, valid = csa_rows(L, a.window, a.topk, a.rate, dev, gen)
@@ -111,28 +110,8 @@ def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
           f"TFLOP/s), gather + sink_attention {ms_r:.2f} ms ({rows_r}-row blocks), "
           f"{ms_r / ms_k:.2f}x; max |diff| {diff:.3g}", flush=True)
     if a.sweep:
-        row["sweep"] = sweep(kernel, flops, a.iters)
+        row["sweep"] = sweep_ms(kernel, SWEEP, flops, a.iters)
     return row
-
-
-def sweep(kernel, flops: int, iters: int) -> list[dict]:
-    """The kernel under every option set of SWEEP, fastest first (printed)."""
-    from cpmoe.bench.timing import cuda_ms
-
-    results = []
-    for values in itertools.product(*SWEEP.values()):
-        opts = dict(zip(SWEEP, values))
-        try:
-            ms = cuda_ms(kernel(**opts), iters)
-        except Exception as e:  # out of shared memory / registers for this tile
-            print(f"  {opts}: failed ({str(e).splitlines()[0][:100]})", flush=True)
-            continue
-        results.append({**opts, "ms": ms, "tflops": flops / ms / 1e9})
-    results.sort(key=lambda r: r["ms"])
-    for r in results:
-        print(f"  block_h {r['block_h']:>2} block_n {r['block_n']:>2} warps {r['num_warps']} "
-              f"stages {r['num_stages']}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s")
-    return results
 
 
 def main(argv: list[str] | None = None) -> None:

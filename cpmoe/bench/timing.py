@@ -6,6 +6,7 @@ CUDA work is asynchronous, so every timed region starts and ends with
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -105,3 +106,24 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def sweep_ms(kernel: Callable[..., Callable[[], Any]], grid: dict[str, tuple], flops: int,
+             iters: int) -> list[dict]:
+    """`kernel(**opts)` (a callable to time) under every option set of `grid` (the product
+    of its values) -> [{**opts, ms, tflops}], fastest first, each printed. A set that does
+    not build (out of shared memory or registers for its tile) is printed and skipped."""
+    results = []
+    for values in itertools.product(*grid.values()):
+        opts = dict(zip(grid, values))
+        try:
+            ms = cuda_ms(kernel(**opts), iters)
+        except Exception as e:  # noqa: BLE001 -- a tile that does not fit is a result
+            print(f"  {opts}: failed ({str(e).splitlines()[0][:100]})", flush=True)
+            continue
+        results.append({**opts, "ms": ms, "tflops": flops / ms / 1e9})
+    results.sort(key=lambda r: r["ms"])
+    for r in results:
+        shown = " ".join(f"{k} {r[k]}" for k in grid)
+        print(f"  {shown}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s")
+    return results
