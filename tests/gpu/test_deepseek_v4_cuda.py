@@ -107,20 +107,24 @@ def test_v4_bf16_prefill_and_decode_match_float32():
 U_BF16 = 2.0 ** -8
 
 
-def abs_attention(q, kv, valid, sinks, scale):
-    """sum_n p_n |kv_n|: the reference's probabilities (keys kv) applied to |kv|."""
-    s = torch.einsum("thd,tnd->thn", q.float(), kv) * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thn,tnd->thd", p, kv.abs())
+def prefill_small_v4_bf16() -> None:
+    """SMALL_V4's bf16 prefill of prompts of LENGTHS (the layers' calls are what the
+    kernel-branch tests check)."""
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, SMALL_V4["vocab_size"], (n,), generator=gen).tolist()
+            for n in LENGTHS]
+    runner = ModelRunner.from_config(SMALL_V4, ProcessGroups.single("cuda"), torch.bfloat16,
+                                     seed=0)
+    runner.prefill(seqs)
 
 
 @cuda
 def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
-    from cpmoe.engine.runner import ModelRunner
     from cpmoe.models import deepseek_v4_attention, deepseek_v4_prefill as prefill
-    from cpmoe.parallel.groups import ProcessGroups
+    from tests.gpu.test_v4_sparse_attention_cuda import abs_attention
 
     kernel, applies, attention = (prefill.sparse_sink_attention, prefill.kernel_applies,
                                   prefill.prefill_attention)
@@ -152,12 +156,7 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
     monkeypatch.setattr(prefill, "kernel_applies",
                         lambda device, dtype: use_kernel[0] and applies(device, dtype))
     monkeypatch.setattr(deepseek_v4_attention, "prefill_attention", both_branches)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, SMALL_V4["vocab_size"], (n,), generator=gen).tolist()
-            for n in LENGTHS]
-    runner = ModelRunner.from_config(SMALL_V4, ProcessGroups.single("cuda"), torch.bfloat16,
-                                     seed=0)
-    runner.prefill(seqs)
+    prefill_small_v4_bf16()
     print(f"V4 prefill attention, kernel vs reference branch, error / bound per layer: {worst}")
     assert len(worst) == SMALL_V4["num_hidden_layers"], worst
     assert max(worst) <= 1.0, worst
@@ -166,9 +165,7 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
 @cuda
 def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
     from bench.v4_indexer import torch_scores
-    from cpmoe.engine.runner import ModelRunner
     from cpmoe.models import deepseek_v4_attention
-    from cpmoe.parallel.groups import ProcessGroups
     from tests.gpu.test_v4_indexer_cuda import score_bound
 
     kernel, worst = deepseek_v4_attention.indexer_scores, []
@@ -187,12 +184,7 @@ def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
         return got
 
     monkeypatch.setattr(deepseek_v4_attention, "indexer_scores", checked)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, SMALL_V4["vocab_size"], (n,), generator=gen).tolist()
-            for n in LENGTHS]
-    runner = ModelRunner.from_config(SMALL_V4, ProcessGroups.single("cuda"), torch.bfloat16,
-                                     seed=0)
-    runner.prefill(seqs)
+    prefill_small_v4_bf16()
     print(f"V4 prefill indexer, kernel vs torch scores, error / bound per call: {worst}")
     assert len(worst) == 2, worst  # CSA layers 1 and 3, one row block each
     assert max(worst) <= 1.0, worst

@@ -29,13 +29,8 @@ H, HKV, D = 32, 4, 128  # Qwen3-30B-A3B's attention on one rank
 U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32_matmul():
-    """The fp32 reference must not run in TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+# the fp32 reference must not run in TF32 (tests/gpu/conftest.py)
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 
 
 def make_batch(lens: list[int], page: int, dtype: torch.dtype = torch.bfloat16,

@@ -34,13 +34,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 T, C, H, D, L, RATE = 500, 2000, 64, 128, 8000, 4
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32_matmul():
-    """The fp32 reference must not run in TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+# the fp32 reference must not run in TF32 (tests/gpu/conftest.py)
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 
 
 def score_bound(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,

@@ -34,13 +34,8 @@ L, W, TOPK, RATE, D, NAN_ROWS = 2400, 128, 512, 4, 512, 4
 U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32_matmul():
-    """The fp32 reference must not run in TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+# the fp32 reference must not run in TF32 (tests/gpu/conftest.py)
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")
 
 
 def abs_attention(q, kv, valid, sinks, scale):
