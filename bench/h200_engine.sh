@@ -70,16 +70,25 @@ PY
       gsp=(--dataset shared-prefix --gsp-system-prompt-len 2048 --gsp-question-len 128
            --gsp-output-len 128 --gsp-num-groups 8 --num-prompts 512 --max-concurrency 128)
       # each run compiles its own Triton kernels (neither finds the other's in the cache);
-      # the variants it compiled are listed after it
+      # the variants it compiled are listed after it, with when (the clock of the server
+      # log's batch lines: a kernel compiled after the first batch line cost a request)
       for run in radix no-radix; do
         flags=(); [ "$run" = no-radix ] && flags=(--disable-radix-cache)
         export TRITON_CACHE_DIR=$(mktemp -d)
         step "prefix-$run" python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
           --out "$out/prefix-$run.json" --launch "${serve[@]}" "${flags[@]}"
         step "prefix-$run-kernels" sh -c "find '$TRITON_CACHE_DIR' -name '*.json' \
-          ! -name '__grp__*' -printf '%f\n' | sort | uniq -c | sort -rn"
+          ! -name '__grp__*' -printf '%TT %f\n' | sort"
       done
       unset TRITON_CACHE_DIR
+      # the radix run again, its first 16 engine steps under the torch profiler (a run of
+      # its own: the profiler slows the steps it records)
+      export CPMOE_TORCH_PROFILER_DIR="$out/prefix-profile"
+      step prefix-radix-profiled python3 -m cpmoe.cli bench-serving "${gsp[@]}" --profile \
+        --profile-num-steps 16 --out "$out/prefix-radix-profiled.json" --launch "${serve[@]}"
+      unset CPMOE_TORCH_PROFILER_DIR
+      step prefix-profile-steps sh -c \
+        "python3 -m bench.trace_steps '$out'/prefix-profile/*-rank0.trace.json.gz"
       step prefix-compare python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

@@ -76,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also send one prompt of this many tokens (max_tokens 1) once every "
                         "other request has its first token, and report the others' ITL "
                         "while it is prefilled")
+    p.add_argument("--profile", action="store_true",
+                   help="torch-profile the server's steps during the load (POST "
+                        "/start_profile before it, /stop_profile after); the ranks write "
+                        "their traces to $CPMOE_TORCH_PROFILER_DIR (default "
+                        "/tmp/cpmoe-profile) on the server's machine")
+    p.add_argument("--profile-num-steps", type=int, default=None,
+                   help="with --profile: only the load's first N engine steps")
     p.add_argument("--launch", nargs=argparse.REMAINDER, default=None,
                    help="start `cpmoe serve` with the flags that follow (must come last)")
 
@@ -307,6 +314,9 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.out.parent and not args.out.parent.is_dir():
         raise BenchError(f"--out {args.out}: folder {args.out.parent} does not exist")
+    if args.profile_num_steps is not None and (not args.profile or args.profile_num_steps < 1):
+        raise BenchError(f"--profile-num-steps must be >= 1 and comes with --profile, got "
+                         f"{args.profile_num_steps}")
     vocab = args.vocab_size or (_launched_vocab(args.launch) if args.launch is not None
                                 else None)
     if vocab is None:
@@ -320,8 +330,11 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         if args.long_prompt_len:
             rng = random.Random(args.seed + 2)
             long_prompt = [rng.randrange(vocab) for _ in range(args.long_prompt_len)]
+        profile = _start_profile(url, args.profile_num_steps) if args.profile else None
         results, wall, long = asyncio.run(run_load(url, model, requests, args.max_concurrency,
                                                    args.request_rate, args.seed, long_prompt))
+        if profile is not None and args.profile_num_steps is None:
+            _post(url, "/stop_profile", None)
         metrics = _scrape(url)
     finally:
         if server is not None:
@@ -350,7 +363,8 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
             **({f"gsp_{k}": getattr(args, f"gsp_{k}") for k in (
                 "system_prompt_len", "question_len", "output_len", "num_groups")}
                if args.dataset == "shared-prefix" else {}),
-            "server": args.launch or url}
+            "server": args.launch or url,
+            "profile": profile}
     args.out.write_text(json.dumps({"header": head, "summary": summary,
                                     "server_metrics": metrics,
                                     "requests": [r.__dict__ for r in results]}, indent=1) + "\n")
@@ -390,6 +404,23 @@ def interference(results: list[Outcome], long: dict, chunk: int) -> dict:
 def _served_model(url: str) -> str:
     import httpx
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def _post(url: str, path: str, body: dict | None) -> dict:
+    import httpx
+    r = httpx.post(f"{url}{path}", json=body, timeout=30)
+    if r.status_code != 200:
+        raise BenchError(f"--profile: {path} answered {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def _start_profile(url: str, num_steps: int | None) -> dict:
+    """-> the server's answer (output_dir, name); says where the traces will be."""
+    started = _post(url, "/start_profile", {} if num_steps is None else
+                    {"num_steps": num_steps})
+    print(f"profiling the server's {num_steps or 'load'}{' steps' if num_steps else ''}: "
+          f"traces {started['output_dir']}/{started['name']}-rank*.trace.json.gz")
+    return started
 
 
 def _scrape(url: str) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import torch
 
 from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError
 from cpmoe.engine.logits import adjust_logits, token_logprobs
+from cpmoe.engine.profiler import ProfileCommand, StepProfiler
 from cpmoe.engine.runner import ModelRunner, Segment, StepTimes
 from cpmoe.engine.sampling import sample
 from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
@@ -186,8 +188,6 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
                 parts.append(logits)
             elif done:  # rows picked on the device: a Python-list index would sync
                 parts.append(logits.index_select(0, runner.rows_to_device(done)))
-    kind = ("mixed" if plan.decode and plan.extend else "decode" if plan.decode else
-            "prefill" if plan.extend else "idle")
     out = None
     if parts and sched is not None:
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -195,7 +195,7 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     if plan.overlap:
         mine = out.argmax(dim=-1) if out is not None else None
         sampled = DeviceTokens(runner.share_tokens(mine, plan.samples))
-    return StepOutput(out, kind, start, sampled)
+    return StepOutput(out, plan.kind, start, sampled)
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request],
@@ -234,7 +234,8 @@ class Frontend:
     """Where rank 0's driver gets requests from and sends tokens to."""
 
     def poll(self, timeout: float) -> list[tuple]:
-        """Messages ("add", Request) / ("cancel", rid) / ("stop",), waiting up to timeout."""
+        """Messages ("add", Request) / ("cancel", rid) / ("profile", ProfileCommand) /
+        ("stop",), waiting up to timeout."""
         raise NotImplementedError
 
     def emit(self, events: list[TokenEvent], stats: dict) -> None:
@@ -258,6 +259,7 @@ class Driver:
         self.stopping = False
         # an overlapped step whose tokens are not on the host yet: (its rows, its tokens)
         self._in_flight: tuple[list, DeviceTokens] | None = None
+        self._profile: ProfileCommand | None = None  # for the next plan
         layout = runner.layout
         self._cp_coords = [layout.coords(r)["attn_cp"] for r in range(layout.world_size)]
 
@@ -268,6 +270,8 @@ class Driver:
                 self.sched.add(msg[1])
             elif msg[0] == "cancel":
                 self.sched.cancel(msg[1])
+            elif msg[0] == "profile":
+                self._profile = msg[1]
             elif msg[0] == "stop":
                 self.stopping = True
             else:
@@ -287,6 +291,8 @@ class Driver:
         rows = self.sched.sample_rows(plan)
         if self.overlap and rows and all(_plain(req) for req in rows):
             plan = dataclasses.replace(plan, overlap=True, samples=len(rows))
+        if self._profile is not None:
+            plan, self._profile = dataclasses.replace(plan, profile=self._profile), None
         return plan
 
     def _land(self) -> list[TokenEvent]:
@@ -347,20 +353,25 @@ def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
 
     What exists when the loop starts (the model, its caches, the graphs: long-lived) is
     frozen out of Python's garbage collector while it runs: a full collection would walk
-    it all, a pause of 0.1 s or more in some step (vLLM and SGLang freeze it likewise)."""
+    it all, a pause of 0.1 s or more in some step (vLLM and SGLang freeze it likewise).
+    A plan's profile command opens or closes a profiler window (`engine/profiler.py`)."""
     world = runner.groups.world
     sched = driver.sched if driver is not None else None
+    profiler = StepProfiler(runner.groups.rank, runner.device)
     gc.freeze()
     try:
-        while True:
+        for number in itertools.count():
             plan = comm.broadcast_object(driver.next_plan() if driver else None, world)
             assert isinstance(plan, StepPlan)
+            profiler.apply(plan.profile)
             if plan.stop:
                 return plan.result
-            out = run_step(runner, plan, sched)
-            if driver is not None:
-                driver.finish_step(plan, out)
+            with profiler.step(number, plan.kind, counted=plan.kind != "idle"):
+                out = run_step(runner, plan, sched)
+                if driver is not None:
+                    driver.finish_step(plan, out)
     finally:  # a rank pool runs the next task in this process: its objects are its own
+        profiler.close()
         gc.unfreeze()
 
 

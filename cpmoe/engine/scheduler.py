@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from cpmoe.cp.kv_cache import PagedKVCache, PageRelease
 from cpmoe.cp.split import balancing_rotation, rank_counts
+from cpmoe.engine.profiler import ProfileCommand
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 
@@ -119,10 +120,16 @@ class StepPlan:
     samples: int = 0  # with overlap: how many rows it samples (the shared tensor's length)
     stop: bool = False  # leave the engine loop
     result: object = None  # with stop: what the loop returns on every rank
+    profile: ProfileCommand | None = None  # open or close a profiler window before the step
 
     @property
     def empty(self) -> bool:
         return not (self.free or self.cache or self.fork or self.extend or self.decode)
+
+    @property
+    def kind(self) -> str:
+        return ("mixed" if self.decode and self.extend else "decode" if self.decode else
+                "prefill" if self.extend else "idle")
 
     @property
     def cached_tokens(self) -> int:

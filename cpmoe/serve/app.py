@@ -1,4 +1,5 @@
-"""The HTTP API (FastAPI): OpenAI-style completions and chat, models, health and metrics.
+"""The HTTP API (FastAPI): OpenAI-style completions and chat, models, health, metrics and
+a profiler window over the engine's steps (/start_profile, /stop_profile).
 
 Each generation request is validated into a `Job` (400 on any bad input), submitted to the
 engine (503 when the queue is full or the engine is down) and then read token by token:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from cpmoe.engine.profiler import ACTIVITIES, DEFAULT_DIR, ProfileCommand
 from cpmoe.engine.scheduler import TokenEvent
 from cpmoe.serve import logprobs as lp
 from cpmoe.serve import protocol as api
@@ -143,6 +146,14 @@ def build_app(state: ServeState) -> FastAPI:
             return _error(e)
         return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "cpmoe"})
 
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> JSONResponse:
+        return _profile(state, await request.body(), start=True)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> JSONResponse:
+        return _profile(state, b"", start=False)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(state, request, "completions")
@@ -152,6 +163,33 @@ def build_app(state: ServeState) -> FastAPI:
         return await _generate(state, request, "chat")
 
     return app
+
+
+def _profile(state: ServeState, raw: bytes, start: bool) -> JSONResponse:
+    """/start_profile (body: `api.ProfileRequest`, may be empty) and /stop_profile: the
+    command goes to the engine, whose ranks write the trace once the window closes."""
+    try:
+        if not start:
+            cmd = ProfileCommand(start=False)
+        else:
+            req = api.parse_body(raw or b"{}", api.ProfileRequest)
+            out = req.output_dir or os.environ.get("CPMOE_TORCH_PROFILER_DIR", DEFAULT_DIR)
+            try:
+                acts = ACTIVITIES if req.activities is None else tuple(req.activities)
+                cmd = ProfileCommand.starting(out, req.num_steps, acts, req.record_shapes,
+                                              req.with_stack)
+            except ValueError as e:
+                raise api.bad_request(str(e), str(e).split(":")[0]) from None
+        try:
+            state.client.profile(cmd)
+        except EngineDown as e:
+            raise _unavailable(f"{e}; the server is shutting down", "engine_down") from None
+    except api.ApiError as e:
+        return _error(e)
+    if not start:
+        return JSONResponse({"status": "stopping"})
+    return JSONResponse({"status": "started", "output_dir": cmd.output_dir, "name": cmd.name,
+                         "num_steps": cmd.num_steps})
 
 
 def _prepare(state: ServeState, raw: bytes, chat: bool) -> list[api.Job]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
+from cpmoe.engine.profiler import ProfileCommand
 from cpmoe.engine.scheduler import Request, TokenEvent
 from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankInfo, RankPool
@@ -127,6 +128,12 @@ class EngineClient:
                                    stream=job.index, ignore_eos=job.ignore_eos,
                                    kv_need=job.kv_need, logprobs=job.logprobs)))
         return stream
+
+    def profile(self, cmd: ProfileCommand) -> None:
+        """Open (or close) a profiler window on every rank from the engine's next step."""
+        if not self.alive:
+            raise EngineDown("the engine is not running")
+        self._send(("profile", cmd))
 
     def release(self, stream: RequestStream, reason: str) -> None:
         """The server is done with a request: tell the engine to drop it if it still runs."""

@@ -106,6 +106,17 @@ class _Common(_Strict):
     service_tier: str | None = None
 
 
+class ProfileRequest(BaseModel):
+    """POST /start_profile (SGLang's fields). Unknown fields are refused: a misspelt one
+    would silently profile something other than what was asked."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    output_dir: str | None = None  # None: $CPMOE_TORCH_PROFILER_DIR, else /tmp/cpmoe-profile
+    num_steps: int | None = Field(None, ge=1)  # None: until /stop_profile
+    activities: list[str] | None = None  # of "CPU", "GPU"; None: both
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
@@ -203,7 +214,7 @@ _EXPECTED = {"prompt": "a string, a list of token ids, or a list of either",
              "messages": "a list of {role, content} objects with text content"}
 
 
-def parse_body(raw: bytes, schema: type[_Common]) -> Any:
+def parse_body(raw: bytes, schema: type[BaseModel]) -> Any:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -1,5 +1,6 @@
 """The OpenAI API surface of `cpmoe serve` through the real `openai` client: tolerant parsing,
-logprobs, n, penalties, min_tokens, echo, several prompts, models/{id}, --skip-tokenizer-init.
+logprobs, n, penalties, min_tokens, echo, several prompts, models/{id}, --skip-tokenizer-init,
+the prefix cache's usage counts and the profiler endpoints.
 
 Two one-rank servers start once for the module (one with a tokenizer, one without). Every
 reference is computed here, independently of the server: tokens and logits of `cpmoe generate`
@@ -9,7 +10,11 @@ logits of a plain prefill, step by step.
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
+import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -390,3 +395,60 @@ def test_chat_turn_reuses_the_previous_turn(server):
     two = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4,
                                          temperature=0)
     assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1
+
+
+# ---- (4) the profiler window (SGLang's /start_profile, /stop_profile) -------------------------
+
+def _profile_files(server: Server, start: dict, timeout_s: float = 60.0) -> tuple[str, list]:
+    """-> rank 0's ops table and trace events once the window's files are written."""
+    stem = Path(start["output_dir"]) / f"{start['name']}-rank0"
+    table = stem.with_name(stem.name + ".txt")
+    deadline = time.monotonic() + timeout_s
+    while not table.exists():
+        assert time.monotonic() < deadline, server.stderr()[-2000:]
+        time.sleep(0.1)
+    trace = stem.with_name(stem.name + ".trace.json.gz")
+    return table.read_text(), json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+
+
+def test_profile_window_of_num_steps_writes_a_trace_of_those_steps(server, tmp_path):
+    r = httpx.post(f"{server.url}/start_profile", timeout=30,
+                   json={"output_dir": str(tmp_path), "num_steps": 3})
+    assert r.status_code == 200, r.text
+    start = r.json()
+    assert start["status"] == "started" and start["num_steps"] == 3
+    out = _client(server).completions.create(model=server.model, prompt=PROMPT, max_tokens=5,
+                                             temperature=0)
+    assert out.usage.completion_tokens == 5
+    table, events = _profile_files(server, start)
+    steps = [e["name"] for e in events if e.get("name", "").startswith("cpmoe step ")]
+    assert [s.split()[-1] for s in steps if not s.endswith(" idle")] == [
+        "prefill", "decode", "decode"], steps
+    assert table.startswith("3 steps\n")
+    assert f"profile of 3 steps written to {tmp_path}" in server.stderr()
+
+
+def test_stop_profile_closes_an_open_window(server, tmp_path):
+    start = httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path)},
+                       timeout=30).json()
+    assert start["num_steps"] is None
+    _client(server).completions.create(model=server.model, prompt=PROMPT, max_tokens=2,
+                                       temperature=0)
+    r = httpx.post(f"{server.url}/stop_profile", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "stopping"
+    table, events = _profile_files(server, start)
+    assert int(table.split()[0]) >= 2  # the request's prefill and decode, maybe more
+    assert any(e.get("name", "").endswith(" prefill") for e in events)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"num_steps": 0}, "num_steps"), ({"num_steps": "3"}, "num_steps"),
+    ({"activities": ["TPU"]}, "activities"), ({"activities": []}, "activities"),
+    ({"num_step": 3}, "num_step")])
+def test_bad_start_profile_gets_one_400_naming_the_field(server, body, field):
+    r = httpx.post(f"{server.url}/start_profile", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], err
+    r = httpx.post(f"{server.url}/start_profile", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

@@ -10,6 +10,7 @@ ranks they spawn), so each is made once, all started together in the module fixt
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -119,9 +120,10 @@ def runs(tmp_path_factory):
     d = folder("fp8")
     calls["fp8"] = (_bench_args(d / "fp8.json", "--lengths", "64", "--layouts", "tp=1",
                                 "--quantization", "fp8"), None, REPO_ROOT, d)
-    d = folder("gsp")
+    d = folder("gsp")  # the same run profiles its first 4 engine steps
     calls["shared-prefix"] = (["-m", "cpmoe.cli", "bench-serving", "--out", str(d / "gsp.json"),
-                               *GSP_ARGS], None, REPO_ROOT, d)
+                               "--profile", "--profile-num-steps", "4", *GSP_ARGS],
+                              {"CPMOE_TORCH_PROFILER_DIR": str(d / "profile")}, REPO_ROOT, d)
     # Refused before any rank: cpmoe.cli.main in this process (test_cli.Cli.in_process: no
     # interpreter and torch import each; starting a process fails the call), before the pool
     # starts (the refusal patches process starts process-wide).
@@ -431,6 +433,36 @@ def test_serving_benchmark_reports_the_prefix_cache_hit_rate(runs):
     assert all(0 < r["sent"] < r["ttft"] for r in reqs), [(r["sent"], r["ttft"]) for r in reqs]
     assert 0 < summary["server_intake_s"] < summary["server_ttft_s"] < summary["ttft_s"]["mean"]
     assert "the server's own TTFT" in proc.stdout
+
+
+def test_serving_benchmark_profiles_the_asked_steps_of_the_server(runs):
+    """--profile --profile-num-steps 4: the launched server's rank writes a trace of its
+    first 4 working steps of the load, each a named range, and its ops table."""
+    proc, d = _result(runs, "shared-prefix")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    started = json.loads((d / "gsp.json").read_text())["header"]["profile"]
+    assert started["output_dir"] == str(d / "profile") and started["num_steps"] == 4
+    trace = d / "profile" / f"{started['name']}-rank0.trace.json.gz"
+    assert str(trace.parent / started["name"]) in proc.stdout
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    steps = [e["name"] for e in events if e.get("name", "").startswith("cpmoe step ")]
+    working = [s for s in steps if not s.endswith(" idle")]
+    assert len(working) == 4 and working[0].endswith(" prefill"), steps
+    table = trace.with_name(f"{started['name']}-rank0.txt").read_text()
+    assert table.startswith("4 steps\n") and "cpmoe step" in table
+    assert "profile of 4 steps written" in (d / "gsp.server.log").read_text()
+
+
+def test_serving_benchmark_refuses_profile_steps_without_profile():
+    import argparse
+
+    from cpmoe.bench.serving import add_arguments, run_bench_serving
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for extra in (["--profile-num-steps", "3"], ["--profile", "--profile-num-steps", "0"]):
+        args = p.parse_args(["--base-url", "http://unused", "--out", "unused", *extra])
+        with pytest.raises(BenchError, match="--profile-num-steps"):
+            run_bench_serving(args, [])
 
 
 # ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
