@@ -279,6 +279,8 @@ if triton is not None:
                             w = w.to(tl.float32)
                             if GATED:
                                 u = u.to(tl.float32)
+                        # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
+                        # with fewer bits, here over 128 inputs at most
                         acc += tl.dot(a, w) * (a_s[:, None] * w_s)
                         if GATED:
                             acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
