@@ -7,12 +7,19 @@
 lost: bench/results/decode-dense-20261202.json, code at commit 23687c9.)
 
 At Qwen3-30B-A3B's expert shape (128 experts, hidden 2048, intermediate 768, top-8) and
-uniform routing, for 1, 16, 64 and 256 rows: the gate/up and down GEMMs under every tile
+uniform routing, for 1, 16 and 64 rows: the gate/up and down GEMMs under every tile
 configuration of the sweep, against `gemm_config`'s choice. Weights of several layers are
 rotated so no repetition finds a previous one's experts in L2. Prints a table per GEMM and
 writes every time to JSON; time in microseconds per call, CUDA events over a graph replay.
 --fp8: the weights in float8_e4m3fn with one float32 scale per 128 x 128 block, as
-`--quantization fp8` serves them (tiles then stay inside one block: BLOCK_N, BLOCK_K <= 128).
+`--quantization fp8` serves them, under each of `fused_moe.FP8_ACT_MODES` (--modes): a
+column per mode, each mode's best marked *. A W8A8 time is all of that GEMM's work in a
+decode step, the `quantize_act` launch of "w8a8" included. Tiles stay inside one scale
+block, BLOCK_N <= 128; BLOCK_K 256 is two dots of 128. The FP8 grid leaves out what the
+weights-only sweep at 721b0ce found slow or never best (BLOCK_K 64, BLOCK_N 128 on 4 warps,
+BLOCK_N 32 on 8 warps, 5 or 7 stages on 4 warps, 6 on 8) and adds BLOCK_N 16 (more
+programs at batch 1): 10 tiles a mode, so three modes take about the old sweep's 31 tiles
+of compiling.
 """
 
 from __future__ import annotations
@@ -64,10 +71,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
+    ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
+                    help="with --fp8: the activation modes swept")
     args = ap.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     wdtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
+    modes = args.modes.split(",") if args.fp8 else ["bf16"]  # bf16 weights: one column
 
     def weights(rows: int, cols: int) -> list[torch.Tensor]:
         return [(torch.randn(E, rows, cols, device="cuda") * 0.02).to(wdtype)
@@ -79,9 +89,9 @@ def main() -> None:
 
     gate_up, down = weights(2 * I, H), weights(H, I)
     gate_up_s, down_s = scales(2 * I, H), scales(H, I)
-    if args.fp8:  # a tile must stay inside one 128 x 128 scale block
-        grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-            (32, 64, 128), (64, 128), ((4, 3), (4, 5), (4, 7), (8, 4), (8, 6)))]
+    if args.fp8:
+        grid = [(bn, bk, w, s) for bk, (bn, w, s) in itertools.product(
+            (128, 256), ((16, 4, 3), (32, 4, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)))]
     else:
         grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
@@ -100,36 +110,50 @@ def main() -> None:
         for name, a, ws, ss, out, gated, N, k_dim in (
                 ("gate_up", x, gate_up, gate_up_s, out_act, True, I, H),
                 ("down", act, down, down_s, y, False, H, I)):
-            default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8)
-
             def run(cfg):
                 return lambda i: fused_moe._gemm(a, ws[i % LAYERS], slots, counts, out, TOP_K,
                                                  row_of_slot=gated, gated=gated, config=cfg,
                                                  scale=ss[i % LAYERS])
-            base = time_us(run(default))
-            best = (base, default)
-            for bn, bk, warps, stages in grid:
-                if bk > k_dim:
-                    continue
-                cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                           num_stages=stages)
-                try:
-                    t = time_us(run(cfg))
-                except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
-                    print(f"{name} rows {rows} {cfg}: {type(e).__name__}")
-                    continue
-                results.append({"gemm": name, "rows": rows, "us": t, **cfg})
-                if t < best[0]:
-                    best = (t, cfg)
-            ideal = (len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim
+            table = {}  # (tile, or "default") -> {mode: us}
+            for mode in modes:
+                default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8, fp8_act=mode)
+                table.setdefault("default", {})[mode] = time_us(run(default))
+                results.append({"gemm": name, "rows": rows, "mode": mode, "default": True,
+                                "us": table["default"][mode], **default})
+                for tile in grid:
+                    bn, bk, warps, stages = tile
+                    if bk > k_dim:
+                        continue
+                    cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                               num_stages=stages)
+                    try:
+                        t = time_us(run(cfg))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
+                        print(f"{name} rows {rows} {mode} {cfg}: {type(e).__name__}")
+                        continue
+                    table.setdefault(tile, {})[mode] = t
+                    results.append({"gemm": name, "rows": rows, "mode": mode, "us": t, **cfg})
+            floor = (len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim
                      * wdtype.itemsize / 4.8e12 * 1e6)
-            print(f"{name:8s} rows {rows:4d}: default {base:7.1f} us {default} | best "
-                  f"{best[0]:7.1f} us {best[1]} | HBM floor {ideal:6.1f} us", flush=True)
-            results.append({"gemm": name, "rows": rows, "us": base, "default": True,
-                            "hbm_floor_us": ideal, **default})
+            print_table(f"{name}, {rows} rows (HBM floor {floor:.1f} us)", table, modes)
+            results.append({"gemm": name, "rows": rows, "hbm_floor_us": floor})
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "fp8": args.fp8, "results": results}, f,
                   indent=1)
+
+
+def print_table(title: str, table: dict, modes: list[str]) -> None:
+    """One line per tile (BLOCK_N, BLOCK_K, warps, stages), a column per mode; * marks each
+    mode's fastest, `gemm_config`'s choice last."""
+    best = {m: min((us[m] for us in table.values() if m in us), default=None) for m in modes}
+    print(f"{title}, us per call:")
+    print(f"{'BLOCK_N BLOCK_K warps stages':>30s}" + "".join(f"{m:>12s} " for m in modes))
+    for tile, us in sorted(table.items(), key=lambda kv: kv[0] == "default"):
+        label = "default" if tile == "default" else " ".join(
+            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6)))
+        print(f"{label:>30s}" + "".join(
+            f"{us[m]:12.1f}{'*' if us[m] == best[m] else ' '}" if m in us else f"{'-':>12s} "
+            for m in modes), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ is a memory-bound read of the used experts' weights, so this path is built aroun
    EP rank's expert, id -1, is not read).
 Few kernels matter as much as few bytes: inside a CUDA graph each kernel still costs about a
 microsecond of issue, and a 48-layer step runs each of these 48 times.
+FP8 weights (128 x 128 block scales) are multiplied in one of FP8_ACT_MODES: weights-only
+(each weight tile widened to 16 bits) or W8A8 (FP8 x FP8 dots, the rows quantized per 1 x 128
+group by `quantize_act` before each GEMM, or inside the GEMM kernel itself).
 
 Rounding: the activation is computed from the float32 accumulators and rounded to the weight
 dtype once, where the grouped path rounds the gate/up output first; both are within the bf16
@@ -30,6 +33,7 @@ import os
 import torch
 
 from cpmoe._triton import import_triton
+from cpmoe.quant.kernels import quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -58,13 +62,13 @@ def takes_block_scales(experts) -> bool:
 def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: torch.Tensor,
                   gate_up_EnH: torch.Tensor, down_EHI: torch.Tensor,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  swiglu_limit: float | None = None) -> torch.Tensor:
+                  swiglu_limit: float | None = None, fp8_act: str | None = None
+                  ) -> torch.Tensor:
     """sum_k weights[m, k] * down[e] @ silu_and_mul(gate_up[e] @ x[m]) with e = ids[m, k]
     (id -1: another rank's expert, skipped) -> [M, H] in x's dtype. FP8 weights come with
-    their 128 x 128 block scales (gate_up's, down's: [E, rows / 128, K / 128]); each weight
-    tile is widened to x's dtype and its GEMM scaled in float32 (weights-only FP8: a decode
-    step reads half the bytes, the activations keep their precision). swiglu_limit:
-    DeepSeek-V4's clamped SwiGLU, SiLU(min(gate, limit)) * clamp(up, -limit, limit)."""
+    their 128 x 128 block scales (gate_up's, down's: [E, rows / 128, K / 128]) and are
+    multiplied as `fp8_act` (default FP8_ACTIVATIONS) says. swiglu_limit: DeepSeek-V4's
+    clamped SwiGLU, SiLU(min(gate, limit)) * clamp(up, -limit, limit)."""
     M, K = local_ids_MK.shape
     E, two_i, H = gate_up_EnH.shape
     I = two_i // 2
@@ -76,10 +80,12 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)))
     act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     gate_up_s, down_s = scales or (None, None)
+    fp8 = scales is not None
     _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
-          scale=gate_up_s, limit=swiglu_limit)
+          config=gemm_config(P, E, H, fp8, fp8_act), scale=gate_up_s, limit=swiglu_limit)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
-    _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False, scale=down_s)
+    _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
+          config=gemm_config(P, E, I, fp8, fp8_act), scale=down_s)
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
@@ -97,19 +103,38 @@ def _block_m(slots: int, experts: int) -> int:
     return max(16, min(64, _pow2(-(-2 * slots // experts))))
 
 
-def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False) -> dict:
+# How the GEMMs multiply FP8 weights (each scale block is 128 x 128):
+# - "weights": weights-only FP8, each weight tile widened to the activations' 16-bit dtype (a
+#   decode step reads half the bytes; the activations keep their precision);
+# - "w8a8": FP8 x FP8 dots, the rows quantized per 1 x 128 group first (`quantize_act`,
+#   one more launch per GEMM), as the checkpoints' `activation_scheme: dynamic` and the
+#   prefill path (cpmoe/quant/experts.py) do;
+# - "w8a8-fused": the same numbers, each GEMM program quantizing the rows it reads itself
+#   (no launch; every column tile repeats the work on its rows).
+FP8_ACT_MODES = ("weights", "w8a8", "w8a8-fused")
+FP8_ACTIVATIONS = "weights"
+
+
+def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
+                fp8_act: str | None = None) -> dict:
     """Tile sizes and launch shape of one expert GEMM of `slots` (row, slot) pairs: BLOCK_M
     rows (`_block_m`), 64 columns and 128 of K per tile, and COMPACT when fewer slots than
     experts: the grid then has one row of programs per slot, each finding the expert it
     serves among those with work (batch 1 launches 8 rows of programs, not 128 mostly empty
     ones). Swept on an H200 at Qwen3-30B-A3B's expert shape inside a CUDA graph
     (bench/decode_kernels.py): at 1, 16 and 64 rows this is the fastest or within 3% of it,
-    and 5 pipeline stages beat 3 only in the compact case. FP8 weights (`fp8`): 32 columns
-    and 3 stages everywhere, the fastest of the same sweep with `--fp8` at 1, 16 and 64 rows
-    (5-20% under the bf16 tiles at batch 1, 7% for gate/up at 64)."""
+    and 5 pipeline stages beat 3 only in the compact case. FP8 weights (`fp8`), multiplied
+    as `fp8_act` says (an FP8_ACT_MODES entry, default FP8_ACTIVATIONS): 32 columns and 3
+    stages everywhere, the fastest weights-only tiles of the same sweep with `--fp8` at 1,
+    16 and 64 rows (5-20% under the bf16 tiles at batch 1, 7% for gate/up at 64); the
+    W8A8 modes take the same tiles until they are swept."""
     compact = slots < experts
+    mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
+    if mode not in FP8_ACT_MODES:
+        raise ValueError(f"FP8 activations {mode!r}: not one of {FP8_ACT_MODES}")
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": 32 if fp8 else 64,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
+            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
@@ -117,20 +142,31 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
           config: dict | None = None, scale: torch.Tensor | None = None,
           limit: float | None = None) -> None:
+    """One expert GEMM (`_expert_gemm_kernel`) of `config` (default `gemm_config`'s); with
+    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it."""
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
     cfg = config or gemm_config(P, E, k_dim, fp8=scale is not None)
-    if scale is not None:  # one scale per tile: tiles must not straddle 128 x 128 blocks
-        assert 128 % cfg["BLOCK_N"] == 0 and 128 % cfg["BLOCK_K"] == 0 and N % 128 == 0
+    scaled = scale is not None
+    if scaled:  # one scale per dot: tiles must not straddle 128 x 128 blocks
+        assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
+        assert 128 % cfg["BLOCK_K"] == 0 or k_dim % cfg["BLOCK_K"] == 0  # whole pieces
+    assert scaled or not cfg["ACT_FP8"], "FP8 activations need FP8 weights"
+    a_scale = a  # any pointer when the kernel reads no activation scales
+    if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
+        a, a_scale = quantize_act(a, 128)
+    assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
+    pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
-    s = scale if scale is not None else w  # any pointer when not SCALED
+    s = scale if scaled else w  # any pointer when not SCALED
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
-        a, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), E,
-        s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
+        a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
+        a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
+        out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
         0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
-        SCALED=scale is not None, CLAMP=limit is not None, **cfg)
+        SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
+        **cfg)
 
 
 if triton is not None:
@@ -166,19 +202,28 @@ if triton is not None:
 
     # likewise: no specialization on the sizes that change every step
     @triton.jit(do_not_specialize=["cap"])
-    def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N, K_DIM,
-                            cap, rows_per_a, stride_a, stride_we, stride_wn, stride_out, E,
-                            stride_se, stride_sn, limit, GATED: tl.constexpr,
-                            E_POW2: tl.constexpr, SCALED: tl.constexpr, CLAMP: tl.constexpr,
-                            COMPACT: tl.constexpr,
+    def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N,
+                            K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
+                            stride_we, stride_wn, stride_out, E, stride_se, stride_sn, limit,
+                            GATED: tl.constexpr, E_POW2: tl.constexpr, SCALED: tl.constexpr,
+                            ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
+                            CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
         COMPACT the t-th expert (in id order) that has slots. SCALED: w is FP8 with one
-        float32 scale per 128 x 128 block (s [E, rows / 128, K_DIM / 128]). CLAMP: the
-        gate is clamped to <= limit and up to [-limit, limit] before SiLU(gate) * up."""
+        float32 scale per 128 x 128 block (s [E, rows / 128, K_DIM / 128]); each BLOCK_K step
+        is K_PIECES dots of BLOCK_K / K_PIECES inputs, each inside one block (K_DIM: whole
+        steps when K_PIECES > 1). ACT_FP8 (W8A8):
+        the rows are FP8 too, with a float32 scale per row and 128 inputs (as, [.., K_DIM /
+        128]), and each piece is an FP8 x FP8 dot scaled by both; QUANT_A: the kernel
+        quantizes its 16-bit rows so itself (as unused; a piece is then one 128-input group).
+        Else the weight tile is widened to a's dtype (weights-only FP8). UPCAST: FP8 dots in
+        float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
+        [-limit, limit] before SiLU(gate) * up."""
+        PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)
@@ -201,27 +246,52 @@ if triton is not None:
             m_ok = offs_m < count
             p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
             a_rows = a_ptr + (p // rows_per_a) * stride_a
+            as_rows = as_ptr + (p // rows_per_a) * stride_as
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_DIM, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K_DIM
-                a = tl.load(a_rows[:, None] + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w_mask = k_ok[:, None] & n_ok[None, :]
-                w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask,
-                            other=0.0)
-                if SCALED:
-                    acc += tl.dot(a, w.to(a.dtype)) * tl.load(s_gate + k0 // 128)
-                else:
-                    acc = tl.dot(a, w, acc)
-                if GATED:
-                    u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                for j in tl.static_range(K_PIECES):
+                    offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
+                    k_ok = offs_k < K_DIM
+                    a = tl.load(a_rows[:, None] + offs_k[None, :],
+                                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w_mask = k_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
                                 mask=w_mask, other=0.0)
-                    if SCALED:
-                        acc_up += tl.dot(a, u.to(a.dtype)) * tl.load(s_up + k0 // 128)
+                    if GATED:
+                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                                    mask=w_mask, other=0.0)
+                    if SCALED:  # one weight scale per piece
+                        kb = (k0 + j * PIECE) // 128
+                        w_s = tl.load(s_gate + kb)
+                        if GATED:
+                            u_s = tl.load(s_up + kb)
+                    if ACT_FP8:
+                        if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
+                            a = a.to(tl.float32)
+                            a_s = tl.maximum(tl.max(tl.abs(a), axis=1) / 448.0, 1e-12)
+                            a = tl.clamp(a / a_s[:, None], -448.0, 448.0).to(
+                                w.dtype, fp_downcast_rounding="rtne")
+                        else:
+                            a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
+                        if UPCAST:
+                            a = a.to(tl.float32)
+                            w = w.to(tl.float32)
+                            if GATED:
+                                u = u.to(tl.float32)
+                        # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
+                        # with fewer bits, here over 128 inputs at most
+                        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+                        if GATED:
+                            acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
+                    elif SCALED:
+                        acc += tl.dot(a, w.to(a.dtype)) * w_s
+                        if GATED:
+                            acc_up += tl.dot(a, u.to(a.dtype)) * u_s
                     else:
-                        acc_up = tl.dot(a, u, acc_up)
+                        acc = tl.dot(a, w, acc)
+                        if GATED:
+                            acc_up = tl.dot(a, u, acc_up)
             if GATED:
                 if CLAMP:
                     acc = tl.minimum(acc, limit)

@@ -101,6 +101,48 @@ def test_fp8_experts_match_bf16_experts_on_dequantized_weights(rows):
     assert rel(got, want) < FP8_TOL
 
 
+# W8A8 decode experts: x and the gated activation are both rounded to e4m3 (3 mantissa bits:
+# up to 2^-4 of each element, ~2.4% rms), on top of the weights' own rounding, which both
+# sides share; through SiLU(gate) * up and the down GEMM that compounds to ~4-5% (4.3% for
+# this test's shape and seed in the interpreter), so the bound is 8%. A wrong scale, stride or
+# group scrambles the output (error of order 1). Weights-only FP8 rounds only to bf16.
+W8A8_TOL = 8e-2
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_fused_fp8_experts_match_dequantized_float32(rows, block_k, monkeypatch,
+                                                     exact_fp32_matmul):
+    """The decode experts (moe/fused_moe.py) on FP8 weights, bf16 rows, in every activation
+    mode and with K steps of one or two scale blocks, against float32 on the dequantized
+    weights; both W8A8 modes quantize the same numbers, so they agree to rounding."""
+    from cpmoe.moe import fused_moe
+    torch.manual_seed(3)
+    E, H, inter, K = 64, 2048, 768, 8
+    q_gu, s_gu, gu = fp8_weight(2 * inter, H, E)
+    q_d, s_d, dn = fp8_weight(H, inter, E)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(rows)])
+    ids[0, 0] = -1  # another rank's expert
+    w = torch.rand(rows, K, device="cuda")
+    want = torch.zeros(rows, H, device="cuda")
+    for m, k in (ids >= 0).nonzero().tolist():
+        g, u = (x[m].float() @ gu[ids[m, k]].t()).chunk(2)
+        want[m] += w[m, k] * (dn[ids[m, k]] @ (F.silu(g) * u))
+    base = fused_moe.gemm_config
+    monkeypatch.setattr(fused_moe, "gemm_config",
+                        lambda *a, **kw: dict(base(*a, **kw), BLOCK_K=block_k))
+    got = {mode: fused_moe.fused_experts(x, ids, w.to(x.dtype), q_gu, q_d, (s_gu, s_d),
+                                         fp8_act=mode) for mode in fused_moe.FP8_ACT_MODES}
+    errs = {mode: rel(y, want) for mode, y in got.items()}
+    print(f"\nfused FP8 experts, {rows} rows, BLOCK_K {block_k}: relative error {errs}")
+    assert all(y.dtype == torch.bfloat16 for y in got.values())
+    assert errs["weights"] < REF_TOL
+    assert errs["w8a8"] < W8A8_TOL and errs["w8a8-fused"] < W8A8_TOL
+    assert rel(got["w8a8-fused"], got["w8a8"]) < REF_TOL
+
+
 def _fp8_qwen3_checkpoint(tmp_path):
     """A Qwen3-MoE of 128-multiple widths written as a [128, 128] FP8 hub checkpoint."""
     from tests.conftest import make_hf_model

@@ -1,7 +1,8 @@
 """The decode experts' Triton kernels (moe/fused_moe.py) against the experts' loop path, one
 matmul pair per expert in float32 (Triton's CPU interpreter, in a subprocess since
-TRITON_INTERPRET is read at import; skipped where Triton is not installed). The GPU test in
-tests/gpu/test_cuda_paths.py checks bf16 on CUDA."""
+TRITON_INTERPRET is read at import; skipped where Triton is not installed), and its W8A8 modes
+for FP8 weights against float32 with the activations quantized per 1 x 128 group. The GPU
+tests in tests/gpu/test_cuda_paths.py and tests/gpu/test_fp8_cuda.py check bf16 on CUDA."""
 
 import importlib.util
 
@@ -70,3 +71,115 @@ def test_fused_decode_experts_match_the_loop_in_the_interpreter() -> None:
     out = run_interpreted(_CASES, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused moe ok" in out.stdout
+
+
+_W8A8_CASES = r"""
+import torch
+import torch.nn.functional as F
+from cpmoe.moe import fused_moe
+from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8
+from cpmoe.quant.kernels import quantize_act_ref
+torch.manual_seed(0)
+
+
+def fake_quant(x):  # the 1 x 128 activation recipe, written out: x as its FP8 value
+    g = x.view(x.shape[0], -1, 128)
+    s = (g.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    return ((g / s).clamp(-448, 448).to(FP8).float() * s).view_as(x)
+
+
+def fp8_weights(E, N, K):
+    pairs = [quantize_block_fp8(torch.randn(N, K) * 0.05) for _ in range(E)]
+    q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    return q, s, torch.stack([dequantize(q[e], s[e], (128, 128)) for e in range(E)])
+
+
+def exact_rows(M, K):
+    # rows whose 1 x 128 quantization is exact (an FP8 value times a power of two, 448 in
+    # every group): the interpreter's float32 -> FP8 cast drops the carry when rounding up
+    # crosses a power of two (see test_fp8_kernels), the GPU's does not; exact rows leave it
+    # nothing to round, so kernel-side quantization is compared exactly
+    q = (torch.randn(M, K) * 64).clamp(-448, 448).to(FP8).float()
+    q[:, ::128] = 448.0
+    return q * 2.0 ** torch.randint(-10, -6, (M, 1)).float()
+
+
+def gemm(a, w, s, ids, gated, mode, block_k, limit=None):
+    # one expert GEMM of the decode path -> [slots, N] float32; NaN where no slot wrote
+    E, n_rows, k_dim = w.shape
+    M, K = ids.shape
+    P = M * K
+    slots = torch.empty(E, P, dtype=torch.int32)
+    counts = torch.empty(E, dtype=torch.int32)
+    fused_moe._align_kernel[(E,)](ids.reshape(P), slots, counts, P, P, BLOCK_P=64)
+    out = torch.full((P, n_rows // 2 if gated else n_rows), float("nan"))
+    cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k)
+    fused_moe._gemm(a, w, slots, counts, out, K, row_of_slot=gated, gated=gated, config=cfg,
+                    scale=s, limit=limit)
+    return out
+
+
+def gate_up_ref(x, gu, e, limit=None):
+    g, u = (fake_quant(x) @ gu[e].t()).chunk(2, dim=-1)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u
+
+
+# GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks; (rows, top-k,
+# experts, hidden, intermediate): one row on fewer slots than experts (COMPACT), a few
+# rows, and more rows on one expert than a 64-row tile; a slot of another rank (-1)
+for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 128)):
+    q_gu, s_gu, gu = fp8_weights(E, 2 * I, H)
+    q_d, s_d, dn = fp8_weights(E, H, I)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
+    ids[M // 2, K - 1] = -1
+    routed = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
+    x, act = exact_rows(M, H), exact_rows(M * K, I)
+    for mode in ("w8a8", "w8a8-fused"):
+        for block_k, limit in ((128, None), (256, 0.5)):
+            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit)
+            assert got[~(ids.reshape(-1) >= 0)].isnan().all()  # not written
+            for p in routed.tolist():
+                want = gate_up_ref(x[p // K:p // K + 1], gu, ids.reshape(-1)[p], limit)
+                torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
+            if I % block_k:
+                continue
+            got = gemm(act, q_d, s_d, ids, False, mode, block_k)
+            for p in routed.tolist():
+                want = fake_quant(act[p:p + 1]) @ dn[ids.reshape(-1)[p]].t()
+                torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
+    assert fused_moe.gemm_config(M * K, E, H)["COMPACT"] == (M * K < E)
+
+# The whole path (x and the gated output quantized, the routing-weighted sum) in "w8a8"
+# mode against float32 with the activations quantized as above, clamped SwiGLU included.
+# Its quantize_act is the torch one here (the interpreter's cast, see exact_rows); the
+# activations are random, so the kernel's and the reference's float32 sums may put one
+# gated output on either side of an FP8 rounding step: a relative error bound, not exact.
+fused_moe.quantize_act = lambda a, group: (lambda q, s: (q, s.t().contiguous().t()))(
+    *quantize_act_ref(a, group))
+for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5)):
+    q_gu, s_gu, gu = fp8_weights(E, 2 * I, H)
+    q_d, s_d, dn = fp8_weights(E, H, I)
+    x, w = torch.randn(M, H), torch.rand(M, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
+    ids[0, 0] = -1
+    want = torch.zeros(M, H)
+    for m, k in (ids >= 0).nonzero().tolist():
+        e = ids[m, k]
+        want[m] += w[m, k] * (fake_quant(gate_up_ref(x[m:m + 1], gu, e, limit))
+                              @ dn[e].t())[0]
+    got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-3, err
+    weights_only = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit)
+    assert ((weights_only - want).norm() / want.norm()).item() > 1e-2  # FP8 rows mattered
+print("w8a8 ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_w8a8_decode_experts_match_a_float32_reference_in_the_interpreter() -> None:
+    out = run_interpreted(_W8A8_CASES, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "w8a8 ok" in out.stdout
