@@ -31,6 +31,13 @@ _QUERY_CHUNK = 1024
 # CUDA prefill without a cached prefix: up to this many runs, cuDNN per run (about twice
 # flash's speed on long runs); beyond, one varlen flash launch for all (launches dominate)
 _RUNS_PER_LAUNCH = 16
+# ... and only when every run has at least this many queries: cuDNN builds an execution
+# plan for each new run length, 46-59 ms of host time on the H200 (a served shared-prefix
+# load's profile: 105 ms of a 219 ms first step), where flash's varlen kernel builds
+# nothing; under 4K queries flash's extra time is less than one such build (causal
+# attention of a 4K run at 32 heads of 128: ~0.35 ms a layer at cuDNN's rate, twice that
+# at flash's, 48 layers)
+_CUDNN_MIN_RUN = 4096
 
 
 @dataclass
@@ -50,8 +57,10 @@ class PackedRuns:
     @staticmethod
     def wanted(runs: list[tuple[int, int, int, int]], after_prefix: bool) -> bool:
         """Whether a CUDA step takes its runs in one varlen launch: always for chunks after
-        a cached prefix (`chunk_attention_with_lse`), else past _RUNS_PER_LAUNCH runs."""
-        return bool(runs) and (after_prefix or len(runs) > _RUNS_PER_LAUNCH)
+        a cached prefix (`chunk_attention_with_lse`), else past _RUNS_PER_LAUNCH runs or
+        with a run shorter than _CUDNN_MIN_RUN."""
+        return bool(runs) and (after_prefix or len(runs) > _RUNS_PER_LAUNCH
+                               or min(b - a for a, b, _, _ in runs) < _CUDNN_MIN_RUN)
 
     @classmethod
     def build(cls, runs: list[tuple[int, int, int, int]], cu_seqlens: list[int],

@@ -111,8 +111,9 @@ def _block_m(slots: int, experts: int) -> int:
 #   prefill path (cpmoe/quant/experts.py) do;
 # - "w8a8-fused": the same numbers, each GEMM program quantizing the rows it reads itself
 #   (no launch; every column tile repeats the work on its rows).
+# $CPMOE_FP8_DECODE_ACTIVATIONS picks the mode for a process (its ranks inherit it).
 FP8_ACT_MODES = ("weights", "w8a8", "w8a8-fused")
-FP8_ACTIVATIONS = "weights"
+FP8_ACTIVATIONS = os.environ.get("CPMOE_FP8_DECODE_ACTIVATIONS", "weights")
 
 
 def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
@@ -131,7 +132,8 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     compact = slots < experts
     mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
     if mode not in FP8_ACT_MODES:
-        raise ValueError(f"FP8 activations {mode!r}: not one of {FP8_ACT_MODES}")
+        raise ValueError(f"FP8 decode activations (CPMOE_FP8_DECODE_ACTIVATIONS or fp8_act): "
+                         f"expected one of {FP8_ACT_MODES}, got {mode!r}")
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": 32 if fp8 else 64,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
             "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
