@@ -49,7 +49,7 @@ m.gate_up_proj.data = torch.stack([dequantize(q, s, (128, 128)) for q, s in qs[0
 m.down_proj.data = torch.stack([dequantize(q, s, (128, 128)) for q, s in qs[1]])
 x, ids, w = torch.randn(7, H), torch.randint(-1, E, (7, 2)), torch.rand(7, 2)
 want = m._forward_loop(x, ids, w)
-got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d))
+got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="weights")
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 # DeepSeek-V4's clamped SwiGLU (limit 0.5 clamps many of these gate/up values)
 m = LocalExperts(4, 64, 32, torch.float32)
@@ -172,7 +172,8 @@ for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5
     got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
     err = ((got - want).norm() / want.norm()).item()
     assert err < 1e-3, err
-    weights_only = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit)
+    weights_only = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit,
+                                           fp8_act="weights")
     assert ((weights_only - want).norm() / want.norm()).item() > 1e-2  # FP8 rows mattered
 print("w8a8 ok")
 """
