@@ -370,6 +370,9 @@ def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
                 out = run_step(runner, plan, sched)
                 if driver is not None:
                     driver.finish_step(plan, out)
+    except BaseException:  # a failing rank: no device sync, no trace to write
+        profiler.discard()
+        raise
     finally:  # a rank pool runs the next task in this process: its objects are its own
         profiler.close()
         gc.unfreeze()

@@ -108,6 +108,14 @@ class StepProfiler:
         if self._cmd.num_steps is not None and self._steps >= self._cmd.num_steps:
             self.close()
 
+    def discard(self) -> None:
+        """Stop the open window without writing it (the step failed: a device sync could
+        hang, and the process may run another task with a profiler of its own)."""
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            with contextlib.suppress(Exception):
+                prof.stop()
+
     def close(self) -> None:
         """Stop the open window, if any, and write its trace and table."""
         if self._prof is None:
