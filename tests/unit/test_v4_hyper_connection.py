@@ -219,3 +219,28 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         with pytest.raises(ValueError, match=message) as info:
             fn(*args)
         assert "\n" not in str(info.value)
+
+
+def test_benchmark_references_are_the_models_torch_branches_and_cli_on_cpu() -> None:
+    """bench.v4_hyper_connection times what the model runs without the kernels: its
+    `torch_merge` and `torch_collapse` on bf16 inputs equal `DeepseekV4HyperConnection.merge`
+    and the collapse it shares with the hyper head (on CPU: the torch branches) bit for bit; its floor counts h and out once each way; its arguments parse; without CUDA it exits
+    with one clear line."""
+    from bench import v4_hyper_connection as bench
+    from cpmoe.models import deepseek_v4 as v4
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 4, 24, generator=g).bfloat16()
+    out = torch.randn(5, 24, generator=g).bfloat16()
+    post, pre = 2 * torch.rand(5, 4, generator=g), torch.rand(5, 4, generator=g)
+    comb = torch.softmax(torch.randn(5, 4, 4, generator=g), -1)
+    want = v4.DeepseekV4HyperConnection.merge(h, out, post, comb)
+    assert torch.equal(bench.torch_merge(h, out, post, comb), want)
+    assert torch.equal(bench.torch_collapse(h, pre), v4._collapse(h, pre))
+    assert bench.floor_bytes(16384, 4, 4096, 2) == {
+        "merge": 2 * 2 ** 29 + 2 ** 27, "collapse": 2 ** 29 + 2 ** 27, "mix": 2 ** 29}
+    a = bench.parse_args(["--lengths", "1024", "--sweep"])
+    assert (a.lengths, a.hidden, a.hc, a.hbm_tbs, a.sweep) == ("1024", 4096, 4, 4.8, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--lengths", "128"])
