@@ -224,8 +224,9 @@ def test_bad_inputs_raise_one_line_errors() -> None:
 def test_benchmark_references_are_the_models_torch_branches_and_cli_on_cpu() -> None:
     """bench.v4_hyper_connection times what the model runs without the kernels: its
     `torch_merge` and `torch_collapse` on bf16 inputs equal `DeepseekV4HyperConnection.merge`
-    and the collapse it shares with the hyper head (on CPU: the torch branches) bit for bit; its floor counts h and out once each way; its arguments parse; without CUDA it exits
-    with one clear line."""
+    and the collapse it shares with the hyper head (on CPU: the torch branches) bit for
+    bit; its floor counts h and out once each way; its arguments parse; without CUDA it
+    exits with one clear line."""
     from bench import v4_hyper_connection as bench
     from cpmoe.models import deepseek_v4 as v4
 
