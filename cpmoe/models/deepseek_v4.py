@@ -21,8 +21,10 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
-blocks; the hyper head collapses them before the final norm. Multi-token prediction is not
-built. Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
+blocks; the hyper head collapses them before the final norm. On CUDA in 16 bits their stream
+arithmetic (merge, collapse, the mix's RMS) runs as Triton kernels (`deepseek_v4_hc.py`);
+float32 and CPU keep the torch expressions. Multi-token prediction is not built.
+Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
 """
 
 from __future__ import annotations
