@@ -19,9 +19,9 @@ the normed copy. Here `hc_rms` reads h once for the norm, so the hyper-connectio
 mix is F.linear(h.float(), fn) * r: one float32 copy of h instead of three float32 passes.
 
 Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
-float32 weights and round once to h's dtype. The torch merge rounded post and comb to
-bf16 and added two bf16 results (three roundings on the way), so the kernel is the more
-accurate of the two; the collapse rounds once either way. hc_rms sums squares in float32.
+float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
+dtype, then each of its two terms and their sum, so the kernel is the more accurate of the
+two; the torch collapse also rounds once. hc_rms sums squares in float32.
 
 Inputs: h [T, c, H] (bf16/fp16 on the GPU, float32 for the interpreter tests), out [T, H]
 in h's dtype, last dims contiguous, other strides free; post, pre [T, c] and comb
