@@ -21,8 +21,10 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
-blocks; the hyper head collapses them before the final norm. Multi-token prediction is not
-built. Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
+blocks; the hyper head collapses them before the final norm. On CUDA in 16 bits their stream
+arithmetic (merge, collapse, the mix's RMS) runs as Triton kernels (`deepseek_v4_hc.py`);
+float32 and CPU keep the torch expressions. Multi-token prediction is not built.
+Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_i
 from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
 from cpmoe.models.deepseek_v4_config import HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
+from cpmoe.models.deepseek_v4_sparse import kernel_applies
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.models.base import CausalLMHead
 from cpmoe.models.layers import RMSNorm, RotaryEmbedding
@@ -185,6 +189,22 @@ def _flat_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
+def _mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.linear of the RMS-normed flat streams, float32. On CUDA in 16 bits the norm's scale
+    comes from `hc_rms` and is applied after the linear: one float32 copy of h, not three
+    float32 passes over it (deepseek_v4_hc.py)."""
+    if kernel_applies(h.device, h.dtype):
+        return F.linear(h.flatten(1).float(), fn) * hc_rms(h, eps)[:, None]
+    return F.linear(_flat_rms(h, eps), fn)
+
+
+def _collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre[t, i] * h[t, i] in float32, in h's dtype (a kernel on CUDA in 16 bits)."""
+    if kernel_applies(h.device, h.dtype):
+        return hc_collapse(h, pre)
+    return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+
 class DeepseekV4HyperConnection(nn.Module):
     """From the hc streams [T, hc, H]: `pre` collapses them into the block input, `post`
     spreads the block output back, `comb` (Sinkhorn-projected towards doubly stochastic)
@@ -202,7 +222,7 @@ class DeepseekV4HyperConnection(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (post [T, hc], comb [T, hc, hc], collapsed block input [T, H])."""
         n, eps = self.hc, self.eps
-        mix = F.linear(_flat_rms(h, self.norm_eps), self.fn)
+        mix = _mix(h, self.fn, self.norm_eps)
         pre, post, comb = mix.split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = self.base.split([n, n, n * n])
         pre = torch.sigmoid(pre * self.scale[0] + b_pre) + eps
@@ -213,11 +233,16 @@ class DeepseekV4HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return post, comb, (pre[..., None] * h).sum(dim=1).to(h.dtype)
+        return post, comb, _collapse(h, pre)
 
     @staticmethod
     def merge(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
               ) -> torch.Tensor:
+        """h' = post * out + comb^T h in h's dtype. On CUDA in 16 bits one kernel sums in
+        float32 and rounds once (`hc_merge`); the torch expression rounds post and comb to
+        h's dtype and adds two rounded terms."""
+        if kernel_applies(h.device, h.dtype):
+            return hc_merge(h, out, post, comb)
         dtype = h.dtype
         return (post.to(dtype)[..., None] * out[:, None, :]
                 + torch.matmul(comb.to(dtype).transpose(-1, -2), h))
@@ -235,9 +260,9 @@ class DeepseekV4HyperHead(nn.Module):
         self.hc_scale = param(1, dtype=torch.float32)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        mix = F.linear(_flat_rms(h, self.norm_eps), self.hc_fn)
+        mix = _mix(h, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(mix * self.hc_scale + self.hc_base) + self.eps
-        return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+        return _collapse(h, pre)
 
 
 # ---- layers, model, head ---------------------------------------------------------------------

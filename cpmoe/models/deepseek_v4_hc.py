@@ -1,0 +1,170 @@
+"""DeepSeek-V4's hyper-connection stream arithmetic as Triton kernels: each reads the hc
+streams once and writes its result once, accumulating in float32.
+
+    hc_merge(h_TcH, out_TH, post_Tc, comb_Tcc) -> h'_TcH
+        h'[t, j] = post[t, j] * out[t] + sum_i comb[t, i, j] * h[t, i]
+    hc_collapse(h_TcH, pre_Tc) -> x_TH
+        x[t] = sum_i pre[t, i] * h[t, i]
+    hc_rms(h_TcH, eps) -> r_T
+        r[t] = rsqrt(mean over c, H of h[t]^2 + eps)
+
+Legend: T rows, c = hc streams, H hidden.
+
+Why: in a 4-layer V4 prefill of 16K tokens on an H200 (bf16, 284 ms of CUDA time), the
+torch merge's `torch.matmul(comb^T, h)` ran as a generic batched GEMM (T batches of 4 x 4
+times 4 x H), 5 ms a call and 40.3 ms over the 8 merges, where reading h and out and
+writing h' takes about 0.25 ms of HBM time; the collapse wrote a float32 [T, c, H] product
+before summing it, and `_flat_rms` a float32 copy of h (1 GB at 16K), then its square and
+the normed copy. Here `hc_rms` reads h once for the norm, so the hyper-connection's float32
+mix is F.linear(h.float(), fn) * r: one float32 copy of h instead of three float32 passes.
+
+Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
+float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
+dtype, then each of its two terms and their sum, so the kernel is the more accurate of the
+two; the torch collapse also rounds once. hc_rms sums squares in float32.
+
+Inputs: h [T, c, H] (bf16/fp16 on the GPU, float32 for the interpreter tests), out [T, H]
+in h's dtype, last dims contiguous, other strides free; post, pre [T, c] and comb
+[T, c, c] float32, any strides. Outputs are new contiguous tensors. c is a power of two
+(V4's hc_mult is 4); T only sizes the grid and is not specialized on, so decode (under CUDA
+graphs too: nothing reads a value to the host) and prefill share each compiled variant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpmoe._triton import import_triton
+
+triton, tl = import_triton()
+
+# Defaults by size for c = 4, not yet measured (`python3 -m bench.v4_hyper_connection
+# --sweep` times the alternatives): a merge program holds [4 rows, 4 streams, 256] float32
+# (32 registers a thread at 4 warps) and writes 4 x 4 x 256 outputs.
+BLOCK_T, BLOCK_H, NUM_WARPS = 4, 256, 4
+RMS_BLOCK = 1024
+
+
+def _check_streams(name: str, h: torch.Tensor, weights: dict[str, tuple[torch.Tensor, int]]
+                   ) -> tuple[int, int, int]:
+    """Shape/dtype/layout checks only (no value is read, so no host sync) -> (T, hc, H).
+    `weights`: name -> (float32 tensor, its number of dims: [T, hc] or [T, hc, hc])."""
+    if h.dim() != 3 or h.stride(2) != 1:
+        raise ValueError(f"{name}: need h [T, hc, H] with a contiguous last axis, got "
+                         f"{tuple(h.shape)} strides {h.stride()}")
+    T, c, H = h.shape
+    if c & (c - 1):
+        raise ValueError(f"{name}: hc must be a power of two, got {c}")
+    for key, (w, dims) in weights.items():
+        want = (T, c, c)[:dims]
+        if tuple(w.shape) != want or w.dtype != torch.float32:
+            raise ValueError(f"{name}: need {key} float32 {want}, got {w.dtype} "
+                             f"{tuple(w.shape)}")
+    return T, c, H
+
+
+def hc_merge(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             block_t: int = BLOCK_T, block_h: int = BLOCK_H,
+             num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """See the module docstring -> h' [T, hc, H] in h's dtype. The tile sizes and warps are
+    for the benchmark's sweeps (powers of two)."""
+    T, c, H = _check_streams("hc_merge", h, {"post": (post, 2), "comb": (comb, 3)})
+    if out.shape != (T, H) or out.dtype != h.dtype or out.stride(1) != 1:
+        raise ValueError(f"hc_merge: need out {h.dtype} {(T, H)} with a contiguous last "
+                         f"axis, got {out.dtype} {tuple(out.shape)}")
+    if triton is None:
+        raise RuntimeError("hc_merge needs Triton (on CUDA or its interpreter)")
+    new = torch.empty(T, c, H, dtype=h.dtype, device=h.device)
+    if T == 0:
+        return new
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _merge_kernel[grid](
+        h, out, post, comb, new, h.stride(0), h.stride(1), out.stride(0), post.stride(0),
+        post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2), T, H, HC=c,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)
+    return new
+
+
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor, block_t: int = BLOCK_T,
+                block_h: int = BLOCK_H, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """See the module docstring -> x [T, H] in h's dtype."""
+    T, c, H = _check_streams("hc_collapse", h, {"pre": (pre, 2)})
+    if triton is None:
+        raise RuntimeError("hc_collapse needs Triton (on CUDA or its interpreter)")
+    x = torch.empty(T, H, dtype=h.dtype, device=h.device)
+    if T == 0:
+        return x
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _collapse_kernel[grid](h, pre, x, h.stride(0), h.stride(1), pre.stride(0), pre.stride(1),
+                           T, H, HC=c, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)
+    return x
+
+
+def hc_rms(h: torch.Tensor, eps: float, block: int = RMS_BLOCK) -> torch.Tensor:
+    """See the module docstring -> r [T] float32, one program a row."""
+    T, c, H = _check_streams("hc_rms", h, {})
+    if triton is None:
+        raise RuntimeError("hc_rms needs Triton (on CUDA or its interpreter)")
+    r = torch.empty(T, dtype=torch.float32, device=h.device)
+    if T == 0:
+        return r
+    _rms_kernel[(T,)](h, r, h.stride(0), h.stride(1), H, eps, HC=c, BLOCK=block)
+    return r
+
+
+if triton is not None:
+    @triton.jit
+    def _streams(h_ptr, h_st, h_sc, t64, h_off, ok, HC: tl.constexpr):
+        """The [BLOCK_T, HC, BLOCK_H] tile of h at rows t64, columns h_off, in float32."""
+        i = tl.arange(0, HC)
+        ptrs = (h_ptr + t64[:, None, None] * h_st + i[None, :, None] * h_sc
+                + h_off[None, None, :])
+        return tl.load(ptrs, mask=ok[:, None, :], other=0.0).to(tl.float32)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _merge_kernel(h_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, h_st, h_sc, o_st, p_st, p_sc,
+                      c_st, c_si, c_sj, T, H, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        t_ok = t < T
+        ok = t_ok[:, None] & (col < H)[None, :]
+        t64 = t.to(tl.int64)
+        hs = _streams(h_ptr, h_st, h_sc, t64, col, ok, HC)  # [BLOCK_T, HC, BLOCK_H]
+        o = tl.load(o_ptr + t64[:, None] * o_st + col[None, :], mask=ok, other=0.0)
+        o = o.to(tl.float32)
+        i = tl.arange(0, HC)
+        for j in tl.static_range(HC):
+            cj = tl.load(comb_ptr + t64[:, None] * c_st + i[None, :] * c_si + j * c_sj,
+                         mask=t_ok[:, None], other=0.0)  # comb[t, :, j]
+            pj = tl.load(post_ptr + t64 * p_st + j * p_sc, mask=t_ok, other=0.0)
+            acc = tl.sum(cj[:, :, None] * hs, axis=1) + pj[:, None] * o
+            tl.store(new_ptr + t64[:, None] * (HC * H) + j * H + col[None, :],
+                     acc.to(new_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _collapse_kernel(h_ptr, pre_ptr, x_ptr, h_st, h_sc, p_st, p_sc, T, H,
+                         HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        t_ok = t < T
+        ok = t_ok[:, None] & (col < H)[None, :]
+        t64 = t.to(tl.int64)
+        hs = _streams(h_ptr, h_st, h_sc, t64, col, ok, HC)
+        i = tl.arange(0, HC)
+        pre = tl.load(pre_ptr + t64[:, None] * p_st + i[None, :] * p_sc, mask=t_ok[:, None],
+                      other=0.0)
+        x = tl.sum(pre[:, :, None] * hs, axis=1)
+        tl.store(x_ptr + t64[:, None] * H + col[None, :], x.to(x_ptr.dtype.element_ty),
+                 mask=ok)
+
+    @triton.jit
+    def _rms_kernel(h_ptr, r_ptr, h_st, h_sc, H, eps, HC: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(HC):
+            for n0 in range(0, H, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                v = tl.load(h_ptr + t * h_st + i * h_sc + n, mask=n < H, other=0.0)
+                acc += v.to(tl.float32) * v.to(tl.float32)
+        tl.store(r_ptr + t, 1.0 / tl.sqrt(tl.sum(acc, axis=0) / (HC * H) + eps))

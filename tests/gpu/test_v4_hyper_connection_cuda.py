@@ -1,0 +1,111 @@
+"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4_hc) on CUDA in 16 bits
+against float32 torch on the same values, and the bf16 V4 model with them against float32.
+Skipped without a GPU; on the GPU machine:
+`python3 -m pytest tests/gpu/test_v4_hyper_connection_cuda.py -q -s`.
+
+Shapes: V4's (hc 4, H 4096) and H 4000 (a partial column block), T = 4097 rows (a partial
+row block).
+
+Tolerance, elementwise, with u = 2^-8 for bf16 and 2^-11 for fp16 (round to nearest, with
+a factor 2 to spare): the kernels sum in float32 and round once, so |kernel - ref| <=
+u |ref| + 2 (hc + 2) 2^-24 S, S the sum of the absolute terms (merge: post |out| +
+sum_i comb_ij |h_i|; collapse: sum_i pre_i |h_i|). hc_rms against float64:
+(N / 2 + 4) 2^-24 relative, N = hc H (tests/unit/test_v4_hyper_connection.py). The torch
+bf16 merge (post and comb rounded to bf16, two rounded terms added) is measured against the
+same reference: the kernel's mean error must be below it.
+
+Model: SMALL_V4 of tests/gpu/test_deepseek_v4_cuda.py, bf16 with the kernels (the CUDA
+default) against float32, prefill logits and teacher-forced decode within that file's TOL
+(relative Frobenius 5e-2); the errors with the kernels forced off are printed beside them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")  # the fp32 references
+
+U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+T, HC = 4097, 4
+
+
+def inputs(H: int, dtype: torch.dtype, seed: int):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    h = torch.randn(T, HC, H, device=dev, generator=g).to(dtype)
+    out = torch.randn(T, H, device=dev, generator=g).to(dtype)
+    post = 2 * torch.rand(T, HC, device=dev, generator=g)
+    comb = torch.softmax(torch.randn(T, HC, HC, device=dev, generator=g), -1)
+    return h, out, post, comb
+
+
+def report(name: str, got: torch.Tensor, want: torch.Tensor, S: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:
+    bound = U[dtype] * want.abs() + 2 * (HC + 2) * 2.0 ** -24 * S
+    err = (got.float() - want).abs()
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (err <= bound).all(), f"{name} off by {(err - bound).max().item():.3g} past bound"
+    print(f"\n{name} H {want.shape[-1]} {dtype}: max |err| {err.max().item():.3g}, "
+          f"max err/bound {(err / bound).max().item():.3f}")
+    return err
+
+
+@cuda
+@pytest.mark.parametrize("H, dtype", [(4096, torch.bfloat16), (4000, torch.bfloat16),
+                                      (4096, torch.float16)])
+def test_merge_matches_fp32_and_beats_the_torch_chain(H, dtype) -> None:
+    h, out, post, comb = inputs(H, dtype, seed=H)
+    hf, of = h.float(), out.float()
+    want = post[..., None] * of[:, None, :] + torch.einsum("tij,tih->tjh", comb, hf)
+    S = post[..., None] * of.abs()[:, None, :] + torch.einsum("tij,tih->tjh", comb, hf.abs())
+    err = report("merge", hc_merge(h, out, post, comb), want, S, dtype)
+    chain = (post.to(dtype)[..., None] * out[:, None, :]
+             + torch.matmul(comb.to(dtype).transpose(-1, -2), h))  # the torch branch
+    chain_err = (chain.float() - want).abs()
+    print(f"mean |err|: kernel {err.mean().item():.3g}, torch chain "
+          f"{chain_err.mean().item():.3g}")
+    assert err.mean() < chain_err.mean()
+
+
+@cuda
+@pytest.mark.parametrize("H, dtype", [(4096, torch.bfloat16), (4000, torch.bfloat16),
+                                      (4096, torch.float16)])
+def test_collapse_and_rms_match_reference(H, dtype) -> None:
+    h, _, pre, _ = inputs(H, dtype, seed=H + 1)
+    hf = h.float()
+    want = (pre[..., None] * hf).sum(1)
+    report("collapse", hc_collapse(h, pre), want, (pre[..., None] * hf.abs()).sum(1), dtype)
+    eps = 1e-6
+    ref = torch.rsqrt(h.double().square().flatten(1).mean(-1) + eps)
+    rel = ((hc_rms(h, eps).double() - ref).abs() / ref).max().item()
+    assert rel <= (HC * H / 2 + 4) * 2.0 ** -24, rel
+    print(f"rms: max relative error {rel:.3g}")
+
+
+@cuda
+def test_v4_bf16_with_hc_kernels_matches_float32(monkeypatch) -> None:
+    from cpmoe.models import deepseek_v4 as v4
+    from tests.gpu.test_deepseek_v4_cuda import LENGTHS, TOL, _rel, run_both
+
+    calls = []
+    kernel = v4.hc_merge
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(v4, "hc_merge", counted)
+    (pre32, dec32), (pre16, dec16) = run_both("cuda")
+    assert calls, "the bf16 run did not take the hc kernels"
+    errors = [_rel(a, b) for a, b in zip(pre16 + tuple(dec16), pre32 + tuple(dec32))]
+    monkeypatch.setattr(v4, "kernel_applies", lambda device, dtype: False)
+    _, (off16, offdec16) = run_both("cuda")
+    off = [_rel(a, b) for a, b in zip(off16 + tuple(offdec16), pre32 + tuple(dec32))]
+    n = len(LENGTHS)
+    print(f"\nV4 bf16 vs float32, prefill of {LENGTHS} then decode steps: with the hc kernels "
+          f"{[f'{e:.3e}' for e in errors]}; torch branch {[f'{e:.3e}' for e in off]}")
+    assert max(errors[:n]) <= TOL and max(errors[n:]) <= TOL, errors

@@ -1,0 +1,247 @@
+"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4_hc) in Triton's CPU
+interpreter against the torch expressions of their formulas written here (a subprocess:
+TRITON_INTERPRET is read at import; skipped without Triton), the model's kernel branch
+(forced on in float32) against its torch branch, and the input checks.
+
+Cases: hc 4 and 2; T odd and not a multiple of the row block; H 300 and 70 (not multiples of
+the column block) and 64 (below one block); strided h (rows wider than hc x H), out a column
+slice, post a column slice of a wider tensor, comb transposed in memory; a bf16 case.
+
+Tolerance, elementwise, from fp32 rounding (u = 2^-24): kernel and float32 reference each
+sum hc + 1 products in some order, off by at most (hc + 2) u S each, where S is the same sum
+of absolute values (merge: post |out| + sum_i comb_ij |h_i|; collapse: sum_i pre_i |h_i|),
+so |kernel - ref| <= 2 (hc + 2) u S. bf16: the kernel rounds once to bf16; the interpreter
+truncates where the GPU rounds, one ulp 2^-7 |ref| more. A transposed comb or a wrong
+stream moves outputs by a fair share of S, thousands of times the float32 bound (checked).
+hc_rms against float64: summing N = hc H squares in fp32 is off by at most N u of the sum,
+the mean, sqrt and division add a few u, so |r - ref| <= (N / 2 + 4) u ref.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpmoe.models import deepseek_v4_hc as hc
+from tests._interpreter import run_interpreted
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton not installed")
+
+_KERNELS = r"""
+import torch
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
+
+g = torch.Generator().manual_seed(0)
+U = 2.0 ** -24
+
+
+def inputs(T, c, H, dtype):
+    h = torch.randn(T, c * H + 5, generator=g).to(dtype)[:, 3:3 + c * H].view(T, c, H)
+    out = torch.randn(T, H + 7, generator=g).to(dtype)[:, 7:]
+    post = (2 * torch.rand(T, 3 * c, generator=g))[:, c:2 * c]
+    comb = torch.softmax(torch.randn(T, c, c, generator=g), -1).transpose(1, 2)
+    assert h.stride(0) != c * H and post.stride(0) != c and not comb.is_contiguous()
+    return h, out, post, comb
+
+
+def check(got, want, S, c, dtype):
+    bound = 2 * (c + 2) * U * S
+    if dtype != torch.float32:
+        bound = bound + 2.0 ** -7 * want.abs()
+    err = (got.float() - want).abs()
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (err <= bound).all(), (tuple(want.shape), dtype, (err - bound).max().item())
+    return bound
+
+
+def merge_case(T, c, H, dtype=torch.float32, **tiles):
+    h, out, post, comb = inputs(T, c, H, dtype)
+    hf, of = h.float(), out.float()
+    want = post[..., None] * of[:, None, :] + torch.einsum("tij,tih->tjh", comb, hf)
+    S = post[..., None] * of.abs()[:, None, :] + torch.einsum("tij,tih->tjh", comb, hf.abs())
+    got = hc_merge(h, out, post, comb, **tiles)
+    bound = check(got, want, S, c, dtype)
+    untransposed = post[..., None] * of[:, None, :] + torch.einsum("tji,tih->tjh", comb, hf)
+    if dtype == torch.float32:
+        assert (untransposed - want).abs().max() > 1000 * bound.max()
+    return (got.float() - want).abs().max().item()
+
+
+def collapse_case(T, c, H, dtype=torch.float32, **tiles):
+    h, _, pre, _ = inputs(T, c, H, dtype)
+    hf = h.float()
+    want = (pre[..., None] * hf).sum(1)
+    S = (pre[..., None] * hf.abs()).sum(1)
+    got = hc_collapse(h, pre, **tiles)
+    bound = check(got, want, S, c, dtype)
+    if dtype == torch.float32:  # stream 0 alone
+        assert (hf[:, 0] * pre[:, :1] - want).abs().max() > 1000 * bound.max()
+    return (got.float() - want).abs().max().item()
+
+
+def rms_case(T, c, H, dtype=torch.float32, eps=1e-6, **tiles):
+    h = inputs(T, c, H, dtype)[0]
+    h[1] = 0  # r = eps^-1/2
+    want = torch.rsqrt(h.double().square().flatten(1).mean(-1) + eps)
+    got = hc_rms(h, eps, **tiles)
+    assert got.dtype == torch.float32 and got.shape == (T,)
+    err = (got.double() - want).abs() / want
+    assert (err <= (c * H / 2 + 4) * U).all(), err.max().item()
+    return err.max().item()
+
+
+results = [
+    merge_case(7, 4, 300),  # 2 x 2 tiles, both partial
+    merge_case(5, 2, 70, block_t=2, block_h=32),  # 3 x 3 tiles
+    merge_case(3, 4, 64),
+    merge_case(9, 4, 100, dtype=torch.bfloat16, block_h=64),
+    collapse_case(7, 4, 300),
+    collapse_case(5, 2, 70, block_t=2, block_h=32),
+    collapse_case(9, 4, 100, dtype=torch.bfloat16, block_h=64),
+    rms_case(7, 4, 300),
+    rms_case(5, 2, 70, block=32),
+    rms_case(3, 4, 100, dtype=torch.bfloat16),
+]
+print("hc kernels ok", results)
+"""
+
+
+@needs_triton
+def test_kernels_match_torch_formulas_in_the_interpreter() -> None:
+    out = run_interpreted(_KERNELS, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hc kernels ok" in out.stdout
+
+
+_MIX = r"""
+import torch
+import torch.nn.functional as F
+from cpmoe.models.deepseek_v4 import _flat_rms
+from cpmoe.models.deepseek_v4_hc import hc_rms
+
+g = torch.Generator().manual_seed(0)
+T, c, H, eps = 5, 4, 4096, 1e-6
+h = torch.randn(T, c, H, generator=g) * torch.rand(T, 1, 1, generator=g) * 4
+fn = torch.randn(6 * c, c * H, generator=g) * (c * H) ** -0.5
+today = F.linear(_flat_rms(h, eps), fn)
+got = F.linear(h.flatten(1), fn) * hc_rms(h, eps)[:, None]
+err = (got - today).abs().max().item()
+assert err <= 1e-5, err
+print("mix ok", err, today.abs().max().item())
+"""
+
+
+@needs_triton
+def test_mix_with_the_rms_after_the_linear_is_within_1e5_of_flat_rms() -> None:
+    """At V4's default width (hc 4 x H 4096) in float32, F.linear(h, fn) * hc_rms(h) (what
+    the CUDA 16-bit path computes, here on float32 h) is within 1e-5 of today's
+    F.linear(_flat_rms(h), fn), mix values of order 1."""
+    out = run_interpreted(_MIX, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mix ok" in out.stdout
+
+
+_MODEL = r"""
+import torch
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.models import deepseek_v4 as v4, deepseek_v4_hc as hc
+from cpmoe.parallel.groups import ProcessGroups
+
+TINY_V4 = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 128, "hidden_size": 64, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 32,
+    "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+    "sliding_window": 24, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 16,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 4,
+    "compress_ratios": [128, 4, 0], "num_hash_layers": 1, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+}
+gen = torch.Generator().manual_seed(0)
+seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (150, 41, 1)]
+
+
+def run():
+    runner = ModelRunner.from_config(TINY_V4, ProcessGroups.single("cpu"), torch.float32,
+                                     seed=0)
+    runner.allocate_kv(300)
+    prefill = runner.prefill(seqs, [0, 1, 2])
+    return prefill, runner.decode([0, 1, 2], [5, 6, 7])
+
+
+want = run()
+calls = {}
+for name in ("hc_merge", "hc_collapse", "hc_rms"):
+    def spy(*a, _f=getattr(hc, name), _n=name, **k):
+        calls[_n] = calls.get(_n, 0) + 1
+        return _f(*a, **k)
+    setattr(v4, name, spy)
+v4.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
+got = run()
+# per forward: 3 layers x 2 hyper-connections, then the head (prefill, then one decode)
+assert calls == {"hc_merge": 12, "hc_collapse": 14, "hc_rms": 14}, calls
+for a, b in zip(got, want):
+    err, top = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= 1e-5 * top, (err, top)
+print("model hc kernel branch ok", calls)
+"""
+
+
+@needs_triton
+def test_model_kernel_branch_matches_torch_branch_in_the_interpreter() -> None:
+    """A tiny V4 (hc 4, hidden 64: one partial column block) in float32 with the hc kernels
+    forced on (every hyper-connection and the hyper head, in prefill and a decode step)
+    gives the torch branch's logits within 1e-5 of their largest (fp32 summation order
+    only)."""
+    out = run_interpreted(_MODEL, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "model hc kernel branch ok" in out.stdout
+
+
+def test_bad_inputs_raise_one_line_errors() -> None:
+    h, out = torch.randn(3, 4, 16), torch.randn(3, 16)
+    post, comb = torch.rand(3, 4), torch.rand(3, 4, 4)
+    cases = [
+        (hc.hc_merge, (h[:, :, 0], out, post, comb), r"need h \[T, hc, H\]"),
+        (hc.hc_merge, (h.transpose(1, 2), out, post, comb), "contiguous last axis"),
+        (hc.hc_merge, (h[:, :3], out, post[:, :3], comb[:, :3, :3]), "power of two"),
+        (hc.hc_merge, (h, out, post.double(), comb), r"need post float32 \(3, 4\)"),
+        (hc.hc_merge, (h, out, post, comb[:, :2]), r"need comb float32 \(3, 4, 4\)"),
+        (hc.hc_merge, (h, out.half(), post, comb), r"need out torch.float32 \(3, 16\)"),
+        (hc.hc_merge, (h, out.t().contiguous().t(), post, comb), "contiguous last axis"),
+        (hc.hc_collapse, (h, post[:2]), r"need pre float32 \(3, 4\)"),
+        (hc.hc_rms, (h.transpose(1, 2), 1e-6), "contiguous last axis"),
+    ]
+    for fn, args, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            fn(*args)
+        assert "\n" not in str(info.value)
+
+
+def test_benchmark_references_are_the_models_torch_branches_and_cli_on_cpu() -> None:
+    """bench.v4_hyper_connection times what the model runs without the kernels: its
+    `torch_merge` and `torch_collapse` on bf16 inputs equal `DeepseekV4HyperConnection.merge`
+    and the collapse it shares with the hyper head (on CPU: the torch branches) bit for
+    bit; its floor counts h and out once each way; its arguments parse; without CUDA it
+    exits with one clear line."""
+    from bench import v4_hyper_connection as bench
+    from cpmoe.models import deepseek_v4 as v4
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 4, 24, generator=g).bfloat16()
+    out = torch.randn(5, 24, generator=g).bfloat16()
+    post, pre = 2 * torch.rand(5, 4, generator=g), torch.rand(5, 4, generator=g)
+    comb = torch.softmax(torch.randn(5, 4, 4, generator=g), -1)
+    want = v4.DeepseekV4HyperConnection.merge(h, out, post, comb)
+    assert torch.equal(bench.torch_merge(h, out, post, comb), want)
+    assert torch.equal(bench.torch_collapse(h, pre), v4._collapse(h, pre))
+    assert bench.floor_bytes(16384, 4, 4096, 2) == {
+        "merge": 2 * 2 ** 29 + 2 ** 27, "collapse": 2 ** 29 + 2 ** 27, "mix": 2 ** 29}
+    a = bench.parse_args(["--lengths", "1024", "--sweep"])
+    assert (a.lengths, a.hidden, a.hc, a.hbm_tbs, a.sweep) == ("1024", 4096, 4, 4.8, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--lengths", "128"])
