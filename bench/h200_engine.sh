@@ -8,6 +8,7 @@
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests, FP8 vs bf16 prefill and decode
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
 #                                               # gather, indexer kernel vs fp32 matmul,
+#                                               # hyper-connection kernels vs torch,
 #                                               # 4-layer V4 prefill + profile, decode
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
@@ -121,10 +122,13 @@ PY
     ;;
   v4)
     step v4-tests python3 -m pytest tests/gpu/test_deepseek_v4_cuda.py \
-      tests/gpu/test_v4_sparse_attention_cuda.py tests/gpu/test_v4_indexer_cuda.py
+      tests/gpu/test_v4_sparse_attention_cuda.py tests/gpu/test_v4_indexer_cuda.py \
+      tests/gpu/test_v4_hyper_connection_cuda.py
     step v4-sparse-attention python3 -m bench.v4_sparse_attention \
       --out "$out/v4-sparse-attention.json"
     step v4-indexer python3 -m bench.v4_indexer --out "$out/v4-indexer.json"
+    step v4-hyper-connection python3 -m bench.v4_hyper_connection \
+      --out "$out/v4-hyper-connection.json"
     v4=$(mktemp -d)/v4-4l.json
     python3 -c "from transformers import DeepseekV4Config as C; import json, sys; \
       d = C(num_hidden_layers=4).to_dict(); d['architectures'] = ['DeepseekV4ForCausalLM']; \
