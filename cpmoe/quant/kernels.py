@@ -196,9 +196,11 @@ if triton is not None:
 # on the H200 at Qwen3-30B-A3B's attention shapes and 64 rows, ~11.5 us a call (plus the
 # separate quantize_act launch) where reading the ~8-10 MB of FP8 weights takes ~2 us, so
 # the FP8 projections took longer than bf16's. The decode experts' W8A8 kernel
-# (moe/fused_moe.py), the same FP8 x FP8 pattern, reached 1.24x its HBM floor. One tile
-# holds every row, so each weight byte is read once: up to 64 rows (the decode batch
-# measured); more rows are prefill's, which keeps scaled_mm.
+# (moe/fused_moe.py), the same FP8 x FP8 pattern, reached 1.24x its HBM floor; run with one
+# expert it would need a slot list and counts made each call and has no split K or bias, so
+# the skinny GEMM is its own kernel with the same row quantization and dots. One tile holds
+# every row, so each weight byte is read once: up to 64 rows (the decode batch measured);
+# more rows are prefill's, which keeps scaled_mm.
 SKINNY_ROWS = 64
 
 
@@ -213,11 +215,12 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     columns, 128 inputs a step, 4 warps, 3 stages), and K split in SPLIT_K ranges until the
     grid has ~128 programs, about one per SM of the H200 (132): o_proj's 2048 columns make
     64 column tiles, too few to keep the HBM busy. bench/fp8_linear.py sweeps these."""
-    tiles, groups = -(-n // 32), k // 128
+    block_n = 32
+    tiles, groups = -(-n // block_n), k // 128
     split = 1
     while tiles * split < 128 and split * 2 <= groups:
         split *= 2
-    return {"BLOCK_N": 32, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
 def fp8_linear_skinny(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -231,9 +234,9 @@ def fp8_linear_skinny(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     by a second launch (no atomics: the same sums every run). config: `skinny_config`'s."""
     M, K = x.shape
     N = w.shape[0]
-    if K % 128 or M > SKINNY_ROWS:
+    if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1:
         raise ValueError(f"skinny FP8 GEMM: {M} rows (at most {SKINNY_ROWS}) of {K} inputs "
-                         f"(a multiple of 128)")
+                         f"(a multiple of 128), weight strides {w.stride()} (rows of K)")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or skinny_config(M, N, K)
     split = cfg["SPLIT_K"]
