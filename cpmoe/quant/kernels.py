@@ -3,9 +3,12 @@
 - `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
   s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
-  block. On CUDA with [128, 128] blocks it is `F.scaled_mm` with the BlockWise1x128 /
-  BlockWise128x128 recipes (checked on the H200); other blocks use the Triton grouped
-  kernel below with one group.
+  block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
+  `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
+  other blocks use the Triton grouped kernel below with one group.
+- `fp8_linear_skinny(x, w, w_scale, bias)`: the same product for few rows (decode), one
+  Triton launch (two with a split K) that quantizes its rows itself; `fp8_linear` takes it
+  for up to SKINNY_ROWS rows with [128, 128] blocks.
 - `grouped_fp8_gemm(a, a_scale, w, w_scale, offs, block)`: rows [P, K] sorted by expert
   (expert e owns rows [offs[e-1], offs[e])), experts' weights w [E, N, K] with scales
   [E, N/bn, K/bk] -> [P, N] in bfloat16 (rows past offs[-1] are zero). Triton, one
@@ -187,6 +190,129 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# ---- skinny FP8 GEMM (decode) -----------------------------------------------------------
+
+# At decode sizes F.scaled_mm's block-wise kernel is far from the weight read it should cost:
+# on the H200 at Qwen3-30B-A3B's attention shapes and 64 rows, ~11.5 us a call (plus the
+# separate quantize_act launch) where reading the ~8-10 MB of FP8 weights takes ~2 us, so
+# the FP8 projections took longer than bf16's. The decode experts' W8A8 kernel
+# (moe/fused_moe.py), the same FP8 x FP8 pattern, reached 1.24x its HBM floor; run with one
+# expert it would need a slot list and counts made each call and has no split K or bias, so
+# the skinny GEMM is its own kernel with the same row quantization and dots. One tile holds
+# every row, so each weight byte is read once: up to 64 rows (the decode batch measured);
+# more rows are prefill's, which keeps scaled_mm.
+SKINNY_ROWS = 64
+
+
+def skinny_fits(m: int, w: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether `fp8_linear` takes `fp8_linear_skinny` for m rows: shapes only, so a captured
+    CUDA graph keeps its kernel."""
+    return 0 < m <= SKINNY_ROWS and tuple(block) == (128, 128) and w.shape[1] % 128 == 0
+
+
+def skinny_config(m: int, n: int, k: int) -> dict:
+    """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: the decode experts' W8A8 tile (32
+    columns, 128 inputs a step, 4 warps, 3 stages), and K split in SPLIT_K ranges until the
+    grid has ~128 programs, about one per SM of the H200 (132): o_proj's 2048 columns make
+    64 column tiles, too few to keep the HBM busy. bench/fp8_linear.py sweeps these."""
+    block_n = 32
+    tiles, groups = -(-n // block_n), k // 128
+    split = 1
+    while tiles * split < 128 and split * 2 <= groups:
+        split *= 2
+    return {"BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def fp8_linear_skinny(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, config: dict | None = None
+                      ) -> torch.Tensor:
+    """y = x (w * w_scale)^T (+ bias) for x [M <= SKINNY_ROWS, K] (any float dtype), w fp8
+    [N, K], w_scale float32 [ceil(N/128), K/128] -> [M, N] in x's dtype. Each program
+    quantizes its rows per 1 x 128 group as `quantize_act` does (no launch of its own), so
+    the result is `quantize_act` + `F.scaled_mm`'s up to float32 summation order; the bias
+    is added in float32, before the one rounding. SPLIT_K > 1: float32 partial sums, added
+    by a second launch (no atomics: the same sums every run). config: `skinny_config`'s."""
+    M, K = x.shape
+    N = w.shape[0]
+    if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1:
+        raise ValueError(f"skinny FP8 GEMM: {M} rows (at most {SKINNY_ROWS}) of {K} inputs "
+                         f"(a multiple of 128), weight strides {w.stride()} (rows of K)")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config or skinny_config(M, N, K)
+    split = cfg["SPLIT_K"]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
+                                              device=x.device)
+    b = bias if bias is not None else out  # any pointer when there is no bias
+    _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        x, w, w_scale, b, part, M, N, K, x.stride(0), w.stride(0), w_scale.stride(0),
+        w_scale.stride(1), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        UPCAST=_INTERPRET, **cfg)
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(N))
+        _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
+                                                       HAS_BIAS=bias is not None, BLOCK=block)
+    return out
+
+
+if triton is not None:
+    # M: the batch, which changes every step (no variant per residue mod 16; see above)
+    @triton.jit(do_not_specialize=["M"])
+    def _skinny_fp8_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w,
+                           stride_ws_n, stride_ws_k, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
+        """Program (n, s): every row times columns n-block over the s-th range of 128-input
+        groups -> out (SPLIT_K 1: y with bias, x's dtype) or out[s] (float32 partials)."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, 128)
+        groups = K // 128
+        per = tl.cdiv(groups, SPLIT_K)
+        g0 = tl.program_id(1) * per
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(g0, tl.minimum(g0 + per, groups)):
+            k = g * 128 + ks
+            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
+                        other=0.0).to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)  # as quantize_act
+            a = tl.clamp(x / a_s[:, None], -448.0, 448.0).to(w_ptr.dtype.element_ty,
+                                                              fp_downcast_rounding="rtne")
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
+                        mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
+            w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
+                          other=0.0)
+            if UPCAST:  # the interpreter has no FP8 dot
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32))
+            else:
+                part = tl.dot(a, w)
+            acc += part * a_s[:, None] * w_s[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc,
+                     mask=mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _split_k_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 # ---- dense FP8 linear -------------------------------------------------------------------
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -245,6 +371,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
+    if skinny_fits(m, w, block):
+        return fp8_linear_skinny(x2, w, w_scale, bias).view(*shape[:-1], w.shape[0])
     rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
     key = _shape_key(rows, *w.shape)
     mm = key not in _SCALED_MM_REFUSED and _scaled_mm_fits(x, w, block)

@@ -47,11 +47,71 @@ def test_fp8_linear_matches_dequantized_bf16(m, n, k):
     q, s, deq = fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     got = kernels.fp8_linear(x, q, s, BLOCK)
-    print(f"\nFP8 linear {m}x{n}x{k}: "
-          f"{kernels.scaled_mm_refusal(m, n, k) or 'F.scaled_mm'}")
+    path = ("skinny" if kernels.skinny_fits(m, q, BLOCK)
+            else kernels.scaled_mm_refusal(m, n, k) or "F.scaled_mm")
+    print(f"\nFP8 linear {m}x{n}x{k}: {path}")
     assert got.dtype == torch.bfloat16
     assert rel(got, kernels.fp8_linear_ref(x.float(), q, s, BLOCK)) < REF_TOL
     assert rel(got, F.linear(x, deq.to(torch.bfloat16))) < FP8_TOL
+
+
+# The skinny decode GEMM quantizes its rows with quantize_act's arithmetic and multiplies the
+# same FP8 operands as quantize_act + F.scaled_mm: only the summation order (and the FP8
+# MMA's accumulation within each 128-input dot) differs, and then each side rounds to bf16
+# once, so an element may land one bf16 step (at most 2^-7 of its value) away: relative
+# Frobenius error < 4e-3, half of what a step on every element would give. A wrong scale,
+# group or split scrambles the output (error of order 1).
+SKINNY_TOL = 4e-3
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's path for many rows, written out: quantize_act + F.scaled_mm."""
+    m = x.shape[0]
+    rows = -(-m // kernels.SCALED_MM_ROWS) * kernels.SCALED_MM_ROWS
+    xq, xs = kernels.quantize_act(x, 128, rows)
+    return F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128,
+                       kernels.scaled_mm_weight_scale(s), F.ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)[:m]
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)])  # Qwen3-30B-A3B's qkv, o_proj
+def test_skinny_fp8_linear_matches_quantize_act_and_scaled_mm(m, n, k):
+    torch.manual_seed(4)
+    q, s, deq = fp8_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got = kernels.fp8_linear_skinny(x, q, s)
+    want = scaled_mm_linear(x, q, s)
+    print(f"\nskinny FP8 {m}x{n}x{k} ({kernels.skinny_config(m, n, k)}): relative error "
+          f"{rel(got, want):.2e} vs scaled_mm, {rel(got, F.linear(x, deq.to(x.dtype))):.2e} "
+          f"vs bf16")
+    assert got.dtype == torch.bfloat16 and rel(got, want) < SKINNY_TOL
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    assert rel(got, F.linear(x, deq.to(x.dtype))) < FP8_TOL
+    # fp8_linear takes it for these rows; the bias joins before the one rounding
+    assert kernels.skinny_fits(m, q, BLOCK)
+    assert torch.equal(kernels.fp8_linear(x, q, s, BLOCK), got)
+    with_bias = kernels.fp8_linear(x, q, s, BLOCK, bias)
+    assert rel(with_bias, want + bias) < SKINNY_TOL
+
+
+@cuda
+def test_skinny_fp8_linear_replays_in_a_cuda_graph():
+    """The o_proj shape at 64 rows splits K (float32 partials, a second launch): captured,
+    then replayed on new rows, it gives the eager result."""
+    torch.manual_seed(5)
+    q, s, _ = fp8_weight(2048, 4096)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    assert kernels.skinny_config(64, 2048, 4096)["SPLIT_K"] > 1
+    kernels.fp8_linear(x, q, s, BLOCK)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.fp8_linear(x, q, s, BLOCK)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, kernels.fp8_linear(x, q, s, BLOCK))
 
 
 @cuda

@@ -8,10 +8,12 @@ Kernels (a subprocess with TRITON_INTERPRET=1, read at import; skipped without T
 the activation quantizer's scales equal the torch reference and its values dequantize to
 the input within FP8 rounding; the grouped GEMM equals the float32 product of the same
 dequantized operands (empty experts, a tile-straddling expert, rows past the last group
-zero); `fp8_linear` through the Triton path equals its reference; and LocalExperts with
+zero); `fp8_linear` through the Triton path equals its reference; LocalExperts with
 FP8 weights equal the float32 loop on the dequantized weights within the FP8 activation
-tolerance. The interpreter has no FP8 dot, so the kernel upcasts there; the FP8 dot itself
-is checked on the GPU (tests/gpu/test_fp8_cuda.py).
+tolerance; and the skinny decode GEMM (its own row quantization, split K, bias, a ragged
+last scale block) equals a float64 product of the test's own quantized operands, and is
+what `fp8_linear` runs for few rows. The interpreter has no FP8 dot, so the kernels upcast
+there; the FP8 dot itself is checked on the GPU (tests/gpu/test_fp8_cuda.py).
 """
 
 import importlib.util
@@ -153,3 +155,82 @@ def test_fp8_kernels_match_references_in_the_interpreter() -> None:
     out = run_interpreted(_CASES, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fp8 kernels ok" in out.stdout
+
+
+_SKINNY_CASES = r"""
+import torch
+from cpmoe.quant import kernels as k
+FP8 = torch.float8_e4m3fn
+torch.manual_seed(0)
+
+
+def exact_rows(M, K):
+    # rows whose 1 x 128 quantization is exact: FP8 values times a power of two per group,
+    # 448 in every group, and one all-zero group (the 1e-12 scale). The interpreter's
+    # float32 -> FP8 cast drops the carry when rounding up crosses a power of two (see
+    # _CASES), the GPU's does not; exact rows leave it nothing to round.
+    q = (torch.randn(M, K) * 64).clamp(-448, 448).to(FP8).float()
+    q[:, ::128] = 448.0
+    x = q * 2.0 ** torch.randint(-10, -4, (M, K // 128)).float().repeat_interleave(128, 1)
+    x[M // 2, :128] = 0.0
+    return x
+
+
+def reference(x, w, w_scale, bias):
+    # the test's own: rows quantized per 1 x 128 group, weights dequantized by their
+    # 128 x 128 block scales, float64 matmul
+    M, K = x.shape
+    g = x.double().view(M, K // 128, 128)
+    s = (g.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    xq = ((g / s).clamp(-448, 448).to(FP8).double() * s).view(M, K)
+    N = w.shape[0]
+    scale = w_scale.double().repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)
+    y = xq @ (w.double() * scale).t()
+    return y if bias is None else y + bias.double()
+
+
+# (N, K): fewer inputs than outputs, and the other way with N not whole 128-row blocks
+# (fp8_linear takes those too); every row count class; bias or not; the default tiles and
+# split K over 1, 2 and 4 ranges (4 ranges of 3 groups: the last one empty), 32 or 64 columns
+configs = [None, dict(BLOCK_N=64, SPLIT_K=2, num_warps=4, num_stages=3),
+           dict(BLOCK_N=32, SPLIT_K=4, num_warps=4, num_stages=3)]
+case = 0
+for N, K in ((384, 256), (200, 384)):
+    w = (torch.randn(N, K) * 100).clamp(-448, 448).to(FP8)
+    w_scale = torch.rand(-(-N // 128), K // 128) * 1e-3 + 1e-4
+    for M in (1, 5, 16, 64):
+        x = exact_rows(M, K)
+        for bias in (None, torch.randn(N)):
+            cfg = configs[case % len(configs)]
+            case += 1
+            got = k.fp8_linear_skinny(x, w, w_scale, bias, config=cfg)
+            want = reference(x, w, w_scale, bias)
+            assert got.shape == (M, N) and got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-5,
+                                       atol=1e-5 * want.abs().max().item())
+            assert k.skinny_fits(M, w, (128, 128))
+            if cfg is None:  # fp8_linear takes it for these rows, over any leading dims
+                lin = k.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
+                assert torch.equal(lin.view(M, N), got)
+assert case == 16
+# the interpreter's float32 -> bf16 cast truncates (the GPU's rounds): bf16 rows come back
+# within one bf16 step of the float32 result
+x = exact_rows(5, 256).bfloat16()
+w, w_scale = w[:, :256], w_scale[:, :2].contiguous()
+got = k.fp8_linear_skinny(x, w, w_scale)
+assert got.dtype == torch.bfloat16
+torch.testing.assert_close(got.float(), k.fp8_linear_skinny(x.float(), w, w_scale),
+                           rtol=2 ** -7, atol=0)
+# not taken: more rows than one tile holds, other blocks, K off the activation groups
+assert not k.skinny_fits(k.SKINNY_ROWS + 1, w, (128, 128))
+assert not k.skinny_fits(5, w, (16, 32)) and not k.skinny_fits(0, w, (128, 128))
+assert not k.skinny_fits(5, torch.empty(128, 200, dtype=FP8), (128, 128))
+print("skinny fp8 ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_skinny_fp8_linear_matches_a_float64_reference_in_the_interpreter() -> None:
+    out = run_interpreted(_SKINNY_CASES, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skinny fp8 ok" in out.stdout
