@@ -22,9 +22,6 @@ also times merge and collapse over tile and launch options, for tuning the defau
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -68,31 +65,10 @@ def floor_bytes(T: int, hc_mult: int, H: int, elem: int) -> dict[str, int]:
     return {"merge": 2 * h + T * H * elem, "collapse": h + T * H * elem, "mix": h}
 
 
-def sweep(make, grid: dict[str, tuple], nbytes: int, iters: int) -> list[dict]:
-    """`make(**opts)` (a callable to time) under every option set of `grid` -> [{**opts, ms,
-    tbs}], fastest first, each printed; a set that does not build is printed and skipped."""
-    from cpmoe.bench.timing import cuda_ms
-
-    results = []
-    for values in itertools.product(*grid.values()):
-        opts = dict(zip(grid, values))
-        try:
-            ms = cuda_ms(make(**opts), iters)
-        except Exception as e:  # noqa: BLE001 -- a tile that does not fit is a result
-            print(f"  {opts}: failed ({str(e).splitlines()[0][:100]})", flush=True)
-            continue
-        results.append({**opts, "ms": ms, "tbs": nbytes / ms / 1e9})
-    results.sort(key=lambda r: r["ms"])
-    for r in results[:8]:
-        shown = " ".join(f"{k} {r[k]}" for k in grid)
-        print(f"  {shown}: {r['ms']:.3f} ms, {r['tbs']:.2f} TB/s")
-    return results
-
-
 def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
                  gen: torch.Generator) -> dict:
     """The three ops at T rows -> a result row (printed as it goes)."""
-    from cpmoe.bench.timing import cuda_ms
+    from cpmoe.bench.timing import cuda_ms, sweep_ms
 
     c, H = a.hc, a.hidden
     h = torch.randn(T, c, H, device=dev, generator=gen).to(torch.bfloat16)
@@ -125,22 +101,13 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
                   "collapse": lambda **o: lambda: hc.hc_collapse(h, pre, **o)}
         for op, make in makers.items():
             print(f"T={T} {op} sweep (fastest 8):", flush=True)
-            row[op]["sweep"] = sweep(make, SWEEP, nbytes[op], a.iters)
+            row[op]["sweep"] = sweep_ms(make, SWEEP, nbytes[op], a.iters, "tbs", show=8)
     return row
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
-    if not torch.cuda.is_available() or hc.triton is None:
-        sys.exit("bench.v4_hyper_connection needs a CUDA GPU and Triton (none here)")
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    rows = [bench_length(a, int(T), dev, gen) for T in a.lengths.split(",")]
-    if a.out:
-        from cpmoe.bench.provenance import provenance
-        with open(a.out, "w") as f:
-            json.dump({"header": provenance(), "args": vars(a), "results": rows}, f, indent=1)
-        print(f"wrote {a.out}")
+    from cpmoe.bench.timing import run_lengths
+    run_lengths("v4_hyper_connection", parse_args(argv), hc.triton is not None, bench_length)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ the defaults; an option set that does not compile or fit is reported and skipped
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -126,18 +124,9 @@ def largest_difference(q, keys, w, scale, visible, rows_k: int, rows_r: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
-    if not torch.cuda.is_available() or indexer.triton is None:
-        sys.exit("bench.v4_indexer needs a CUDA GPU and Triton (none here)")
+    from cpmoe.bench.timing import run_lengths
     torch.backends.cuda.matmul.allow_tf32 = False  # torch's default, which the engine keeps
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    rows = [bench_length(a, int(L), dev, gen) for L in a.lengths.split(",")]
-    if a.out:
-        from cpmoe.bench.provenance import provenance
-        with open(a.out, "w") as f:
-            json.dump({"header": provenance(), "args": vars(a), "results": rows}, f, indent=1)
-        print(f"wrote {a.out}")
+    run_lengths("v4_indexer", parse_args(argv), indexer.triton is not None, bench_length)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ compile or fit is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 
@@ -115,17 +113,8 @@ def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
-    if not torch.cuda.is_available() or sparse.triton is None:
-        sys.exit("bench.v4_sparse_attention needs a CUDA GPU and Triton (none here)")
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    rows = [bench_length(a, int(L), dev, gen) for L in a.lengths.split(",")]
-    if a.out:
-        from cpmoe.bench.provenance import provenance
-        with open(a.out, "w") as f:
-            json.dump({"header": provenance(), "args": vars(a), "results": rows}, f, indent=1)
-        print(f"wrote {a.out}")
+    from cpmoe.bench.timing import run_lengths
+    run_lengths("v4_sparse_attention", parse_args(argv), sparse.triton is not None, bench_length)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,11 +109,13 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def sweep_ms(kernel: Callable[..., Callable[[], Any]], grid: dict[str, tuple], flops: int,
-             iters: int) -> list[dict]:
+def sweep_ms(kernel: Callable[..., Callable[[], Any]], grid: dict[str, tuple], work: int,
+             iters: int, unit: str = "tflops", show: int | None = None) -> list[dict]:
     """`kernel(**opts)` (a callable to time) under every option set of `grid` (the product
-    of its values) -> [{**opts, ms, tflops}], fastest first, each printed. A set that does
-    not build (out of shared memory or registers for its tile) is printed and skipped."""
+    of its values) -> [{**opts, ms, <unit>}], fastest first, the `show` fastest printed (all:
+    None). `work` is FLOPs (unit "tflops": TFLOP/s) or bytes moved (unit "tbs": TB/s). A set
+    that does not build (out of shared memory or registers for its tile) is printed and
+    skipped."""
     results = []
     for values in itertools.product(*grid.values()):
         opts = dict(zip(grid, values))
@@ -121,9 +124,29 @@ def sweep_ms(kernel: Callable[..., Callable[[], Any]], grid: dict[str, tuple], f
         except Exception as e:  # noqa: BLE001 -- a tile that does not fit is a result
             print(f"  {opts}: failed ({str(e).splitlines()[0][:100]})", flush=True)
             continue
-        results.append({**opts, "ms": ms, "tflops": flops / ms / 1e9})
+        results.append({**opts, "ms": ms, unit: work / ms / 1e9})
     results.sort(key=lambda r: r["ms"])
-    for r in results:
+    label = {"tflops": "TFLOP/s", "tbs": "TB/s"}[unit]
+    for r in results[:show]:
         shown = " ".join(f"{k} {r[k]}" for k in grid)
-        print(f"  {shown}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s")
+        print(f"  {shown}: {r['ms']:.3f} ms, {r[unit]:.2f} {label}")
     return results
+
+
+def run_lengths(name: str, a: Any, available: bool,
+                bench_length: Callable[[Any, int, torch.device, torch.Generator], dict]
+                ) -> None:
+    """The kernel benchmarks' main (bench/v4_*.py): one `bench_length` row per entry of
+    `a.lengths` on the GPU, written with provenance to `a.out` when given."""
+    if not torch.cuda.is_available() or not available:
+        sys.exit(f"bench.{name} needs a CUDA GPU and Triton (none here)")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = [bench_length(a, int(n), dev, gen) for n in a.lengths.split(",")]
+    if a.out:
+        import json
+
+        from cpmoe.bench.provenance import provenance
+        with open(a.out, "w") as f:
+            json.dump({"header": provenance(), "args": vars(a), "results": rows}, f, indent=1)
+        print(f"wrote {a.out}")

@@ -149,17 +149,9 @@ import torch
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.models import deepseek_v4 as v4, deepseek_v4_hc as hc
 from cpmoe.parallel.groups import ProcessGroups
+from tests._v4_tiny import tiny_v4
 
-TINY_V4 = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-    "vocab_size": 128, "hidden_size": 64, "moe_intermediate_size": 32,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 32,
-    "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
-    "sliding_window": 24, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 16,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 4,
-    "compress_ratios": [128, 4, 0], "num_hash_layers": 1, "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-}
+TINY_V4 = tiny_v4(hc_mult=4)
 gen = torch.Generator().manual_seed(0)
 seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (150, 41, 1)]
 
