@@ -176,6 +176,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
 
 
 if triton is not None:
+    from cpmoe.quant.kernels import quantize_rows  # the in-kernel row quantization
+
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["P", "cap"])
@@ -274,10 +276,7 @@ if triton is not None:
                             u_s = tl.load(s_up + kb)
                     if ACT_FP8:
                         if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
-                            a = a.to(tl.float32)
-                            a_s = tl.maximum(tl.max(tl.abs(a), axis=1) / 448.0, 1e-12)
-                            a = tl.clamp(a / a_s[:, None], -448.0, 448.0).to(
-                                w.dtype, fp_downcast_rounding="rtne")
+                            a, a_s = quantize_rows(a.to(tl.float32))
                         else:
                             a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
                         if UPCAST:

@@ -88,6 +88,16 @@ if triton is not None:
                  q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
         tl.store(s_ptr + g * M + row, s)  # scales stored [K/group, M]: column-major [M, ..]
 
+    @triton.jit
+    def quantize_rows(x):
+        """A tile's rows [R, group] (float32) -> (e4m3 values, float32 scales [R]) with
+        `quantize_act`'s arithmetic: amax / 448 per row, rounded to nearest even. For GEMM
+        kernels that quantize the rows they read (no launch of their own)."""
+        s = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+        q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv,
+                                                       fp_downcast_rounding="rtne")
+        return q, s
+
 
 # ---- block-scaled grouped GEMM ----------------------------------------------------------
 
@@ -277,9 +287,7 @@ if triton is not None:
             k = g * 128 + ks
             x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
                         other=0.0).to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)  # as quantize_act
-            a = tl.clamp(x / a_s[:, None], -448.0, 448.0).to(w_ptr.dtype.element_ty,
-                                                              fp_downcast_rounding="rtne")
+            a, a_s = quantize_rows(x)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
                         mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
             w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
