@@ -112,7 +112,7 @@ class ProfileRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     output_dir: str | None = None  # None: $CPMOE_TORCH_PROFILER_DIR, else /tmp/cpmoe-profile
     num_steps: int | None = Field(None, ge=1)  # None: until /stop_profile
-    activities: list[str] | None = None  # of "CPU", "GPU"; None: both
+    activities: list[Literal["CPU", "GPU"]] | None = Field(None, min_length=1)  # None: both
     record_shapes: bool = False
     with_stack: bool = False
 
