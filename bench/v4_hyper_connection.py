@@ -27,7 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe.models import deepseek_v4_hc as hc
+# the model's own torch branches, what the kernels replace on CUDA in 16 bits
+from cpmoe.models.deepseek_v4 import _collapse_torch as torch_collapse
 from cpmoe.models.deepseek_v4 import _flat_rms
+from cpmoe.models.deepseek_v4 import _merge_torch as torch_merge
 
 SWEEP = {"block_t": (1, 2, 4, 8), "block_h": (256, 512, 1024), "num_warps": (4, 8)}
 EPS = 1e-6
@@ -43,19 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also sweep the kernels' options")
     p.add_argument("--out", help="write the results here as JSON")
     return p.parse_args(argv)
-
-
-def torch_merge(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
-                comb: torch.Tensor) -> torch.Tensor:
-    """The torch branch of `DeepseekV4HyperConnection.merge`."""
-    dtype = h.dtype
-    return (post.to(dtype)[..., None] * out[:, None, :]
-            + torch.matmul(comb.to(dtype).transpose(-1, -2), h))
-
-
-def torch_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """The torch branch of the hyper-connection's and hyper head's collapse."""
-    return (pre[..., None] * h).sum(dim=1).to(h.dtype)
 
 
 def floor_bytes(T: int, hc_mult: int, H: int, elem: int) -> dict[str, int]:

@@ -202,7 +202,18 @@ def _collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_i pre[t, i] * h[t, i] in float32, in h's dtype (a kernel on CUDA in 16 bits)."""
     if kernel_applies(h.device, h.dtype):
         return hc_collapse(h, pre)
+    return _collapse_torch(h, pre)
+
+
+def _collapse_torch(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+
+def _merge_torch(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                 ) -> torch.Tensor:
+    dtype = h.dtype
+    return (post.to(dtype)[..., None] * out[:, None, :]
+            + torch.matmul(comb.to(dtype).transpose(-1, -2), h))
 
 
 class DeepseekV4HyperConnection(nn.Module):
@@ -243,9 +254,7 @@ class DeepseekV4HyperConnection(nn.Module):
         h's dtype and adds two rounded terms."""
         if kernel_applies(h.device, h.dtype):
             return hc_merge(h, out, post, comb)
-        dtype = h.dtype
-        return (post.to(dtype)[..., None] * out[:, None, :]
-                + torch.matmul(comb.to(dtype).transpose(-1, -2), h))
+        return _merge_torch(h, out, post, comb)
 
 
 class DeepseekV4HyperHead(nn.Module):
