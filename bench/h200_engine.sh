@@ -5,7 +5,8 @@
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
-#   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests, FP8 vs bf16 prefill and decode
+#   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
+#   bash bench/h200_engine.sh fp8-prefill OUT_DIR  # FP8 vs bf16 prefill at 16K and 64K
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
 #                                               # gather, indexer kernel vs fp32 matmul,
 #                                               # hyper-connection kernels vs torch,
@@ -24,10 +25,10 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|fp8|v4)
+  smoke|decode|serving|prefix|fp8|fp8-prefill|v4)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | v4)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | fp8-prefill | v4)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -120,6 +121,11 @@ PY
       quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
       step "fp8-decode-$q" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
         --input-len 1024 --output-len 32 "${quant[@]}" --out "$out/fp8-decode-$q.json"
+    done
+    ;;
+  fp8-prefill)
+    for q in bf16 fp8; do
+      quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
       step "fp8-prefill-$q" python3 -m cpmoe.cli bench --shape qwen3-30b-a3b \
         --lengths 16384,65536 --layouts tp=1 "${quant[@]}" --out "$out/fp8-prefill-$q.json"
     done
