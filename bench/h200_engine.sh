@@ -28,7 +28,8 @@ case "$part" in
   smoke|decode|serving|prefix|fp8|fp8-prefill|v4)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | fp8-prefill | v4)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | fp8-prefill |" \
+          "v4)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -74,8 +75,11 @@ PY
       # each run compiles its own Triton kernels (neither finds the other's in the cache);
       # the variants it compiled are listed after it, with when (the clock of the server
       # log's batch lines: a kernel compiled after the first batch line cost a request)
-      for run in radix no-radix; do
-        flags=(); [ "$run" = no-radix ] && flags=(--disable-radix-cache)
+      # radix-lpm: the prefix cache with SGLang's longest-prefix-match admission order
+      for run in radix radix-lpm no-radix; do
+        flags=()
+        [ "$run" = no-radix ] && flags=(--disable-radix-cache)
+        [ "$run" = radix-lpm ] && flags=(--schedule-policy lpm)
         export TRITON_CACHE_DIR=$(mktemp -d)
         step "prefix-$run" python3 -m cpmoe.cli bench-serving "${gsp[@]}" \
           --out "$out/prefix-$run.json" --launch "${serve[@]}" "${flags[@]}"
@@ -83,24 +87,29 @@ PY
           ! -name '__grp__*' -printf '%TT %f\n' | sort"
       done
       unset TRITON_CACHE_DIR
-      # the radix run again, its first 16 engine steps under the torch profiler (a run of
-      # its own: the profiler slows the steps it records)
-      export CPMOE_TORCH_PROFILER_DIR="$out/prefix-profile"
-      step prefix-radix-profiled python3 -m cpmoe.cli bench-serving "${gsp[@]}" --profile \
-        --profile-num-steps 16 --out "$out/prefix-radix-profiled.json" --launch "${serve[@]}"
-      unset CPMOE_TORCH_PROFILER_DIR
-      step prefix-profile-steps sh -c \
-        "python3 -m bench.trace_steps '$out'/prefix-profile/*-rank0.trace.json.gz"
+      # PREFIX_PROFILE=1: the radix run again, its first 16 engine steps under the torch
+      # profiler (a run of its own: the profiler slows the steps it records)
+      if [ "${PREFIX_PROFILE:-0}" = 1 ]; then
+        export CPMOE_TORCH_PROFILER_DIR="$out/prefix-profile"
+        step prefix-radix-profiled python3 -m cpmoe.cli bench-serving "${gsp[@]}" --profile \
+          --profile-num-steps 16 --out "$out/prefix-radix-profiled.json" --launch "${serve[@]}"
+        unset CPMOE_TORCH_PROFILER_DIR
+        step prefix-profile-steps sh -c \
+          "python3 -m bench.trace_steps '$out'/prefix-profile/*-rank0.trace.json.gz"
+      fi
       step prefix-compare python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-on, off = (json.loads((out / f"prefix-{k}.json").read_text())["summary"]
-           for k in ("radix", "no-radix"))
-print(f"TTFT mean {off['ttft_s']['mean'] * 1e3:.0f} -> {on['ttft_s']['mean'] * 1e3:.0f} ms "
-      f"({off['ttft_s']['mean'] / on['ttft_s']['mean']:.2f}x lower, target 3x); output "
-      f"{off['output_token_throughput']:.0f} -> {on['output_token_throughput']:.0f} tok/s "
-      f"({on['output_token_throughput'] / off['output_token_throughput']:.2f}x, target "
-      f"1.3x); hit rate {on['prefix_hit_rate']:.1%}")
+off = json.loads((out / "prefix-no-radix.json").read_text())["summary"]
+for run in ("radix", "radix-lpm"):
+    on = json.loads((out / f"prefix-{run}.json").read_text())["summary"]
+    print(f"{run}: TTFT mean {off['ttft_s']['mean'] * 1e3:.0f} -> "
+          f"{on['ttft_s']['mean'] * 1e3:.0f} ms "
+          f"({off['ttft_s']['mean'] / on['ttft_s']['mean']:.2f}x lower, target 3x); output "
+          f"{off['output_token_throughput']:.0f} -> "
+          f"{on['output_token_throughput']:.0f} tok/s "
+          f"({on['output_token_throughput'] / off['output_token_throughput']:.2f}x, target "
+          f"1.3x); hit rate {on['prefix_hit_rate']:.1%}")
 PY
       finish
     fi

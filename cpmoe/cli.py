@@ -24,6 +24,7 @@ from cpmoe.context import context_length, over_context
 from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, with_quantization
+from cpmoe.engine.scheduler import SCHEDULE_POLICIES
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.moe.dispatch import MissingBackendError
@@ -111,6 +112,9 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="do not share prompt prefixes between requests (the prefix cache "
                         "over the CP-sharded pages is on by default)")
+    g.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+                   help="order of admitting waiting requests: fcfs (arrival) or lpm (longest "
+                        "prefix in the prefix cache first, while at most 128 wait)")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="bring each step's tokens to the host before planning the next "
                         "(by default greedy steps feed the next step on the device and the "
@@ -152,6 +156,7 @@ def engine_options(args: argparse.Namespace):
                          max_running_requests=args.max_running_requests,
                          disable_cuda_graph=args.disable_cuda_graph,
                          disable_radix_cache=args.disable_radix_cache,
+                         schedule_policy=args.schedule_policy,
                          disable_overlap_schedule=args.disable_overlap_schedule,
                          cuda_graph_max_bs=args.cuda_graph_max_bs,
                          max_total_tokens=args.max_total_tokens,

@@ -63,6 +63,7 @@ class EngineOptions:
     routing: str = "model"  # "uniform": redraw routers for even expert load (benchmarks)
     quantization: str | None = None  # "fp8": 16-bit weights to [128, 128] FP8 blocks at load
     disable_radix_cache: bool = False  # --disable-radix-cache: no prefix sharing
+    schedule_policy: str = "fcfs"  # --schedule-policy: admission order (fcfs | lpm)
     disable_overlap_schedule: bool = False  # --disable-overlap-schedule: tokens to the host
     # before the next step is planned
 

@@ -43,7 +43,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
         requests = [Request(i, list(p), sampling, max_new_tokens, stream=i)
                     for i, p in enumerate(prompts)]
         sched = Scheduler(kv, layout.cp_strategy, chunk, options.max_running_requests,
-                          eos_ids, radix=radix_cache(runner, options))
+                          eos_ids, radix=radix_cache(runner, options),
+                          policy=options.schedule_policy)
         driver = Driver(runner, sched, BatchFrontend(requests), observe=observe,
                         overlap=not options.disable_overlap_schedule)
     return engine_loop(runner, driver)

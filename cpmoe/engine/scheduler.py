@@ -33,6 +33,12 @@ prefilled (admitted, not yet in the index) than the index gives it waits until t
 is in the index, then forks it, as SGLang's in-batch prefix check does: a burst of
 requests over one system prompt then prefills the prompt once, not once per request.
 Requests behind it are still admitted (no head-of-line blocking).
+`--schedule-policy lpm` (SGLang's longest prefix match): each step, before admitting, the
+waiting queue is ordered by the prefix each request finds in the index, longest first
+(arrival order among equals), while it holds at most `LPM_MAX_WAITING` requests (SGLang's
+fallback to FCFS: a longer queue is not scanned every step). A burst over a few system
+prompts then prefills, right after each prompt, the questions that share it, instead of the
+next prompts in arrival order; `fcfs` (the default, as SGLang's) keeps arrival order.
 
 Overlap (the driver's `--disable-overlap-schedule` off): a step's sampled tokens may reach
 the host only after the next step was planned and launched. `account` then gives each
@@ -58,6 +64,8 @@ from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
 
 DEFER_SHARED = 32  # tokens (SGLang's in-batch prefix-caching threshold)
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # --schedule-policy
+LPM_MAX_WAITING = 128  # SGLang's: longer queues are admitted in arrival order
 
 
 @dataclass
@@ -152,8 +160,12 @@ class TokenEvent:
 
 class Scheduler:
     def __init__(self, kv: PagedKVCache, strategy: str, chunk_size: int, max_running: int,
-                 eos_ids: tuple[int, ...], radix: bool = False) -> None:
-        self.kv, self.strategy = kv, strategy
+                 eos_ids: tuple[int, ...], radix: bool = False, policy: str = "fcfs"
+                 ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {SCHEDULE_POLICIES}, got "
+                             f"{policy!r}")
+        self.kv, self.strategy, self.policy = kv, strategy, policy
         # the prefix cache needs the paged cache's page lists (not a model's own cache)
         self.index = (RadixIndex(kv.page_size) if radix and isinstance(kv, PagedKVCache)
                       else None)
@@ -288,6 +300,8 @@ class Scheduler:
             budget -= n
             if partial.pending > n:
                 return out
+        if admit and self.policy == "lpm":
+            self._order_by_prefix()
         skipped: list[Request] = []
         while (admit and self.waiting and budget > 0
                and len(self.running) < self.max_running):
@@ -316,6 +330,13 @@ class Scheduler:
                 skipped.append(req)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _order_by_prefix(self) -> None:
+        """LPM: the waiting queue, longest indexed prefix first (stable)."""
+        if self.index is None or not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            return
+        hits = {id(r): self.index.match(r.tokens)[1] for r in self.waiting}
+        self.waiting = deque(sorted(self.waiting, key=lambda r: -hits[id(r)]))
 
     def _shares_inflight(self, req: Request, hit: int) -> bool:
         """Whether `req` should wait for a prompt being prefilled that holds DEFER_SHARED

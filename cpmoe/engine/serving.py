@@ -92,7 +92,8 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
         opts = spec.options
         sched = Scheduler(runner.kv, spec.layout.cp_strategy, prefill_chunk(runner, opts),
                           opts.max_running_requests, spec.eos_ids,
-                          radix=radix_cache(runner, opts))
+                          radix=radix_cache(runner, opts),
+                          policy=opts.schedule_policy)
         frontend = LinkFrontend(spec, pids, sizes)
         driver = Driver(runner, sched, frontend, spec.idle_tick_s,
                         overlap=not opts.disable_overlap_schedule)

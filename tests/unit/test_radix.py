@@ -60,9 +60,9 @@ def test_fork_shares_whole_pages_copies_the_partial_one_and_frees_by_reference()
             assert kv.rank_pages == [0, 0] and all(len(f) == 16 for f in kv._free)
 
 
-def make(pages: int, radix: bool = True) -> Scheduler:
+def make(pages: int, radix: bool = True, policy: str = "fcfs", chunk: int = 64) -> Scheduler:
     kv = PagedKVCache(1, pages, 4, 1, 1, torch.float32, torch.device("cpu"), 1, 0)
-    return Scheduler(kv, "zigzag", 64, 8, (0,), radix=radix)
+    return Scheduler(kv, "zigzag", chunk, 8, (0,), radix=radix, policy=policy)
 
 
 def req(rid: int, prompt: list[int], max_tokens: int = 3) -> Request:
@@ -110,6 +110,46 @@ def test_entries_are_evicted_lru_before_a_request_is_preempted():
     assert plan.free == [1] and plan.decode and s.evictions == 2 and s.preemptions == 0
     s.clear_cache()
     assert s.take_frees() == [2]
+
+
+def test_lpm_admits_the_requests_with_the_longest_cached_prefix_first():
+    prefix = list(range(1, 21))
+    admitted = {}
+    for policy in ("fcfs", "lpm"):
+        s = make(pages=64, policy=policy, chunk=20)
+        s.add(req(0, prefix + [40]))
+        finish(s)
+        s.add(req(1, [50] * 18))  # no cached prefix, arrived first: 18 tokens to prefill
+        s.add(req(2, list(range(1, 9)) + [60]))  # 8 tokens cached, 1 to prefill
+        s.add(req(3, prefix + [70, 71]))  # 20 tokens cached, 2 to prefill
+        admitted[policy] = [rid for rid, _, _ in s.plan().extend]
+    # a step of 20 tokens: arrival order fills it with 18 + 1 and request 3 waits; lpm takes
+    # the two cached ones and request 1 waits for a step with room for all of it
+    assert admitted == {"fcfs": [1, 2], "lpm": [3, 2]}
+
+
+def test_lpm_keeps_arrival_order_past_the_fallback_queue_length():
+    from cpmoe.engine.scheduler import LPM_MAX_WAITING
+    s = make(pages=4096, policy="lpm", chunk=8)
+    s.add(req(0, [1, 2, 3, 4, 5]))
+    finish(s)
+    for rid in range(1, LPM_MAX_WAITING + 2):  # one past the fallback length
+        s.add(req(rid, [9, rid] if rid < LPM_MAX_WAITING + 1 else [1, 2, 3, 4, 7]))
+    assert [rid for rid, _, _ in s.plan().extend][:2] == [1, 2]
+
+
+def test_schedule_policy_is_an_engine_flag_and_refuses_unknown_ones(capsys):
+    import pytest
+    from cpmoe.cli import build_parser, engine_options
+    parser = build_parser()
+    assert engine_options(parser.parse_args(["serve"])).schedule_policy == "fcfs"
+    args = parser.parse_args(["serve", "--schedule-policy", "lpm"])
+    assert engine_options(args).schedule_policy == "lpm"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["serve", "--schedule-policy", "lof"])
+    assert e.value.code == 2 and "--schedule-policy" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="schedule policy"):
+        make(pages=8, policy="lof")
 
 
 def test_without_radix_finished_requests_are_freed():
