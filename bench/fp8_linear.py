@@ -9,8 +9,10 @@ weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16 and 
   `fp8_linear` pads them), and "quantize+scaled_mm": `quantize_act` and F.scaled_mm, all
   of fp8_linear's work past 64 rows;
 - "skinny": `fp8_linear_skinny` with `skinny_config`'s tiles (what fp8_linear runs up to
-  SKINNY_ROWS rows), and under every tile of the sweep (BLOCK_N, SPLIT_K, warps, stages),
-  the second launch of a split K included;
+  SKINNY_LINEAR_ROWS rows), and under every tile of the sweep (BLOCK_N, SPLIT_K, warps,
+  stages), the second launch of a split K included;
+- "quantize+skinny B S": `quantize_act`, then the skinny kernel on the quantized rows
+  (x_scale), with BLOCK_N B and SPLIT_K S (4 warps, 3 stages);
 - the HBM floor: the FP8 weight bytes at 4.8 TB/s.
 Time per call in microseconds from a CUDA graph replay (`decode_kernels.time_us`, as the
 decode step replays them); 8 weight copies are rotated, so no call finds its weights in the
@@ -38,12 +40,13 @@ COPIES = 8  # 8 x 8-10 MB of FP8 weights, past the L2
 HBM_BYTES_PER_S = 4.8e12
 GRID = [(bn, split, warps, stages) for bn, split, (warps, stages) in itertools.product(
     (16, 32, 64), (1, 2, 4), ((4, 3), (4, 5)))]
+PREQUANT_GRID = list(itertools.product((32, 64, 128), (1, 2, 4)))  # (BLOCK_N, SPLIT_K)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", default="1,16,64",
+    ap.add_argument("--rows", default="1,16,32,64",
                     help=f"row counts, each at most kernels.SKINNY_ROWS ({kernels.SKINNY_ROWS})")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -75,13 +78,25 @@ def main() -> None:
                 return lambda i: kernels.fp8_linear_skinny(x, ws[i % COPIES],
                                                            scales[i % COPIES], config=cfg)
 
+            def quantized_skinny(cfg, x=x):
+                def fn(i):
+                    q, s = kernels.quantize_act(x, 128)
+                    return kernels.fp8_linear_skinny(q, ws[i % COPIES], scales[i % COPIES],
+                                                     config=cfg, x_scale=s)
+                return fn
+
             default = kernels.skinny_config(rows, N, K)
             timed = {"scaled_mm": scaled_mm, "quantize+scaled_mm": quantized_mm,
                      "skinny default": skinny(default)}
+            for bn, split in PREQUANT_GRID:
+                timed[f"quantize+skinny {bn} {split}"] = quantized_skinny(
+                    dict(BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3))
             for label, fn in timed.items():
                 table.setdefault(label, {})[col] = t = time_us(fn)
                 results.append({"shape": name, "N": N, "K": K, "rows": rows, "path": label,
                                 "us": t, **(default if label == "skinny default" else {})})
+            best_pre = min((table[f"quantize+skinny {bn} {sp}"][col], f"{bn} {sp}")
+                           for bn, sp in PREQUANT_GRID)
             for tile in GRID:
                 bn, split, warps, stages = tile
                 cfg = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
@@ -96,7 +111,8 @@ def main() -> None:
             table.setdefault("HBM floor", {})[col] = floor
             results.append({"shape": name, "N": N, "K": K, "rows": rows, "hbm_floor_us": floor})
             print(f"{col}: default {table['skinny default'][col]:.1f} us, quantize+scaled_mm "
-                  f"{table['quantize+scaled_mm'][col]:.1f} us", file=sys.stderr, flush=True)
+                  f"{table['quantize+scaled_mm'][col]:.1f} us, quantize+skinny best "
+                  f"{best_pre[0]:.1f} us ({best_pre[1]})", file=sys.stderr, flush=True)
         del ws
     print_table(table, columns)
     with open(args.out, "w") as f:
