@@ -1,24 +1,21 @@
-"""Tile sweep of the skinny FP8 GEMM (`kernels.fp8_linear_skinny`) against quantize_act +
-F.scaled_mm, the decode step's dense FP8 projections, on the GPU.
+"""Tile sweep of the skinny FP8 GEMM (`kernels.fp8_linear_skinny`) against F.scaled_mm, the
+decode step's dense FP8 projections, on the GPU.
 
     python3 -m bench.fp8_linear --out bench/results/fp8-linear.json
 
 At Qwen3-30B-A3B's attention shapes (fused q/k/v 2048 -> 5120, o_proj 4096 -> 2048), FP8
-weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16 and 64 rows:
+weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16, 32 and 64 rows:
 - "scaled_mm": F.scaled_mm alone on rows quantized ahead (padded to 16 rows, as
   `fp8_linear` pads them), and "quantize+scaled_mm": `quantize_act` and F.scaled_mm, all
-  of fp8_linear's work past 64 rows;
-- "skinny": `fp8_linear_skinny` with `skinny_config`'s tiles (what fp8_linear runs up to
-  SKINNY_LINEAR_ROWS rows), and under every tile of the sweep (BLOCK_N, SPLIT_K, warps,
-  stages), the second launch of a split K included;
-- "quantize+skinny B S": `quantize_act`, then the skinny kernel on the quantized rows
-  (x_scale), with BLOCK_N B and SPLIT_K S (4 warps, 3 stages);
+  of fp8_linear's work past SKINNY_ROWS rows;
+- "skinny default": `quantize_act` and `fp8_linear_skinny` with `skinny_config`'s tiles
+  (what fp8_linear runs up to SKINNY_ROWS rows), and the same under every tile of the sweep
+  (BLOCK_N, SPLIT_K, warps, stages), the second launch of a split K included;
 - the HBM floor: the FP8 weight bytes at 4.8 TB/s.
 Time per call in microseconds from a CUDA graph replay (`decode_kernels.time_us`, as the
 decode step replays them); 8 weight copies are rotated, so no call finds its weights in the
 50 MB L2. Prints one table (a column per shape and row count, * the column's fastest
-skinny tile) and writes every time to JSON. Most of its time is compiling: 18 tiles x 2
-row tiles (16 for 1 and 16 rows, 64 for 64).
+skinny tile) and writes every time to JSON.
 """
 
 from __future__ import annotations
@@ -39,15 +36,15 @@ SHAPES = (("qkv", 5120, 2048), ("o_proj", 2048, 4096))  # (name, N, K)
 COPIES = 8  # 8 x 8-10 MB of FP8 weights, past the L2
 HBM_BYTES_PER_S = 4.8e12
 GRID = [(bn, split, warps, stages) for bn, split, (warps, stages) in itertools.product(
-    (16, 32, 64), (1, 2, 4), ((4, 3), (4, 5)))]
-PREQUANT_GRID = list(itertools.product((32, 64, 128), (1, 2, 4)))  # (BLOCK_N, SPLIT_K)
+    (32, 64, 128), (1, 2, 4), ((4, 3), (4, 5)))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,32,64",
-                    help=f"row counts, each at most kernels.SKINNY_ROWS ({kernels.SKINNY_ROWS})")
+                    help=f"row counts, each at most kernels.SKINNY_ROWS "
+                         f"({kernels.SKINNY_ROWS})")
     args = ap.parse_args()
     torch.manual_seed(0)
     table: dict[str, dict[str, float]] = {}  # row label -> column -> us
@@ -75,28 +72,19 @@ def main() -> None:
                 return scaled_mm(i, q, s)
 
             def skinny(cfg, x=x):
-                return lambda i: kernels.fp8_linear_skinny(x, ws[i % COPIES],
-                                                           scales[i % COPIES], config=cfg)
-
-            def quantized_skinny(cfg, x=x):
                 def fn(i):
                     q, s = kernels.quantize_act(x, 128)
-                    return kernels.fp8_linear_skinny(q, ws[i % COPIES], scales[i % COPIES],
-                                                     config=cfg, x_scale=s)
+                    return kernels.fp8_linear_skinny(q, s, ws[i % COPIES], scales[i % COPIES],
+                                                     config=cfg)
                 return fn
 
             default = kernels.skinny_config(rows, N, K)
             timed = {"scaled_mm": scaled_mm, "quantize+scaled_mm": quantized_mm,
                      "skinny default": skinny(default)}
-            for bn, split in PREQUANT_GRID:
-                timed[f"quantize+skinny {bn} {split}"] = quantized_skinny(
-                    dict(BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=3))
             for label, fn in timed.items():
                 table.setdefault(label, {})[col] = t = time_us(fn)
                 results.append({"shape": name, "N": N, "K": K, "rows": rows, "path": label,
                                 "us": t, **(default if label == "skinny default" else {})})
-            best_pre = min((table[f"quantize+skinny {bn} {sp}"][col], f"{bn} {sp}")
-                           for bn, sp in PREQUANT_GRID)
             for tile in GRID:
                 bn, split, warps, stages = tile
                 cfg = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
@@ -110,9 +98,9 @@ def main() -> None:
                                 "path": "skinny", "us": t, **cfg})
             table.setdefault("HBM floor", {})[col] = floor
             results.append({"shape": name, "N": N, "K": K, "rows": rows, "hbm_floor_us": floor})
-            print(f"{col}: default {table['skinny default'][col]:.1f} us, quantize+scaled_mm "
-                  f"{table['quantize+scaled_mm'][col]:.1f} us, quantize+skinny best "
-                  f"{best_pre[0]:.1f} us ({best_pre[1]})", file=sys.stderr, flush=True)
+            print(f"{col}: skinny default {table['skinny default'][col]:.1f} us, "
+                  f"quantize+scaled_mm {table['quantize+scaled_mm'][col]:.1f} us",
+                  file=sys.stderr, flush=True)
         del ws
     print_table(table, columns)
     with open(args.out, "w") as f:

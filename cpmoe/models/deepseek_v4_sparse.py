@@ -43,11 +43,11 @@ from cpmoe._triton import import_triton
 
 triton, tl = import_triton()
 
-# Defaults for D = 512 on an H100/H200, chosen by size, not yet measured (`python3 -m
-# bench.v4_sparse_attention --sweep` times the alternatives): a [16, 512] fp32 accumulator
-# (64 registers a thread at 4 warps) and [32, 512] bf16 key tiles (32 KB of shared memory a
-# stage).
-BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 32, 4, 2
+# Defaults for D = 512, the fastest of `python3 -m bench.v4_sparse_attention --lengths 16384
+# --sweep` on the H200 at 7f0c0de (54 option sets): all 64 heads of a row in one program, so
+# its keys are gathered once, not once per 16 heads; 64-key tiles, 8 warps, 2 stages: 6.96
+# ms (187 TFLOP/s) where the former 16 heads x 32 keys at 4 warps took 24.8 ms (53).
+BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 8, 2
 
 
 def kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:

@@ -6,10 +6,9 @@
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
   other blocks use the Triton grouped kernel below with one group.
-- `fp8_linear_skinny(x, w, w_scale, bias)`: the same product for few rows (decode), one
-  Triton launch (two with a split K) that quantizes its rows itself (or takes them
-  quantized ahead); `fp8_linear` takes it for up to SKINNY_LINEAR_ROWS rows with [128, 128]
-  blocks.
+- `fp8_linear_skinny(xq, x_scale, w, w_scale, bias)`: the same product for few rows
+  (decode) quantized by `quantize_act`, one Triton launch (two with a split K);
+  `fp8_linear` takes it for up to SKINNY_ROWS rows with [128, 128] blocks.
 - `grouped_fp8_gemm(a, a_scale, w, w_scale, offs, block)`: rows [P, K] sorted by expert
   (expert e owns rows [offs[e-1], offs[e])), experts' weights w [E, N, K] with scales
   [E, N/bn, K/bk] -> [P, N] in bfloat16 (rows past offs[-1] are zero). Triton, one
@@ -204,69 +203,62 @@ if triton is not None:
 # ---- skinny FP8 GEMM (decode) -----------------------------------------------------------
 
 # At decode sizes F.scaled_mm's block-wise kernel is far from the weight read it should cost:
-# on the H200 at Qwen3-30B-A3B's attention shapes, 9-14 us a call (plus a quantize_act
-# launch) where reading the ~8-10 MB of FP8 weights takes ~2 us. The skinny GEMM holds every
-# row in one tile, so each weight byte is read once, and multiplies FP8 x FP8 as the decode
-# experts' W8A8 kernel (moe/fused_moe.py) does. Its rows are quantized inside the kernel
-# (every program quantizes the tile it reads), or ahead by `quantize_act` (x in FP8 with its
-# scales): in-kernel quantization is repeated by each of the ~100-300 programs, which is
-# cheap for a few rows and not for 64 (bcba430, bench/fp8_linear.py: 9.0-9.4 us at 1 and 16
-# rows against 10.8-18.0 for quantize_act + scaled_mm; 20-30 us at 64 rows against 11-17).
-SKINNY_ROWS = 64  # the most rows the kernel takes (one tile)
-SKINNY_LINEAR_ROWS = 16  # fp8_linear takes it, quantizing inside, up to this many rows
+# on the H200 at Qwen3-30B-A3B's attention shapes, 9-14 us a call where reading the ~8-10 MB
+# of FP8 weights takes ~2 us. The skinny GEMM holds every row in one tile, so each weight
+# byte is read once, and multiplies FP8 x FP8 as the decode experts' W8A8 kernel
+# (moe/fused_moe.py) does, on rows `quantize_act` quantized ahead. Quantizing inside the
+# GEMM instead was as fast for 1-16 rows and 1.5-2x slower at 64 (every one of its 128-320
+# programs quantized the whole tile again); bench/fp8_linear.py at 7f0c0de, quantize_act
+# included: 8.7-11.2 us for qkv and 9.3-11.4 us for o_proj from 1 to 64 rows, against 11-13
+# and 16-18 us for quantize_act + F.scaled_mm.
+SKINNY_ROWS = 64  # the most rows one tile holds; fp8_linear takes it up to here
 
 
 def skinny_fits(m: int, w: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether `fp8_linear` takes `fp8_linear_skinny` for m rows: shapes only, so a captured
     CUDA graph keeps its kernel."""
-    return (0 < m <= SKINNY_LINEAR_ROWS and tuple(block) == (128, 128)
-            and w.shape[1] % 128 == 0)
+    return 0 < m <= SKINNY_ROWS and tuple(block) == (128, 128) and w.shape[1] % 128 == 0
 
 
 def skinny_config(m: int, n: int, k: int) -> dict:
     """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: 64 columns, 128 inputs a step, 4
-    warps, 3 stages, and K split in up to 4 ranges until the grid has 256 programs, about
-    two per SM of the H200 (132) (the fastest of bench/fp8_linear.py's sweep at bcba430 for
-    qkv and o_proj at 1 and 16 rows, within 2% of each one's best)."""
-    block_n = 64
-    tiles, groups = -(-n // block_n), k // 128
+    warps, 3 stages, K split in 4 ranges (fewer when K has fewer 128-input groups): the
+    fastest of bench/fp8_linear.py's sweep at 7f0c0de for qkv and o_proj from 1 to 64 rows,
+    within 5% of each column's best."""
     split = 1
-    while tiles * split < 256 and split < 4 and split * 2 <= groups:
+    while split < 4 and split * 2 <= k // 128:
         split *= 2
-    return {"BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
-def fp8_linear_skinny(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, config: dict | None = None,
-                      x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x (w * w_scale)^T (+ bias) for x [M <= SKINNY_ROWS, K], w fp8 [N, K], w_scale
-    float32 [ceil(N/128), K/128] -> [M, N]. x in a float dtype: each program quantizes its
-    rows per 1 x 128 group as `quantize_act` does (no launch of its own), and y comes in
-    x's dtype; x in FP8 with x_scale [M, K/128] (any strides, `quantize_act`'s): rows
-    quantized ahead, y in bf16. The result is `quantize_act` + `F.scaled_mm`'s up to float32
-    summation order; the bias is added in float32, before the one rounding. SPLIT_K > 1:
-    float32 partial sums, added by a second launch (no atomics: the same sums every run).
-    config: `skinny_config`'s."""
-    M, K = x.shape
+def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                      w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
+                      ) -> torch.Tensor:
+    """y = x (w * w_scale)^T (+ bias) for rows quantized by `quantize_act`: xq fp8
+    [M <= SKINNY_ROWS, K] with x_scale [M, K/128] (any strides), w fp8 [N, K], w_scale
+    float32 [ceil(N/128), K/128] -> [M, N] in out_dtype: `F.scaled_mm`'s product up to
+    float32 summation order; the bias is added in float32, before the one rounding.
+    SPLIT_K > 1: float32 partial sums, added by a second launch (no atomics: the same sums
+    every run). config: `skinny_config`'s."""
+    M, K = xq.shape
     N = w.shape[0]
-    prequant = x.dtype == FP8
-    if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1 or prequant != (x_scale is not None):
-        raise ValueError(f"skinny FP8 GEMM: {M} rows (at most {SKINNY_ROWS}) of {K} inputs "
-                         f"(a multiple of 128), weight strides {w.stride()} (rows of K), "
-                         f"x {x.dtype} with x_scale only for FP8 rows")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    xs = x_scale if prequant else w_scale  # any pointer when the kernel quantizes
+    if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1 or xq.dtype != FP8:
+        raise ValueError(f"skinny FP8 GEMM: {M} FP8 rows (at most {SKINNY_ROWS}, got "
+                         f"{xq.dtype}) of {K} inputs (a multiple of 128), weight strides "
+                         f"{w.stride()} (rows of K)")
+    xq = xq if xq.stride(1) == 1 else xq.contiguous()
     cfg = config or skinny_config(M, N, K)
     split = cfg["SPLIT_K"]
-    out = torch.empty(M, N, dtype=torch.bfloat16 if prequant else x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
-                                              device=x.device)
+                                              device=xq.device)
     b = bias if bias is not None else out  # any pointer when there is no bias
     _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-        x, xs, w, w_scale, b, part, M, N, K, x.stride(0), xs.stride(0), xs.stride(1),
-        w.stride(0), w_scale.stride(0), w_scale.stride(1), HAS_BIAS=bias is not None,
-        PREQUANT=prequant, BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET,
-        **cfg)
+        xq, x_scale, w, w_scale, b, part, M, N, K, xq.stride(0), x_scale.stride(0),
+        x_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        UPCAST=_INTERPRET, **cfg)
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
@@ -279,9 +271,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x,
                            stride_xs_m, stride_xs_g, stride_w, stride_ws_n, stride_ws_k,
-                           HAS_BIAS: tl.constexpr, PREQUANT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                           UPCAST: tl.constexpr):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
         groups -> out (SPLIT_K 1: y with bias) or out[s] (float32 partials)."""
         rows = tl.arange(0, BLOCK_M)
@@ -295,15 +287,10 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(g0, tl.minimum(g0 + per, groups)):
             k = g * 128 + ks
-            if PREQUANT:
-                a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                a_s = tl.load(xs_ptr + rows * stride_xs_m + g * stride_xs_g, mask=row_ok,
-                              other=0.0)
-            else:
-                x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
-                            mask=row_ok[:, None], other=0.0).to(tl.float32)
-                a, a_s = quantize_rows(x)
+            a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            a_s = tl.load(xs_ptr + rows * stride_xs_m + g * stride_xs_g, mask=row_ok,
+                          other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
                         mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
             w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
@@ -396,7 +383,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
     if skinny_fits(m, w, block):
-        return fp8_linear_skinny(x2, w, w_scale, bias).view(*shape[:-1], w.shape[0])
+        q, s = quantize_act(x2, block[1])
+        return fp8_linear_skinny(q, s, w, w_scale, bias, x.dtype).view(*shape[:-1], w.shape[0])
     rows = -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
     key = _shape_key(rows, *w.shape)
     mm = key not in _SCALED_MM_REFUSED and _scaled_mm_fits(x, w, block)

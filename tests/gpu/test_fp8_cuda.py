@@ -82,7 +82,8 @@ def test_skinny_fp8_linear_matches_quantize_act_and_scaled_mm(m, n, k):
     q, s, deq = fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    got = kernels.fp8_linear_skinny(x, q, s)
+    xq, xs = kernels.quantize_act(x, 128)
+    got = kernels.fp8_linear_skinny(xq, xs, q, s)
     want = scaled_mm_linear(x, q, s)
     print(f"\nskinny FP8 {m}x{n}x{k} ({kernels.skinny_config(m, n, k)}): relative error "
           f"{rel(got, want):.2e} vs scaled_mm, {rel(got, F.linear(x, deq.to(x.dtype))):.2e} "
@@ -90,28 +91,22 @@ def test_skinny_fp8_linear_matches_quantize_act_and_scaled_mm(m, n, k):
     assert got.dtype == torch.bfloat16 and rel(got, want) < SKINNY_TOL
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
     assert rel(got, F.linear(x, deq.to(x.dtype))) < FP8_TOL
-    # rows quantized ahead: the same FP8 operands
-    xq, xs = kernels.quantize_act(x, 128)
-    pre = kernels.fp8_linear_skinny(xq, q, s, x_scale=xs)
-    assert pre.dtype == torch.bfloat16 and rel(pre, want) < SKINNY_TOL
-    # fp8_linear takes it for up to SKINNY_LINEAR_ROWS rows; the bias joins before the one
-    # rounding
-    assert kernels.skinny_fits(m, q, BLOCK) == (m <= kernels.SKINNY_LINEAR_ROWS)
-    if m <= kernels.SKINNY_LINEAR_ROWS:
-        assert torch.equal(kernels.fp8_linear(x, q, s, BLOCK), got)
-        with_bias = kernels.fp8_linear(x, q, s, BLOCK, bias)
-        assert rel(with_bias, want + bias) < SKINNY_TOL
+    # fp8_linear takes it for these rows; the bias joins before the one rounding
+    assert kernels.skinny_fits(m, q, BLOCK)
+    assert torch.equal(kernels.fp8_linear(x, q, s, BLOCK), got)
+    with_bias = kernels.fp8_linear(x, q, s, BLOCK, bias)
+    assert rel(with_bias, want + bias) < SKINNY_TOL
 
 
 @cuda
 def test_skinny_fp8_linear_replays_in_a_cuda_graph():
-    """The o_proj shape at 16 rows splits K (float32 partials, a second launch): captured,
+    """The o_proj shape at 64 rows splits K (float32 partials, a second launch): captured,
     then replayed on new rows, it gives the eager result."""
     torch.manual_seed(5)
     q, s, _ = fp8_weight(2048, 4096)
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    assert kernels.skinny_config(16, 2048, 4096)["SPLIT_K"] > 1
-    assert kernels.skinny_fits(16, q, BLOCK)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    assert kernels.skinny_config(64, 2048, 4096)["SPLIT_K"] > 1
+    assert kernels.skinny_fits(64, q, BLOCK)
     kernels.fp8_linear(x, q, s, BLOCK)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -203,39 +203,36 @@ for N, K in ((384, 256), (200, 384)):
         for bias in (None, torch.randn(N)):
             cfg = configs[case % len(configs)]
             case += 1
-            got = k.fp8_linear_skinny(x, w, w_scale, bias, config=cfg)
+            xq, xs = k.quantize_act(x, 128)
+            got = k.fp8_linear_skinny(xq, xs, w, w_scale, bias, torch.float32, config=cfg)
             want = reference(x, w, w_scale, bias)
             assert got.shape == (M, N) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=1e-5,
                                        atol=1e-5 * want.abs().max().item())
-            # rows quantized ahead by quantize_act: the same products, bf16 out
-            xq, xs = k.quantize_act(x, 128)
-            pre = k.fp8_linear_skinny(xq, w, w_scale, bias, config=cfg, x_scale=xs)
-            assert pre.dtype == torch.bfloat16
-            torch.testing.assert_close(pre.float(), got.bfloat16().float(), rtol=2 ** -7,
-                                       atol=1e-5 * want.abs().max().item())
-            assert k.skinny_fits(M, w, (128, 128)) == (M <= k.SKINNY_LINEAR_ROWS)
-            if cfg is None and M <= k.SKINNY_LINEAR_ROWS:  # fp8_linear takes it, any dims
+            assert k.skinny_fits(M, w, (128, 128))
+            if cfg is None:  # fp8_linear takes it for these rows, over any leading dims
                 lin = k.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
                 assert torch.equal(lin.view(M, N), got)
 assert case == 16
-# the interpreter's float32 -> bf16 cast truncates (the GPU's rounds): bf16 rows come back
-# within one bf16 step of the float32 result
-x = exact_rows(5, 256).bfloat16()
+# bf16 out (the default): the interpreter's float32 -> bf16 cast truncates (the GPU's
+# rounds), so within one bf16 step of the float32 result
+x = exact_rows(5, 256)
 w, w_scale = w[:, :256], w_scale[:, :2].contiguous()
-got = k.fp8_linear_skinny(x, w, w_scale)
+xq, xs = k.quantize_act(x, 128)
+got = k.fp8_linear_skinny(xq, xs, w, w_scale)
 assert got.dtype == torch.bfloat16
-torch.testing.assert_close(got.float(), k.fp8_linear_skinny(x.float(), w, w_scale),
+torch.testing.assert_close(got.float(), k.fp8_linear_skinny(xq, xs, w, w_scale, None,
+                                                            torch.float32),
                            rtol=2 ** -7, atol=0)
 # not taken: more rows than one tile holds, other blocks, K off the activation groups
-assert not k.skinny_fits(k.SKINNY_LINEAR_ROWS + 1, w, (128, 128))
-try:  # FP8 rows need their scales
-    k.fp8_linear_skinny(x.to(FP8), w, w_scale)
-    raise AssertionError("FP8 rows without x_scale were taken")
-except ValueError as e:
-    assert "x_scale" in str(e)
+assert not k.skinny_fits(k.SKINNY_ROWS + 1, w, (128, 128))
 assert not k.skinny_fits(5, w, (16, 32)) and not k.skinny_fits(0, w, (128, 128))
 assert not k.skinny_fits(5, torch.empty(128, 200, dtype=FP8), (128, 128))
+try:  # rows not quantized
+    k.fp8_linear_skinny(x, xs, w, w_scale)
+    raise AssertionError("float rows were taken")
+except ValueError as e:
+    assert "FP8 rows" in str(e)
 print("skinny fp8 ok")
 """
 
