@@ -44,7 +44,7 @@ from cpmoe._triton import import_triton
 triton, tl = import_triton()
 
 # Defaults for D = 512, the fastest of `python3 -m bench.v4_sparse_attention --lengths 16384
-# --sweep` on the H200 at 7f0c0de (54 option sets): all 64 heads of a row in one program, so
+# --sweep` on the H200 at 9b4f34c (54 option sets): all 64 heads of a row in one program, so
 # its keys are gathered once, not once per 16 heads; 64-key tiles, 8 warps, 2 stages: 6.96
 # ms (187 TFLOP/s) where the former 16 heads x 32 keys at 4 warps took 24.8 ms (53).
 BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 8, 2

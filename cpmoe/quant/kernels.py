@@ -208,7 +208,7 @@ if triton is not None:
 # byte is read once, and multiplies FP8 x FP8 as the decode experts' W8A8 kernel
 # (moe/fused_moe.py) does, on rows `quantize_act` quantized ahead. Quantizing inside the
 # GEMM instead was as fast for 1-16 rows and 1.5-2x slower at 64 (every one of its 128-320
-# programs quantized the whole tile again); bench/fp8_linear.py at 7f0c0de, quantize_act
+# programs quantized the whole tile again); bench/fp8_linear.py at 9b4f34c, quantize_act
 # included: 8.7-11.2 us for qkv and 9.3-11.4 us for o_proj from 1 to 64 rows, against 11-13
 # and 16-18 us for quantize_act + F.scaled_mm.
 SKINNY_ROWS = 64  # the most rows one tile holds; fp8_linear takes it up to here
@@ -223,7 +223,7 @@ def skinny_fits(m: int, w: torch.Tensor, block: tuple[int, int]) -> bool:
 def skinny_config(m: int, n: int, k: int) -> dict:
     """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: 64 columns, 128 inputs a step, 4
     warps, 3 stages, K split in 4 ranges (fewer when K has fewer 128-input groups): the
-    fastest of bench/fp8_linear.py's sweep at 7f0c0de for qkv and o_proj from 1 to 64 rows,
+    fastest of bench/fp8_linear.py's sweep at 9b4f34c for qkv and o_proj from 1 to 64 rows,
     within 5% of each column's best."""
     split = 1
     while split < 4 and split * 2 <= k // 128:
