@@ -137,6 +137,9 @@ PY
       quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
       step "fp8-prefill-$q" python3 -m cpmoe.cli bench --shape qwen3-30b-a3b \
         --lengths 16384,65536 --layouts tp=1 "${quant[@]}" --out "$out/fp8-prefill-$q.json"
+      # where the time goes, 12 of the 48 layers at 16K (every layer costs the same)
+      step "fp8-prefill-profile-$q" python3 -m bench.profile_prefill --length 16384 \
+        --layers 12 "${quant[@]}"
     done
     ;;
   v4)

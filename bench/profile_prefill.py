@@ -3,6 +3,7 @@
     python3 -m bench.profile_prefill --layout "tp=1" --length 4096 --layers 12
     python3 -m bench.profile_prefill --layout "tp=2,cp=2,ep=2" --length 32768 --layers 12
     python3 -m bench.profile_prefill --config v4.json --length 16384 --layers 4   # DeepSeek-V4
+    python3 -m bench.profile_prefill --length 16384 --quantization fp8            # FP8 compute
 
 Builds a random-weight Qwen3-30B-A3B-shaped model (optionally fewer layers: per-layer costs
 are the same in every layer), warms up, profiles one prefill and prints a table per rank.
@@ -24,9 +25,9 @@ from cpmoe.parallel.launch import RankInfo, RankPool
 
 
 def profile_task(info: RankInfo, config: dict, layout, length: int, rows: int,
-                 trace: str | None) -> str:
+                 trace: str | None, quantization: str | None = None) -> str:
     groups = ProcessGroups.build(layout, info.rank, info.device)
-    runner = ModelRunner.from_config(config, groups, torch.bfloat16)
+    runner = ModelRunner.from_config(config, groups, torch.bfloat16, quantization=quantization)
     seqs = prompts(config["vocab_size"], length, 1, seed=0)  # the same prompt on every rank
     for _ in range(2):
         runner.prefill(seqs, last_only=True)
@@ -50,13 +51,16 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", help="folder for a Chrome trace per rank")
     p.add_argument("--config", help="an HF config.json to profile instead (e.g. DeepSeek-V4)")
+    p.add_argument("--quantization", choices=("fp8",), help="fp8: the weights quantized to "
+                   "128x128-block FP8 at build, FP8 GEMMs (as --quantization fp8 elsewhere)")
     a = p.parse_args()
     base = json.loads(Path(a.config).read_text()) if a.config else SHAPES["qwen3-30b-a3b"]
     config = dict(base, num_hidden_layers=a.layers)
     layout = parse_layout(a.layout).layout
     with RankPool(layout.world_size, "cuda") as pool:
-        print(f"== {a.layout} length {a.length} layers {a.layers}")
-        for table in pool.run(profile_task, config, layout, a.length, a.rows, a.trace):
+        print(f"== {a.layout} length {a.length} layers {a.layers} {a.quantization or ''}")
+        for table in pool.run(profile_task, config, layout, a.length, a.rows, a.trace,
+                              a.quantization):
             print(table)
 
 
