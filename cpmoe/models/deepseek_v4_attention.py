@@ -44,6 +44,7 @@ from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, Rope
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_indexer import indexer_scores
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4_rope import head_norm_rope_
 from cpmoe.models.deepseek_v4_sparse import kernel_applies
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.parallel.groups import ProcessGroups
@@ -205,6 +206,13 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 
 # ---- attention -------------------------------------------------------------------------------
 
+def _rope_in_place(x_ThD: torch.Tensor) -> bool:
+    """Whether the query norm + RoPE and the output's inverse RoPE run as one in-place
+    kernel pass each (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the torch
+    expressions."""
+    return kernel_applies(x_ThD.device, x_ThD.dtype) and x_ThD.stride(-1) == 1
+
+
 @dataclass
 class Queries:
     """Query-side tensors of every local row of this forward."""
@@ -259,8 +267,11 @@ class DeepseekV4Attention(nn.Module):
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
-        q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, Hq, D), self.eps)
-        q = apply_interleaved_rope(q, rope.cos, rope.sin)
+        q = self.q_b_proj(q_res).view(T, Hq, D)
+        if _rope_in_place(q):
+            q = head_norm_rope_(q, rope.cos, rope.sin, self.eps)
+        else:
+            q = apply_interleaved_rope(unweighted_rms_norm(q, self.eps), rope.cos, rope.sin)
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = communicator.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
@@ -269,6 +280,10 @@ class DeepseekV4Attention(nn.Module):
         else:
             out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
-        o = apply_interleaved_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
+        if _rope_in_place(out):
+            o = head_norm_rope_(out, rope.cos, rope.sin, self.eps, norm=False, sin_sign=-1.0)
+        else:
+            o = apply_interleaved_rope(out, rope.cos, -rope.sin)
+        o = o.view(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", o, w).flatten(1))
