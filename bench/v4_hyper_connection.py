@@ -10,8 +10,8 @@ weights, comb doubly stochastic-ish), T rows of each length:
 - merge: h' = post * out + comb^T h (`hc_merge` vs the torch branch of
   `DeepseekV4HyperConnection.merge`: a bf16 batched matmul and two elementwise ops);
 - collapse: x = sum_i pre_i h_i (`hc_collapse` vs `(pre[..., None] * h).sum(1)`);
-- mix: the float32 F.linear of the RMS-normed streams (`F.linear(h.float(), fn) * hc_rms`
-  vs `F.linear(_flat_rms(h), fn)`), (2 + hc) hc outputs a row.
+- mix: the float32 F.linear of the RMS-normed streams (`hc_mix`, which reads h once for the
+  linear and the norm, vs `F.linear(_flat_rms(h), fn)`), (2 + hc) hc outputs a row.
 Prints per length and op the milliseconds of both (CUDA events, mean of --iters after one
 untimed call), their ratio, the kernel's HBM traffic rate and the floor: the bytes it must
 move (merge: read h and out, write h'; collapse: read h, write x; mix: read h) at --hbm-tbs
@@ -71,8 +71,7 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
         "merge": (lambda: hc.hc_merge(h, out, post, comb),
                   lambda: torch_merge(h, out, post, comb)),
         "collapse": (lambda: hc.hc_collapse(h, pre), lambda: torch_collapse(h, pre)),
-        "mix": (lambda: F.linear(h.flatten(1).float(), fn) * hc.hc_rms(h, EPS)[:, None],
-                lambda: F.linear(_flat_rms(h, EPS), fn)),
+        "mix": (lambda: hc.hc_mix(h, fn, EPS), lambda: F.linear(_flat_rms(h, EPS), fn)),
     }
     nbytes = floor_bytes(T, c, H, h.element_size())
     row: dict = {"rows": T}

@@ -7,6 +7,9 @@ streams once and writes its result once, accumulating in float32.
         x[t] = sum_i pre[t, i] * h[t, i]
     hc_rms(h_TcH, eps) -> r_T
         r[t] = rsqrt(mean over c, H of h[t]^2 + eps)
+    hc_mix(h_TcH, fn_NK, eps) -> mix_TN
+        mix[t] = (fn @ flat h[t]) * r[t], K = c H: the hyper-connection's float32 mix of the
+        RMS-normed streams (the norm's scale applied after the linear)
 
 Legend: T rows, c = hc streams, H hidden.
 
@@ -15,13 +18,16 @@ torch merge's `torch.matmul(comb^T, h)` ran as a generic batched GEMM (T batches
 times 4 x H), 5 ms a call and 40.3 ms over the 8 merges, where reading h and out and
 writing h' takes about 0.25 ms of HBM time; the collapse wrote a float32 [T, c, H] product
 before summing it, and `_flat_rms` a float32 copy of h (1 GB at 16K), then its square and
-the normed copy. Here `hc_rms` reads h once for the norm, so the hyper-connection's float32
-mix is F.linear(h.float(), fn) * r: one float32 copy of h instead of three float32 passes.
+the normed copy. `hc_mix` reads h once in its own dtype for both the linear and the norm:
+the float32 copy of h (1 GiB written at 16K) and cuBLAS's float32 GEMM over it (0.56 ms a
+call) were ~1 ms of each of the 9 mixes of that profile, where reading h takes ~0.13 ms.
 
 Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
 float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
 dtype, then each of its two terms and their sum, so the kernel is the more accurate of the
-two; the torch collapse also rounds once. hc_rms sums squares in float32.
+two; the torch collapse also rounds once. hc_rms sums squares in float32. hc_mix's products
+take tl.dot with 3 TF32 passes (a 16-bit h is exact in TF32; fn splits into two TF32 parts,
+~22 bits) accumulated in float32, IEEE float32 dots in the interpreter.
 
 Inputs: h [T, c, H] (bf16/fp16 on the GPU, float32 for the interpreter tests), out [T, H]
 in h's dtype, last dims contiguous, other strides free; post, pre [T, c] and comb
@@ -31,6 +37,8 @@ graphs too: nothing reads a value to the host) and prefill share each compiled v
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,6 +51,9 @@ triton, tl = import_triton()
 # (32 registers a thread at 4 warps) and writes 4 x 4 x 256 outputs.
 BLOCK_T, BLOCK_H, NUM_WARPS = 4, 256, 4
 RMS_BLOCK = 1024
+# hc_mix: [32 rows, 64] float32 tiles of h, a [64, 32] tile of fn (N = 24 padded), a
+# [32, 32] float32 accumulator; 512 programs at 16K rows. Not yet measured.
+MIX_BLOCK_T, MIX_BLOCK_K = 32, 64
 
 
 def _check_streams(name: str, h: torch.Tensor, weights: dict[str, tuple[torch.Tensor, int]]
@@ -112,7 +123,54 @@ def hc_rms(h: torch.Tensor, eps: float, block: int = RMS_BLOCK) -> torch.Tensor:
     return r
 
 
+def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLOCK_T,
+           block_k: int = MIX_BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """See the module docstring -> mix [T, N] float32. h's rows must be flat ([T, c, H] with
+    the streams adjacent, as hc_merge writes them); fn [N, c H] float32, last dim
+    contiguous."""
+    T, c, H = _check_streams("hc_mix", h, {})
+    if h.stride(1) != H or fn.dim() != 2 or fn.shape[1] != c * H or fn.stride(1) != 1 \
+            or fn.dtype != torch.float32:
+        raise ValueError(f"hc_mix: need flat h rows and fn float32 [N, {c * H}] with a "
+                         f"contiguous last axis, got h strides {h.stride()}, fn {fn.dtype} "
+                         f"{tuple(fn.shape)}")
+    if triton is None:
+        raise RuntimeError("hc_mix needs Triton (on CUDA or its interpreter)")
+    N = fn.shape[0]
+    mix = torch.empty(T, N, dtype=torch.float32, device=h.device)
+    if T == 0:
+        return mix
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _mix_kernel[(triton.cdiv(T, block_t),)](
+        h, fn, mix, h.stride(0), fn.stride(0), T, c * H, N, eps, BLOCK_T=block_t,
+        BLOCK_K=block_k, N_PAD=max(16, triton.next_power_of_2(N)),
+        PRECISION="ieee" if interpreted else "tf32x3", num_warps=num_warps)
+    return mix
+
+
 if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _mix_kernel(h_ptr, fn_ptr, mix_ptr, h_st, fn_sn, T, K, N, eps, BLOCK_T: tl.constexpr,
+                    BLOCK_K: tl.constexpr, N_PAD: tl.constexpr, PRECISION: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        n = tl.arange(0, N_PAD)
+        t_ok, n_ok = t < T, n < N
+        rows = h_ptr + t.to(tl.int64)[:, None] * h_st
+        acc = tl.zeros([BLOCK_T, N_PAD], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x.to(tl.float32)  # [BLOCK_T, BLOCK_K]
+            w = tl.load(fn_ptr + n[None, :] * fn_sn + k[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, N_PAD]
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            sq += tl.sum(x * x, axis=1)
+        r = 1.0 / tl.sqrt(sq / K + eps)
+        tl.store(mix_ptr + t.to(tl.int64)[:, None] * N + n[None, :], acc * r[:, None],
+                 mask=t_ok[:, None] & n_ok[None, :])
+
     @triton.jit
     def _streams(h_ptr, h_st, h_sc, t64, h_off, ok, HC: tl.constexpr):
         """The [BLOCK_T, HC, BLOCK_H] tile of h at rows t64, columns h_off, in float32."""
