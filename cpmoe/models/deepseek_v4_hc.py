@@ -10,6 +10,9 @@ streams once and writes its result once, accumulating in float32.
     hc_mix(h_TcH, fn_NK, eps) -> mix_TN
         mix[t] = (fn @ flat h[t]) * r[t], K = c H: the hyper-connection's float32 mix of the
         RMS-normed streams (the norm's scale applied after the linear)
+    hc_weights(mix_TN, scale_3, base_N, iters, eps) -> (pre_Tc, post_Tc, comb_Tcc)
+        the mix's split into the collapse weights pre, the spread weights post and the
+        Sinkhorn-projected stream mixing comb (`DeepseekV4HyperConnection.weights`)
 
 Legend: T rows, c = hc streams, H hidden.
 
@@ -18,7 +21,9 @@ torch merge's `torch.matmul(comb^T, h)` ran as a generic batched GEMM (T batches
 times 4 x H), 5 ms a call and 40.3 ms over the 8 merges, where reading h and out and
 writing h' takes about 0.25 ms of HBM time; the collapse wrote a float32 [T, c, H] product
 before summing it, and `_flat_rms` a float32 copy of h (1 GB at 16K), then its square and
-the normed copy. `hc_mix` reads h once in its own dtype for both the linear and the norm:
+the normed copy; the Sinkhorn projection of comb ran ~120 launches of tiny [T, c, c]
+elementwise ops a hyper-connection (~4 us each, ~0.5 ms), `hc_weights` is one. `hc_mix`
+reads h once in its own dtype for both the linear and the norm:
 the float32 copy of h (1 GiB written at 16K) and cuBLAS's float32 GEMM over it (0.56 ms a
 call) were ~1 ms of each of the 9 mixes of that profile, where reading h takes ~0.13 ms.
 
@@ -54,6 +59,7 @@ RMS_BLOCK = 1024
 # hc_mix: [32 rows, 64] float32 tiles of h, a [64, 32] tile of fn (N = 24 padded), a
 # [32, 32] float32 accumulator; 512 programs at 16K rows. Not yet measured.
 MIX_BLOCK_T, MIX_BLOCK_K = 32, 64
+WEIGHTS_BLOCK_T = 64  # hc_weights: [64, 4, 4] float32 comb tiles, 256 programs at 16K
 
 
 def _check_streams(name: str, h: torch.Tensor, weights: dict[str, tuple[torch.Tensor, int]]
@@ -148,7 +154,62 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLO
     return mix
 
 
+def hc_weights(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+               eps: float, block_t: int = WEIGHTS_BLOCK_T
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module docstring: mix [T, (2 + c) c] float32 (last dim contiguous), scale [3],
+    base [(2 + c) c] float32 -> new float32 pre [T, c], post [T, c], comb [T, c, c]."""
+    T, N = mix.shape
+    c = int(round((1 + N) ** 0.5)) - 1  # N = (2 + c) c
+    if (2 + c) * c != N or c & (c - 1) or mix.stride(1) != 1 or mix.dtype != torch.float32:
+        raise ValueError(f"hc_weights: need mix float32 [T, (2 + hc) hc] with hc a power of "
+                         f"two and a contiguous last axis, got {mix.dtype} {tuple(mix.shape)}")
+    if scale.shape != (3,) or base.shape != (N,):
+        raise ValueError(f"hc_weights: need scale [3] and base [{N}], got "
+                         f"{tuple(scale.shape)} and {tuple(base.shape)}")
+    if triton is None:
+        raise RuntimeError("hc_weights needs Triton (on CUDA or its interpreter)")
+    pre = torch.empty(T, c, dtype=torch.float32, device=mix.device)
+    post = torch.empty(T, c, dtype=torch.float32, device=mix.device)
+    comb = torch.empty(T, c, c, dtype=torch.float32, device=mix.device)
+    if T:
+        _weights_kernel[(triton.cdiv(T, block_t),)](
+            mix, scale, base, pre, post, comb, mix.stride(0), T, iters, eps, HC=c,
+            BLOCK_T=block_t)
+    return pre, post, comb
+
+
 if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _weights_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, m_st, T,
+                        iters, eps, HC: tl.constexpr, BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        i = tl.arange(0, HC)
+        rows = mix_ptr + t64[:, None] * m_st
+        ok2 = t_ok[:, None]
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        pre = tl.load(rows + i[None, :], mask=ok2, other=0.0) * s_pre + tl.load(base_ptr + i)
+        pre = tl.sigmoid(pre) + eps
+        tl.store(pre_ptr + t64[:, None] * HC + i[None, :], pre, mask=ok2)
+        post = (tl.load(rows + HC + i[None, :], mask=ok2, other=0.0) * s_post
+                + tl.load(base_ptr + HC + i))
+        tl.store(post_ptr + t64[:, None] * HC + i[None, :], 2 * tl.sigmoid(post), mask=ok2)
+        ij = i[:, None] * HC + i[None, :]  # [HC, HC]: row i, column j
+        ok3 = t_ok[:, None, None]
+        x = (tl.load(rows[:, :, None] + 2 * HC + ij[None, :, :], mask=ok3, other=0.0) * s_comb
+             + tl.load(base_ptr + 2 * HC + ij)[None, :, :])
+        x = tl.exp(x - tl.max(x, axis=2)[:, :, None])
+        comb = x / tl.sum(x, axis=2)[:, :, None] + eps  # softmax over j
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+        tl.store(comb_ptr + t64[:, None, None] * (HC * HC) + ij[None, :, :], comb, mask=ok3)
+
     @triton.jit(do_not_specialize=["T"])
     def _mix_kernel(h_ptr, fn_ptr, mix_ptr, h_st, fn_sn, T, K, N, eps, BLOCK_T: tl.constexpr,
                     BLOCK_K: tl.constexpr, N_PAD: tl.constexpr, PRECISION: tl.constexpr):

@@ -106,6 +106,26 @@ def test_mix_matches_float64(H, dtype) -> None:
 
 
 @cuda
+def test_weights_match_the_torch_branch_in_float64() -> None:
+    """hc_weights (sigmoids, softmax and 20 Sinkhorn sweeps in one kernel) against the
+    model's torch branch run in float64 on the same mix: within 1e-5 relative."""
+    from cpmoe.models.deepseek_v4 import DeepseekV4HyperConnection
+    from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+    from tests._v4_tiny import tiny_v4
+
+    hcm = DeepseekV4HyperConnection(parse_deepseek_v4(tiny_v4(HC))).cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        hcm.scale.copy_(torch.rand(3, device="cuda", generator=g) + 0.5)
+        hcm.base.copy_(torch.randn(hcm.base.shape, device="cuda", generator=g))
+    mix = torch.randn(T, (2 + HC) * HC, device="cuda", generator=g) * 3
+    got = hcm.weights(mix, torch.empty(0, device="cuda", dtype=torch.bfloat16))
+    want = hcm.double().weights(mix.double(), torch.empty(0, device="cuda"))
+    for a, b in zip(got, want):
+        assert ((a.double() - b).abs() / b.abs()).max().item() <= 1e-5
+
+
+@cuda
 def test_v4_bf16_with_hc_kernels_matches_float32(monkeypatch) -> None:
     from cpmoe.models import deepseek_v4 as v4
     from tests.gpu.test_deepseek_v4_cuda import LENGTHS, TOL, _rel, run_both

@@ -19,6 +19,8 @@ hc_mix against float64: an fp32 sum of K = hc H products is off by at most K u S
 sum_k |h_k| |fn_k|), r by (K / 2 + 4) u, so |mix - ref| <= 2 (K + 8) u S. Cases: N 24 (V4's
 (2 + hc) hc, padded to 32) and 2 and 4 (the head's hc, padded to 16), partial row and k
 blocks, fn rows wider than K, a zero row, bf16 h (exact in float32).
+hc_weights against float64 formulas: each output within 1e-5 relative (sigmoid, softmax and
+20 Sinkhorn sweeps in float32; the entries are >= eps, far from 0).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 _KERNELS = r"""
 import torch
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_rms, hc_weights
 
 g = torch.Generator().manual_seed(0)
 U = 2.0 ** -24
@@ -113,6 +115,29 @@ def mix_case(T, c, H, N, dtype=torch.float32, eps=1e-6, **tiles):
     return err.max().item()
 
 
+def weights_case(T, c, iters, **tiles):
+    eps = 1e-6
+    mix = torch.randn(T, (2 + c) * c + 5, generator=g)[:, 5:] * 3  # rows wider than N
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + c) * c, generator=g)
+    m, b = mix.double() * 1, base.double()
+    pre = torch.sigmoid(m[:, :c] * scale[0].item() + b[:c]) + eps
+    post = 2 * torch.sigmoid(m[:, c:2 * c] * scale[1].item() + b[c:2 * c])
+    comb = torch.softmax(m[:, 2 * c:].view(T, c, c) * scale[2].item() + b[2 * c:].view(c, c),
+                         dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    got = hc_weights(mix, scale, base, iters, eps, **tiles)
+    errs = []
+    for a, want in zip(got, (pre, post, comb)):
+        assert a.dtype == torch.float32 and a.shape == want.shape and a.is_contiguous()
+        err = ((a.double() - want).abs() / want.abs()).max().item()
+        assert err <= 1e-5, err
+        errs.append(err)
+    return max(errs)
+
+
 results = [
     merge_case(7, 4, 300),  # 2 x 2 tiles, both partial
     merge_case(5, 2, 70, block_t=2, block_h=32),  # 3 x 3 tiles
@@ -127,6 +152,8 @@ results = [
     mix_case(37, 4, 100, 24),  # 2 row blocks, the last partial; K 400: a partial k block
     mix_case(5, 2, 70, 2, block_t=16, block_k=32),
     mix_case(9, 4, 64, 4, dtype=torch.bfloat16),
+    weights_case(70, 4, 20),  # 2 row blocks, the last partial
+    weights_case(5, 2, 3, block_t=2),
 ]
 print("hc kernels ok", results)
 """
@@ -189,7 +216,7 @@ def run():
 
 want = run()
 calls = {}
-for name in ("hc_merge", "hc_collapse", "hc_mix"):
+for name in ("hc_merge", "hc_collapse", "hc_mix", "hc_weights"):
     def spy(*a, _f=getattr(hc, name), _n=name, **k):
         calls[_n] = calls.get(_n, 0) + 1
         return _f(*a, **k)
@@ -197,7 +224,7 @@ for name in ("hc_merge", "hc_collapse", "hc_mix"):
 v4.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
 got = run()
 # per forward: 3 layers x 2 hyper-connections, then the head (prefill, then one decode)
-assert calls == {"hc_merge": 12, "hc_collapse": 14, "hc_mix": 14}, calls
+assert calls == {"hc_merge": 12, "hc_collapse": 14, "hc_mix": 14, "hc_weights": 12}, calls
 for a, b in zip(got, want):
     err, top = (a - b).abs().max().item(), b.abs().max().item()
     assert err <= 1e-5 * top, (err, top)
@@ -231,6 +258,10 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         (hc.hc_rms, (h.transpose(1, 2), 1e-6), "contiguous last axis"),
         (hc.hc_mix, (h[:, :, :8], torch.rand(24, 32), 1e-6), "need flat h rows"),
         (hc.hc_mix, (h, torch.rand(24, 64).double(), 1e-6), r"fn float32 \[N, 64\]"),
+        (hc.hc_weights, (torch.rand(3, 20), torch.rand(3), torch.rand(20), 2, 1e-6),
+         r"mix float32 \[T, \(2 \+ hc\) hc\]"),
+        (hc.hc_weights, (torch.rand(3, 24), torch.rand(3), torch.rand(20), 2, 1e-6),
+         r"need scale \[3\] and base \[24\]"),
     ]
     for fn, args, message in cases:
         with pytest.raises(ValueError, match=message) as info:
