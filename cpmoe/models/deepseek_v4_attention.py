@@ -207,9 +207,9 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 # ---- attention -------------------------------------------------------------------------------
 
 def _rope_in_place(x_ThD: torch.Tensor) -> bool:
-    """Whether the query norm + RoPE and the output's inverse RoPE run as one in-place
-    kernel pass each (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the torch
-    expressions."""
+    """Whether the query norm + RoPE, the KV rows' RoPE and the output's inverse RoPE run as
+    one in-place kernel pass each (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the
+    torch expressions."""
     return kernel_applies(x_ThD.device, x_ThD.dtype) and x_ThD.stride(-1) == 1
 
 
@@ -252,7 +252,11 @@ class DeepseekV4Attention(nn.Module):
     # -- K side ---------------------------------------------------------------------------
     def _k_side(self, x_TH: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Per-token rows [T, D + 2Fc + 2Fi]: rotated KV, compressor and indexer projections."""
-        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)
+        kv = self.kv_norm(self.kv_proj(x_TH))
+        if _rope_in_place(kv):
+            head_norm_rope_(kv[:, None], rope.cos, rope.sin, self.eps, norm=False)
+        else:
+            kv = apply_interleaved_rope(kv, rope.cos, rope.sin)
         parts = [kv]
         if self.compressor is not None:
             parts.append(self.compressor.project(x_TH))
