@@ -21,11 +21,11 @@ torch merge's `torch.matmul(comb^T, h)` ran as a generic batched GEMM (T batches
 times 4 x H), 5 ms a call and 40.3 ms over the 8 merges, where reading h and out and
 writing h' takes about 0.25 ms of HBM time; the collapse wrote a float32 [T, c, H] product
 before summing it, and `_flat_rms` a float32 copy of h (1 GB at 16K), then its square and
-the normed copy; the Sinkhorn projection of comb ran ~120 launches of tiny [T, c, c]
-elementwise ops a hyper-connection (~4 us each, ~0.5 ms), `hc_weights` is one. `hc_mix`
-reads h once in its own dtype for both the linear and the norm:
-the float32 copy of h (1 GiB written at 16K) and cuBLAS's float32 GEMM over it (0.56 ms a
-call) were ~1 ms of each of the 9 mixes of that profile, where reading h takes ~0.13 ms.
+the normed copy. Later (219 ms profile) the mix still wrote a float32 copy of h (1 GiB at
+16K) for cuBLAS's float32 GEMM (0.56 ms a call): ~1 ms for each of its 9 mixes, where
+reading h takes ~0.13 ms; `hc_mix` reads h once in its own dtype for the linear and the
+norm. The Sinkhorn projection of comb ran ~120 launches of tiny [T, c, c] elementwise ops
+per hyper-connection (a few us each); `hc_weights` is one launch.
 
 Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
 float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
