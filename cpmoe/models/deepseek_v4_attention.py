@@ -138,7 +138,7 @@ class DeepseekV4Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(dim=1))
-        return apply_interleaved_rope(pooled, *rope(window_E * m, pooled.dtype))
+        return _rotate(pooled, *rope(window_E * m, pooled.dtype))
 
 
 class DeepseekV4IndexerScorer(nn.Module):
@@ -187,7 +187,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
                    sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
         """Scores [T, C] of each row's own keys [T, C, dI] (decode over a cache shard)."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        return self.scorer(apply_interleaved_rope(q, cos, sin), keys_TCd, x_TH)
+        return self.scorer(_rotate(q, cos, sin), keys_TCd, x_TH)
 
     def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
@@ -198,7 +198,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         depends on the row's length, so it would differ between batch compositions and CP
         layouts). Exact ties are scores of 0: every head's q.k negative."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_interleaved_rope(q, cos, sin), keys_Ed, x_TH, visible_TE)
+        scores = self.scorer(_rotate(q, cos, sin), keys_Ed, x_TH, visible_TE)
         k = min(self.topk, keys_Ed.shape[0])
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(visible_TE.gather(1, picks), picks, -1)
@@ -207,10 +207,20 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 # ---- attention -------------------------------------------------------------------------------
 
 def _rope_in_place(x_ThD: torch.Tensor) -> bool:
-    """Whether the query norm + RoPE, the KV rows' RoPE and the output's inverse RoPE run as
-    one in-place kernel pass each (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the
-    torch expressions."""
+    """Whether the query norm + RoPE and the rotations of tensors the layer has just made run
+    as in-place kernel passes (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the torch
+    expressions."""
     return kernel_applies(x_ThD.device, x_ThD.dtype) and x_ThD.stride(-1) == 1
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_interleaved_rope(x, cos, sin) of x [T, D] or [T, h, D] that this layer has just
+    made (nothing else holds it): on CUDA in 16 bits rotated in place, only the rotated
+    channels read and written, not a float32 pair copy, a stack and a cat of whole rows."""
+    if not _rope_in_place(x):
+        return apply_interleaved_rope(x, cos, sin)
+    head_norm_rope_(x if x.dim() == 3 else x[:, None], cos, sin, 0.0, norm=False)
+    return x
 
 
 @dataclass
@@ -252,12 +262,7 @@ class DeepseekV4Attention(nn.Module):
     # -- K side ---------------------------------------------------------------------------
     def _k_side(self, x_TH: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Per-token rows [T, D + 2Fc + 2Fi]: rotated KV, compressor and indexer projections."""
-        kv = self.kv_norm(self.kv_proj(x_TH))
-        if _rope_in_place(kv):
-            head_norm_rope_(kv[:, None], rope.cos, rope.sin, self.eps, norm=False)
-        else:
-            kv = apply_interleaved_rope(kv, rope.cos, rope.sin)
-        parts = [kv]
+        parts = [_rotate(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)]
         if self.compressor is not None:
             parts.append(self.compressor.project(x_TH))
             if self.compressor.indexer is not None:
