@@ -140,6 +140,7 @@ PY
     step v4-indexer python3 -m bench.v4_indexer --out "$out/v4-indexer.json"
     step v4-hyper-connection python3 -m bench.v4_hyper_connection \
       --out "$out/v4-hyper-connection.json"
+    step v4-elementwise python3 -m bench.v4_elementwise --out "$out/v4-elementwise.json"
     v4=$(mktemp -d)/v4-4l.json
     python3 -c "from transformers import DeepseekV4Config as C; import json, sys; \
       d = C(num_hidden_layers=4).to_dict(); d['architectures'] = ['DeepseekV4ForCausalLM']; \
