@@ -16,7 +16,7 @@ Prints per length and op the milliseconds of both (CUDA events, mean of --iters 
 untimed call), their ratio, the kernel's HBM traffic rate and the floor: the bytes it must
 move (merge: read h and out, write h'; collapse: read h, write x; mix: read h) at --hbm-tbs
 (4.8 TB/s, the H200's HBM3e peak), and the largest difference of the two results. --sweep
-also times merge and collapse over tile and launch options, for tuning the defaults.
+also times merge, collapse and mix over tile and launch options, for tuning the defaults.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from cpmoe.models.deepseek_v4 import _flat_rms
 from cpmoe.models.deepseek_v4 import _merge_torch as torch_merge
 
 SWEEP = {"block_t": (1, 2, 4, 8), "block_h": (256, 512, 1024), "num_warps": (4, 8)}
+MIX_SWEEP = {"block_t": (16, 32, 64), "block_k": (32, 64, 128), "num_warps": (4, 8)}
 EPS = 1e-6
 
 
@@ -86,11 +87,12 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
               f"torch {ms_r:.3f} ms, {ms_r / ms_k:.1f}x; HBM floor {floor:.3f} ms; "
               f"max |diff| {diff:.3g}", flush=True)
     if a.sweep:
-        makers = {"merge": lambda **o: lambda: hc.hc_merge(h, out, post, comb, **o),
-                  "collapse": lambda **o: lambda: hc.hc_collapse(h, pre, **o)}
-        for op, make in makers.items():
+        makers = {"merge": (lambda **o: lambda: hc.hc_merge(h, out, post, comb, **o), SWEEP),
+                  "collapse": (lambda **o: lambda: hc.hc_collapse(h, pre, **o), SWEEP),
+                  "mix": (lambda **o: lambda: hc.hc_mix(h, fn, EPS, **o), MIX_SWEEP)}
+        for op, (make, grid) in makers.items():
             print(f"T={T} {op} sweep (fastest 8):", flush=True)
-            row[op]["sweep"] = sweep_ms(make, SWEEP, nbytes[op], a.iters, "tbs", show=8)
+            row[op]["sweep"] = sweep_ms(make, grid, nbytes[op], a.iters, "tbs", show=8)
     return row
 
 
