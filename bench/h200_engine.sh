@@ -145,12 +145,14 @@ PY
   v4)
     step v4-tests python3 -m pytest tests/gpu/test_deepseek_v4_cuda.py \
       tests/gpu/test_v4_sparse_attention_cuda.py tests/gpu/test_v4_indexer_cuda.py \
-      tests/gpu/test_v4_hyper_connection_cuda.py
+      tests/gpu/test_v4_hyper_connection_cuda.py tests/gpu/test_v4_rope_cuda.py \
+      tests/gpu/test_cuda_paths.py::test_v4_triton_ops_match_references_at_model_shapes
     step v4-sparse-attention python3 -m bench.v4_sparse_attention \
       --out "$out/v4-sparse-attention.json"
     step v4-indexer python3 -m bench.v4_indexer --out "$out/v4-indexer.json"
     step v4-hyper-connection python3 -m bench.v4_hyper_connection \
       --out "$out/v4-hyper-connection.json"
+    step v4-elementwise python3 -m bench.v4_elementwise --out "$out/v4-elementwise.json"
     v4=$(mktemp -d)/v4-4l.json
     python3 -c "from transformers import DeepseekV4Config as C; import json, sys; \
       d = C(num_hidden_layers=4).to_dict(); d['architectures'] = ['DeepseekV4ForCausalLM']; \

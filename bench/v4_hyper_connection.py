@@ -10,13 +10,13 @@ weights, comb doubly stochastic-ish), T rows of each length:
 - merge: h' = post * out + comb^T h (`hc_merge` vs the torch branch of
   `DeepseekV4HyperConnection.merge`: a bf16 batched matmul and two elementwise ops);
 - collapse: x = sum_i pre_i h_i (`hc_collapse` vs `(pre[..., None] * h).sum(1)`);
-- mix: the float32 F.linear of the RMS-normed streams (`F.linear(h.float(), fn) * hc_rms`
-  vs `F.linear(_flat_rms(h), fn)`), (2 + hc) hc outputs a row.
+- mix: the float32 F.linear of the RMS-normed streams (`hc_mix`, which reads h once for the
+  linear and the norm, vs `F.linear(_flat_rms(h), fn)`), (2 + hc) hc outputs a row.
 Prints per length and op the milliseconds of both (CUDA events, mean of --iters after one
 untimed call), their ratio, the kernel's HBM traffic rate and the floor: the bytes it must
 move (merge: read h and out, write h'; collapse: read h, write x; mix: read h) at --hbm-tbs
 (4.8 TB/s, the H200's HBM3e peak), and the largest difference of the two results. --sweep
-also times merge and collapse over tile and launch options, for tuning the defaults.
+also times merge, collapse and mix over tile and launch options, for tuning the defaults.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from cpmoe.models.deepseek_v4 import _flat_rms
 from cpmoe.models.deepseek_v4 import _merge_torch as torch_merge
 
 SWEEP = {"block_t": (1, 2, 4, 8), "block_h": (256, 512, 1024), "num_warps": (4, 8)}
+MIX_SWEEP = {"block_t": (16, 32, 64), "block_k": (32, 64, 128), "num_warps": (4, 8)}
 EPS = 1e-6
 
 
@@ -71,8 +72,7 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
         "merge": (lambda: hc.hc_merge(h, out, post, comb),
                   lambda: torch_merge(h, out, post, comb)),
         "collapse": (lambda: hc.hc_collapse(h, pre), lambda: torch_collapse(h, pre)),
-        "mix": (lambda: F.linear(h.flatten(1).float(), fn) * hc.hc_rms(h, EPS)[:, None],
-                lambda: F.linear(_flat_rms(h, EPS), fn)),
+        "mix": (lambda: hc.hc_mix(h, fn, EPS), lambda: F.linear(_flat_rms(h, EPS), fn)),
     }
     nbytes = floor_bytes(T, c, H, h.element_size())
     row: dict = {"rows": T}
@@ -87,11 +87,12 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
               f"torch {ms_r:.3f} ms, {ms_r / ms_k:.1f}x; HBM floor {floor:.3f} ms; "
               f"max |diff| {diff:.3g}", flush=True)
     if a.sweep:
-        makers = {"merge": lambda **o: lambda: hc.hc_merge(h, out, post, comb, **o),
-                  "collapse": lambda **o: lambda: hc.hc_collapse(h, pre, **o)}
-        for op, make in makers.items():
+        makers = {"merge": (lambda **o: lambda: hc.hc_merge(h, out, post, comb, **o), SWEEP),
+                  "collapse": (lambda **o: lambda: hc.hc_collapse(h, pre, **o), SWEEP),
+                  "mix": (lambda **o: lambda: hc.hc_mix(h, fn, EPS, **o), MIX_SWEEP)}
+        for op, (make, grid) in makers.items():
             print(f"T={T} {op} sweep (fastest 8):", flush=True)
-            row[op]["sweep"] = sweep_ms(make, SWEEP, nbytes[op], a.iters, "tbs", show=8)
+            row[op]["sweep"] = sweep_ms(make, grid, nbytes[op], a.iters, "tbs", show=8)
     return row
 
 

@@ -22,7 +22,7 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
 blocks; the hyper head collapses them before the final norm. On CUDA in 16 bits their stream
-arithmetic (merge, collapse, the mix's RMS) runs as Triton kernels (`deepseek_v4_hc.py`);
+arithmetic (merge, collapse, the mix with its RMS) runs as Triton kernels (`deepseek_v4_hc.py`);
 float32 and CPU keep the torch expressions. Multi-token prediction is not built.
 Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
 """
@@ -42,7 +42,7 @@ from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_i
 from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
 from cpmoe.models.deepseek_v4_config import HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_weights
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan
 from cpmoe.models.deepseek_v4_sparse import kernel_applies
 from cpmoe.models.deepseek_v4_state import DecodeStep
@@ -190,11 +190,11 @@ def _flat_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.linear of the RMS-normed flat streams, float32. On CUDA in 16 bits the norm's scale
-    comes from `hc_rms` and is applied after the linear: one float32 copy of h, not three
-    float32 passes over it (deepseek_v4_hc.py)."""
+    """F.linear of the RMS-normed flat streams, float32. On CUDA in 16 bits one kernel reads
+    h once for the linear and the norm, whose scale it applies after the linear (`hc_mix`,
+    deepseek_v4_hc.py): no float32 copy of h."""
     if kernel_applies(h.device, h.dtype):
-        return F.linear(h.flatten(1).float(), fn) * hc_rms(h, eps)[:, None]
+        return hc_mix(h, fn, eps)
     return F.linear(_flat_rms(h, eps), fn)
 
 
@@ -232,8 +232,16 @@ class DeepseekV4HyperConnection(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (post [T, hc], comb [T, hc, hc], collapsed block input [T, H])."""
+        pre, post, comb = self.weights(_mix(h, self.fn, self.norm_eps), h)
+        return post, comb, _collapse(h, pre)
+
+    def weights(self, mix: torch.Tensor, h: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The mix [T, (2 + hc) hc] -> float32 (pre, post, comb), one kernel on CUDA in 16
+        bits (`hc_weights`; h's device and dtype choose)."""
+        if kernel_applies(h.device, h.dtype):
+            return hc_weights(mix, self.scale, self.base, self.iters, self.eps)
         n, eps = self.hc, self.eps
-        mix = _mix(h, self.fn, self.norm_eps)
         pre, post, comb = mix.split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = self.base.split([n, n, n * n])
         pre = torch.sigmoid(pre * self.scale[0] + b_pre) + eps
@@ -244,7 +252,7 @@ class DeepseekV4HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return post, comb, _collapse(h, pre)
+        return pre, post, comb
 
     @staticmethod
     def merge(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor

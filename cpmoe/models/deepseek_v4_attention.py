@@ -44,6 +44,7 @@ from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, Rope
 from cpmoe.models.deepseek_v4_decode import decode_attention
 from cpmoe.models.deepseek_v4_indexer import indexer_scores
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4_rope import head_norm_rope_
 from cpmoe.models.deepseek_v4_sparse import kernel_applies
 from cpmoe.models.deepseek_v4_state import DecodeStep
 from cpmoe.parallel.groups import ProcessGroups
@@ -137,7 +138,7 @@ class DeepseekV4Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(dim=1))
-        return apply_interleaved_rope(pooled, *rope(window_E * m, pooled.dtype))
+        return _rotate(pooled, *rope(window_E * m, pooled.dtype))
 
 
 class DeepseekV4IndexerScorer(nn.Module):
@@ -186,7 +187,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
                    sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
         """Scores [T, C] of each row's own keys [T, C, dI] (decode over a cache shard)."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        return self.scorer(apply_interleaved_rope(q, cos, sin), keys_TCd, x_TH)
+        return self.scorer(_rotate(q, cos, sin), keys_TCd, x_TH)
 
     def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
@@ -197,13 +198,30 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         depends on the row's length, so it would differ between batch compositions and CP
         layouts). Exact ties are scores of 0: every head's q.k negative."""
         q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(apply_interleaved_rope(q, cos, sin), keys_Ed, x_TH, visible_TE)
+        scores = self.scorer(_rotate(q, cos, sin), keys_Ed, x_TH, visible_TE)
         k = min(self.topk, keys_Ed.shape[0])
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(visible_TE.gather(1, picks), picks, -1)
 
 
 # ---- attention -------------------------------------------------------------------------------
+
+def _rope_in_place(x_ThD: torch.Tensor) -> bool:
+    """Whether the query norm + RoPE and the rotations of tensors the layer has just made run
+    as in-place kernel passes (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the torch
+    expressions."""
+    return kernel_applies(x_ThD.device, x_ThD.dtype) and x_ThD.stride(-1) == 1
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_interleaved_rope(x, cos, sin) of x [T, D] or [T, h, D] that this layer has just
+    made (nothing else holds it): on CUDA in 16 bits rotated in place, only the rotated
+    channels read and written, not a float32 pair copy, a stack and a cat of whole rows."""
+    if not _rope_in_place(x):
+        return apply_interleaved_rope(x, cos, sin)
+    head_norm_rope_(x if x.dim() == 3 else x[:, None], cos, sin, 0.0, norm=False)
+    return x
+
 
 @dataclass
 class Queries:
@@ -244,8 +262,7 @@ class DeepseekV4Attention(nn.Module):
     # -- K side ---------------------------------------------------------------------------
     def _k_side(self, x_TH: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Per-token rows [T, D + 2Fc + 2Fi]: rotated KV, compressor and indexer projections."""
-        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)
-        parts = [kv]
+        parts = [_rotate(self.kv_norm(self.kv_proj(x_TH)), rope.cos, rope.sin)]
         if self.compressor is not None:
             parts.append(self.compressor.project(x_TH))
             if self.compressor.indexer is not None:
@@ -259,8 +276,11 @@ class DeepseekV4Attention(nn.Module):
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
-        q = unweighted_rms_norm(self.q_b_proj(q_res).view(T, Hq, D), self.eps)
-        q = apply_interleaved_rope(q, rope.cos, rope.sin)
+        q = self.q_b_proj(q_res).view(T, Hq, D)
+        if _rope_in_place(q):
+            q = head_norm_rope_(q, rope.cos, rope.sin, self.eps)
+        else:
+            q = apply_interleaved_rope(unweighted_rms_norm(q, self.eps), rope.cos, rope.sin)
         # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = communicator.gather_output(self._k_side(x_TH, rope), batch, self.groups)
         qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
@@ -269,6 +289,19 @@ class DeepseekV4Attention(nn.Module):
         else:
             out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
-        o = apply_interleaved_rope(out, rope.cos, -rope.sin).view(T, self.o_groups, -1)
-        w = self.o_a_proj.weight.view(self.o_groups, -1, o.shape[-1])
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", o, w).flatten(1))
+        if _rope_in_place(out):
+            o = head_norm_rope_(out, rope.cos, rope.sin, self.eps, norm=False, sin_sign=-1.0)
+        else:
+            o = apply_interleaved_rope(out, rope.cos, -rope.sin)
+        return self.o_b_proj(self._grouped_o_a(o.view(T, self.o_groups, -1)))
+
+    def _grouped_o_a(self, o_TGI: torch.Tensor) -> torch.Tensor:
+        """Group g's rows o[:, g] times its block of o_a_proj -> [T, g * o_lora]. One bmm
+        over strided views, written straight into the result's layout: einsum made the
+        [g, T, i] operand contiguous first (a copy of the whole attention output, 1 GiB
+        per layer at 16K tokens in bf16)."""
+        T, g, i = o_TGI.shape
+        w = self.o_a_proj.weight.view(g, -1, i)
+        out = torch.empty(T, g, w.shape[1], dtype=o_TGI.dtype, device=o_TGI.device)
+        torch.bmm(o_TGI.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        return out.flatten(1)

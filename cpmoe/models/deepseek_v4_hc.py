@@ -7,6 +7,12 @@ streams once and writes its result once, accumulating in float32.
         x[t] = sum_i pre[t, i] * h[t, i]
     hc_rms(h_TcH, eps) -> r_T
         r[t] = rsqrt(mean over c, H of h[t]^2 + eps)
+    hc_mix(h_TcH, fn_NK, eps) -> mix_TN
+        mix[t] = (fn @ flat h[t]) * r[t], K = c H: the hyper-connection's float32 mix of the
+        RMS-normed streams (the norm's scale applied after the linear)
+    hc_weights(mix_TN, scale_3, base_N, iters, eps) -> (pre_Tc, post_Tc, comb_Tcc)
+        the mix's split into the collapse weights pre, the spread weights post and the
+        Sinkhorn-projected stream mixing comb (`DeepseekV4HyperConnection.weights`)
 
 Legend: T rows, c = hc streams, H hidden.
 
@@ -15,13 +21,18 @@ torch merge's `torch.matmul(comb^T, h)` ran as a generic batched GEMM (T batches
 times 4 x H), 5 ms a call and 40.3 ms over the 8 merges, where reading h and out and
 writing h' takes about 0.25 ms of HBM time; the collapse wrote a float32 [T, c, H] product
 before summing it, and `_flat_rms` a float32 copy of h (1 GB at 16K), then its square and
-the normed copy. Here `hc_rms` reads h once for the norm, so the hyper-connection's float32
-mix is F.linear(h.float(), fn) * r: one float32 copy of h instead of three float32 passes.
+the normed copy. Later (219 ms profile) the mix still wrote a float32 copy of h (1 GiB at
+16K) for cuBLAS's float32 GEMM (0.56 ms a call): ~1 ms for each of its 9 mixes, where
+reading h takes ~0.13 ms; `hc_mix` reads h once in its own dtype for the linear and the
+norm. The Sinkhorn projection of comb ran ~120 launches of tiny [T, c, c] elementwise ops
+per hyper-connection (a few us each); `hc_weights` is one launch.
 
 Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
 float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
 dtype, then each of its two terms and their sum, so the kernel is the more accurate of the
-two; the torch collapse also rounds once. hc_rms sums squares in float32.
+two; the torch collapse also rounds once. hc_rms sums squares in float32. hc_mix's products
+take tl.dot with 3 TF32 passes (a 16-bit h is exact in TF32; fn splits into two TF32 parts,
+~22 bits) accumulated in float32, IEEE float32 dots in the interpreter.
 
 Inputs: h [T, c, H] (bf16/fp16 on the GPU, float32 for the interpreter tests), out [T, H]
 in h's dtype, last dims contiguous, other strides free; post, pre [T, c] and comb
@@ -31,6 +42,8 @@ graphs too: nothing reads a value to the host) and prefill share each compiled v
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,6 +56,10 @@ triton, tl = import_triton()
 # (32 registers a thread at 4 warps) and writes 4 x 4 x 256 outputs.
 BLOCK_T, BLOCK_H, NUM_WARPS = 4, 256, 4
 RMS_BLOCK = 1024
+# hc_mix: [32 rows, 64] float32 tiles of h, a [64, 32] tile of fn (N = 24 padded), a
+# [32, 32] float32 accumulator; 512 programs at 16K rows. Not yet measured.
+MIX_BLOCK_T, MIX_BLOCK_K = 32, 64
+WEIGHTS_BLOCK_T = 64  # hc_weights: [64, 4, 4] float32 comb tiles, 256 programs at 16K
 
 
 def _check_streams(name: str, h: torch.Tensor, weights: dict[str, tuple[torch.Tensor, int]]
@@ -112,7 +129,109 @@ def hc_rms(h: torch.Tensor, eps: float, block: int = RMS_BLOCK) -> torch.Tensor:
     return r
 
 
+def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLOCK_T,
+           block_k: int = MIX_BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """See the module docstring -> mix [T, N] float32. h's rows must be flat ([T, c, H] with
+    the streams adjacent, as hc_merge writes them); fn [N, c H] float32, last dim
+    contiguous."""
+    T, c, H = _check_streams("hc_mix", h, {})
+    if h.stride(1) != H or fn.dim() != 2 or fn.shape[1] != c * H or fn.stride(1) != 1 \
+            or fn.dtype != torch.float32:
+        raise ValueError(f"hc_mix: need flat h rows and fn float32 [N, {c * H}] with a "
+                         f"contiguous last axis, got h strides {h.stride()}, fn {fn.dtype} "
+                         f"{tuple(fn.shape)}")
+    if triton is None:
+        raise RuntimeError("hc_mix needs Triton (on CUDA or its interpreter)")
+    N = fn.shape[0]
+    mix = torch.empty(T, N, dtype=torch.float32, device=h.device)
+    if T == 0:
+        return mix
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _mix_kernel[(triton.cdiv(T, block_t),)](
+        h, fn, mix, h.stride(0), fn.stride(0), T, c * H, N, eps, BLOCK_T=block_t,
+        BLOCK_K=block_k, N_PAD=max(16, triton.next_power_of_2(N)),
+        PRECISION="ieee" if interpreted else "tf32x3", num_warps=num_warps)
+    return mix
+
+
+def hc_weights(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+               eps: float, block_t: int = WEIGHTS_BLOCK_T
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module docstring: mix [T, (2 + c) c] float32 (last dim contiguous), scale [3],
+    base [(2 + c) c] float32 -> new float32 pre [T, c], post [T, c], comb [T, c, c]."""
+    T, N = mix.shape
+    c = int(round((1 + N) ** 0.5)) - 1  # N = (2 + c) c
+    if (2 + c) * c != N or c & (c - 1) or mix.stride(1) != 1 or mix.dtype != torch.float32:
+        raise ValueError(f"hc_weights: need mix float32 [T, (2 + hc) hc] with hc a power of "
+                         f"two and a contiguous last axis, got {mix.dtype} {tuple(mix.shape)}")
+    if scale.shape != (3,) or base.shape != (N,):
+        raise ValueError(f"hc_weights: need scale [3] and base [{N}], got "
+                         f"{tuple(scale.shape)} and {tuple(base.shape)}")
+    if triton is None:
+        raise RuntimeError("hc_weights needs Triton (on CUDA or its interpreter)")
+    pre = torch.empty(T, c, dtype=torch.float32, device=mix.device)
+    post = torch.empty(T, c, dtype=torch.float32, device=mix.device)
+    comb = torch.empty(T, c, c, dtype=torch.float32, device=mix.device)
+    if T:
+        _weights_kernel[(triton.cdiv(T, block_t),)](
+            mix, scale, base, pre, post, comb, mix.stride(0), T, iters, eps, HC=c,
+            BLOCK_T=block_t)
+    return pre, post, comb
+
+
 if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _weights_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, m_st, T,
+                        iters, eps, HC: tl.constexpr, BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        i = tl.arange(0, HC)
+        rows = mix_ptr + t64[:, None] * m_st
+        ok2 = t_ok[:, None]
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        pre = tl.load(rows + i[None, :], mask=ok2, other=0.0) * s_pre + tl.load(base_ptr + i)
+        pre = tl.sigmoid(pre) + eps
+        tl.store(pre_ptr + t64[:, None] * HC + i[None, :], pre, mask=ok2)
+        post = (tl.load(rows + HC + i[None, :], mask=ok2, other=0.0) * s_post
+                + tl.load(base_ptr + HC + i))
+        tl.store(post_ptr + t64[:, None] * HC + i[None, :], 2 * tl.sigmoid(post), mask=ok2)
+        ij = i[:, None] * HC + i[None, :]  # [HC, HC]: row i, column j
+        ok3 = t_ok[:, None, None]
+        x = (tl.load(rows[:, :, None] + 2 * HC + ij[None, :, :], mask=ok3, other=0.0) * s_comb
+             + tl.load(base_ptr + 2 * HC + ij)[None, :, :])
+        x = tl.exp(x - tl.max(x, axis=2)[:, :, None])
+        comb = x / tl.sum(x, axis=2)[:, :, None] + eps  # softmax over j
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+        tl.store(comb_ptr + t64[:, None, None] * (HC * HC) + ij[None, :, :], comb, mask=ok3)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _mix_kernel(h_ptr, fn_ptr, mix_ptr, h_st, fn_sn, T, K, N, eps, BLOCK_T: tl.constexpr,
+                    BLOCK_K: tl.constexpr, N_PAD: tl.constexpr, PRECISION: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        n = tl.arange(0, N_PAD)
+        t_ok, n_ok = t < T, n < N
+        rows = h_ptr + t.to(tl.int64)[:, None] * h_st
+        acc = tl.zeros([BLOCK_T, N_PAD], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x.to(tl.float32)  # [BLOCK_T, BLOCK_K]
+            w = tl.load(fn_ptr + n[None, :] * fn_sn + k[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, N_PAD]
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            sq += tl.sum(x * x, axis=1)
+        r = 1.0 / tl.sqrt(sq / K + eps)
+        tl.store(mix_ptr + t.to(tl.int64)[:, None] * N + n[None, :], acc * r[:, None],
+                 mask=t_ok[:, None] & n_ok[None, :])
+
     @triton.jit
     def _streams(h_ptr, h_st, h_sc, t64, h_off, ok, HC: tl.constexpr):
         """The [BLOCK_T, HC, BLOCK_H] tile of h at rows t64, columns h_off, in float32."""

@@ -8,8 +8,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpmoe import ops
 from cpmoe.linear import param
 from cpmoe.ops import add_rms_norm
+
+_ROW_KERNEL_MAX = 16384  # widest row `ops.rms_norm_fp32_weight` takes in one program
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
@@ -18,7 +21,8 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, the mean square in float32. The weight's dtype says where the
     result is rounded to x's dtype, as each model's reference does: a weight in the model
     dtype (HF Qwen) multiplies the rounded normed x; a float32 weight (DeepSeek-V4) multiplies
-    first. (In float32 the two agree.)"""
+    first. (In float32 the two agree.) On CUDA in 16 bits either is one kernel pass
+    (F.rms_norm for a bf16 weight, `ops.rms_norm_fp32_weight` for a float32 one)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -29,6 +33,10 @@ class RMSNorm(nn.Module):
         same = self.weight.dtype == x.dtype
         if x.is_cuda and x.dtype == torch.bfloat16 and same:  # one fused kernel on the GPU
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                and self.weight.dtype == torch.float32 and x.shape[-1] <= _ROW_KERNEL_MAX
+                and ops.triton is not None):
+            return ops.rms_norm_fp32_weight(x, self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight.dtype == torch.float32:

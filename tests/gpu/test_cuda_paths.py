@@ -188,3 +188,25 @@ def test_triton_ops_match_references_at_model_shapes():
     want = ops.merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2])).to(bf)
     torch.testing.assert_close(ops.merge_two_attention(o1, l1, o2, l2, out), want, rtol=2e-2,
                                atol=2e-2)
+
+
+@cuda
+def test_v4_triton_ops_match_references_at_model_shapes():
+    """DeepSeek-V4's clamped SwiGLU (halves of packed expert rows, I 2048) and float32-weight
+    RMSNorm (H 4096) on CUDA in bf16 against their torch expressions: one rounding against
+    the expressions' several, within 2e-2."""
+    from cpmoe import ops
+    from cpmoe.models.layers import RMSNorm
+    torch.manual_seed(4)
+    dev, bf = "cuda", torch.bfloat16
+    h = torch.randn(3000, 2 * 2048, device=dev, dtype=bf) * 6
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.clamped_swiglu(gate, up, 10.0),
+                               ops.clamped_swiglu_ref(gate, up, 10.0), rtol=2e-2, atol=2e-2)
+    x = torch.randn(3000, 4096, device=dev, dtype=bf) * 3
+    norm = RMSNorm(4096, 1e-6, torch.float32).to(dev)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(4096, device=dev) + 0.5)
+    xf = x.float()
+    want = (norm.weight * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(bf)
+    torch.testing.assert_close(norm(x), want, rtol=2e-2, atol=2e-2)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_rms
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")  # the fp32 references
@@ -84,6 +84,45 @@ def test_collapse_and_rms_match_reference(H, dtype) -> None:
     rel = ((hc_rms(h, eps).double() - ref).abs() / ref).max().item()
     assert rel <= (HC * H / 2 + 4) * 2.0 ** -24, rel
     print(f"rms: max relative error {rel:.3g}")
+
+
+@cuda
+@pytest.mark.parametrize("H, dtype", [(4096, torch.bfloat16), (4000, torch.float16)])
+def test_mix_matches_float64(H, dtype) -> None:
+    """hc_mix (3-pass TF32 dots, float32 sums) within 2 (K + 8) 2^-24 S of float64, S = r
+    sum_k |h_k| |fn_k|, K = hc H (tests/unit/test_v4_hyper_connection.py), for V4's mix
+    (24 outputs) and the head's (4)."""
+    h = inputs(H, dtype, seed=H + 2)[0]
+    g = torch.Generator(device="cuda").manual_seed(H)
+    for N in (24, 4):
+        fn = torch.randn(N, HC * H, device="cuda", generator=g) * (HC * H) ** -0.5
+        hd, fd = h.double().flatten(1), fn.double()
+        r = torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-6)
+        want, S = (hd @ fd.T) * r, (hd.abs() @ fd.abs().T) * r
+        err = (hc_mix(h, fn, 1e-6).double() - want).abs()
+        bound = 2 * (HC * H + 8) * 2.0 ** -24 * S
+        assert (err <= bound).all(), (err - bound).max().item()
+        print(f"\nmix N {N} H {H} {dtype}: max err/bound {(err / bound).max().item():.3f}")
+
+
+@cuda
+def test_weights_match_the_torch_branch_in_float64() -> None:
+    """hc_weights (sigmoids, softmax and 20 Sinkhorn sweeps in one kernel) against the
+    model's torch branch run in float64 on the same mix: within 1e-5 relative."""
+    from cpmoe.models.deepseek_v4 import DeepseekV4HyperConnection
+    from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+    from tests._v4_tiny import tiny_v4
+
+    hcm = DeepseekV4HyperConnection(parse_deepseek_v4(tiny_v4(HC))).cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        hcm.scale.copy_(torch.rand(3, device="cuda", generator=g) + 0.5)
+        hcm.base.copy_(torch.randn(hcm.base.shape, device="cuda", generator=g))
+    mix = torch.randn(T, (2 + HC) * HC, device="cuda", generator=g) * 3
+    got = hcm.weights(mix, torch.empty(0, device="cuda", dtype=torch.bfloat16))
+    want = hcm.double().weights(mix.double(), torch.empty(0, device="cuda"))
+    for a, b in zip(got, want):
+        assert ((a.double() - b).abs() / b.abs()).max().item() <= 1e-5
 
 
 @cuda

@@ -139,3 +139,42 @@ def test_triton_kernels_match_references_in_the_interpreter() -> None:
     out = run_interpreted(_KERNELS, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kernels ok" in out.stdout
+
+
+_V4_KERNELS = r"""
+import torch
+from cpmoe import ops
+
+g = torch.Generator().manual_seed(0)
+U = 2.0 ** -24
+for dtype in (torch.float32, torch.bfloat16):
+    # clamped SwiGLU on the two halves of packed rows (row stride 2I), values past the limit
+    h = (torch.randn(7, 2 * 300, generator=g) * 6).to(dtype)
+    gate, up = h.chunk(2, dim=-1)
+    gf, uf = gate.float().clamp(max=5.0), up.float().clamp(-5.0, 5.0)
+    want = gf * torch.sigmoid(gf) * uf
+    got = ops.clamped_swiglu_triton(gate, up, 5.0)
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -7
+    assert got.dtype == dtype and got.is_contiguous()
+    assert ((got.float() - want).abs() <= tol * (want.abs() + 1e-3)).all(), dtype
+    # RMSNorm with a float32 weight, rows of a 3-d tensor, N not a power of two
+    x = (torch.randn(3, 5, 200, generator=g) * 4).to(dtype)
+    w = torch.rand(200, generator=g) + 0.5
+    xd = x.double()
+    want = w.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    got = ops.rms_norm_fp32_weight(x, w, 1e-6)
+    tol = (200 / 2 + 8) * U if dtype == torch.float32 else 2.0 ** -7
+    assert got.dtype == dtype and got.shape == x.shape
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-30).all(), dtype
+print("v4 ops ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_v4_swiglu_and_fp32_weight_norm_match_formulas_in_the_interpreter() -> None:
+    """Tolerance: float32, the SiLU product in fp32 (a few u) and the norm's sum of N squares
+    in fp32 (N/2 u on the scale, plus a few u), against float32/float64 formulas written
+    here; bf16 rounds once, one ulp (2^-7 relative: the interpreter truncates)."""
+    out = run_interpreted(_V4_KERNELS, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "v4 ops ok" in out.stdout

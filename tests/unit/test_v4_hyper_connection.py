@@ -15,6 +15,12 @@ truncates where the GPU rounds, one ulp 2^-7 |ref| more. A transposed comb or a 
 stream moves outputs by a fair share of S, thousands of times the float32 bound (checked).
 hc_rms against float64: summing N = hc H squares in fp32 is off by at most N u of the sum,
 the mean, sqrt and division add a few u, so |r - ref| <= (N / 2 + 4) u ref.
+hc_mix against float64: an fp32 sum of K = hc H products is off by at most K u S (S = r
+sum_k |h_k| |fn_k|), r by (K / 2 + 4) u, so |mix - ref| <= 2 (K + 8) u S. Cases: N 24 (V4's
+(2 + hc) hc, padded to 32) and 2 and 4 (the head's hc, padded to 16), partial row and k
+blocks, fn rows wider than K, a zero row, bf16 h (exact in float32).
+hc_weights against float64 formulas: each output within 1e-5 relative (sigmoid, softmax and
+20 Sinkhorn sweeps in float32; the entries are >= eps, far from 0).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 _KERNELS = r"""
 import torch
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_rms, hc_weights
 
 g = torch.Generator().manual_seed(0)
 U = 2.0 ** -24
@@ -93,6 +99,45 @@ def rms_case(T, c, H, dtype=torch.float32, eps=1e-6, **tiles):
     return err.max().item()
 
 
+def mix_case(T, c, H, N, dtype=torch.float32, eps=1e-6, **tiles):
+    h = torch.randn(T, c * H, generator=g).to(dtype).view(T, c, H)
+    h[1] = 0  # the mix is 0, r = eps^-1/2
+    fn = torch.randn(N, c * H + 3, generator=g)[:, 3:]  # row stride wider than c H
+    hd, fd = h.double().flatten(1), fn.double()
+    r = torch.rsqrt(hd.square().mean(-1, keepdim=True) + eps)
+    want = (hd @ fd.T) * r
+    S = (hd.abs() @ fd.abs().T) * r
+    got = hc_mix(h, fn, eps, **tiles)
+    assert got.dtype == torch.float32 and got.shape == (T, N)
+    err = (got.double() - want).abs()
+    bound = 2 * (c * H + 8) * U * S
+    assert (err <= bound + 1e-30).all(), (err - bound).max().item()
+    return err.max().item()
+
+
+def weights_case(T, c, iters, **tiles):
+    eps = 1e-6
+    mix = torch.randn(T, (2 + c) * c + 5, generator=g)[:, 5:] * 3  # rows wider than N
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + c) * c, generator=g)
+    m, b = mix.double() * 1, base.double()
+    pre = torch.sigmoid(m[:, :c] * scale[0].item() + b[:c]) + eps
+    post = 2 * torch.sigmoid(m[:, c:2 * c] * scale[1].item() + b[c:2 * c])
+    comb = torch.softmax(m[:, 2 * c:].view(T, c, c) * scale[2].item() + b[2 * c:].view(c, c),
+                         dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    got = hc_weights(mix, scale, base, iters, eps, **tiles)
+    errs = []
+    for a, want in zip(got, (pre, post, comb)):
+        assert a.dtype == torch.float32 and a.shape == want.shape and a.is_contiguous()
+        err = ((a.double() - want).abs() / want.abs()).max().item()
+        assert err <= 1e-5, err
+        errs.append(err)
+    return max(errs)
+
+
 results = [
     merge_case(7, 4, 300),  # 2 x 2 tiles, both partial
     merge_case(5, 2, 70, block_t=2, block_h=32),  # 3 x 3 tiles
@@ -104,6 +149,11 @@ results = [
     rms_case(7, 4, 300),
     rms_case(5, 2, 70, block=32),
     rms_case(3, 4, 100, dtype=torch.bfloat16),
+    mix_case(37, 4, 100, 24),  # 2 row blocks, the last partial; K 400: a partial k block
+    mix_case(5, 2, 70, 2, block_t=16, block_k=32),
+    mix_case(9, 4, 64, 4, dtype=torch.bfloat16),
+    weights_case(70, 4, 20),  # 2 row blocks, the last partial
+    weights_case(5, 2, 3, block_t=2),
 ]
 print("hc kernels ok", results)
 """
@@ -120,14 +170,14 @@ _MIX = r"""
 import torch
 import torch.nn.functional as F
 from cpmoe.models.deepseek_v4 import _flat_rms
-from cpmoe.models.deepseek_v4_hc import hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_mix
 
 g = torch.Generator().manual_seed(0)
 T, c, H, eps = 5, 4, 4096, 1e-6
 h = torch.randn(T, c, H, generator=g) * torch.rand(T, 1, 1, generator=g) * 4
 fn = torch.randn(6 * c, c * H, generator=g) * (c * H) ** -0.5
 today = F.linear(_flat_rms(h, eps), fn)
-got = F.linear(h.flatten(1), fn) * hc_rms(h, eps)[:, None]
+got = hc_mix(h, fn, eps)
 err = (got - today).abs().max().item()
 assert err <= 1e-5, err
 print("mix ok", err, today.abs().max().item())
@@ -136,8 +186,8 @@ print("mix ok", err, today.abs().max().item())
 
 @needs_triton
 def test_mix_with_the_rms_after_the_linear_is_within_1e5_of_flat_rms() -> None:
-    """At V4's default width (hc 4 x H 4096) in float32, F.linear(h, fn) * hc_rms(h) (what
-    the CUDA 16-bit path computes, here on float32 h) is within 1e-5 of today's
+    """At V4's default width (hc 4 x H 4096) in float32, hc_mix(h, fn) (what the CUDA
+    16-bit path computes, here on float32 h) is within 1e-5 of today's
     F.linear(_flat_rms(h), fn), mix values of order 1."""
     out = run_interpreted(_MIX, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -166,7 +216,7 @@ def run():
 
 want = run()
 calls = {}
-for name in ("hc_merge", "hc_collapse", "hc_rms"):
+for name in ("hc_merge", "hc_collapse", "hc_mix", "hc_weights"):
     def spy(*a, _f=getattr(hc, name), _n=name, **k):
         calls[_n] = calls.get(_n, 0) + 1
         return _f(*a, **k)
@@ -174,7 +224,7 @@ for name in ("hc_merge", "hc_collapse", "hc_rms"):
 v4.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
 got = run()
 # per forward: 3 layers x 2 hyper-connections, then the head (prefill, then one decode)
-assert calls == {"hc_merge": 12, "hc_collapse": 14, "hc_rms": 14}, calls
+assert calls == {"hc_merge": 12, "hc_collapse": 14, "hc_mix": 14, "hc_weights": 12}, calls
 for a, b in zip(got, want):
     err, top = (a - b).abs().max().item(), b.abs().max().item()
     assert err <= 1e-5 * top, (err, top)
@@ -206,6 +256,12 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         (hc.hc_merge, (h, out.t().contiguous().t(), post, comb), "contiguous last axis"),
         (hc.hc_collapse, (h, post[:2]), r"need pre float32 \(3, 4\)"),
         (hc.hc_rms, (h.transpose(1, 2), 1e-6), "contiguous last axis"),
+        (hc.hc_mix, (h[:, :, :8], torch.rand(24, 32), 1e-6), "need flat h rows"),
+        (hc.hc_mix, (h, torch.rand(24, 64).double(), 1e-6), r"fn float32 \[N, 64\]"),
+        (hc.hc_weights, (torch.rand(3, 20), torch.rand(3), torch.rand(20), 2, 1e-6),
+         r"mix float32 \[T, \(2 \+ hc\) hc\]"),
+        (hc.hc_weights, (torch.rand(3, 24), torch.rand(3), torch.rand(20), 2, 1e-6),
+         r"need scale \[3\] and base \[24\]"),
     ]
     for fn, args, message in cases:
         with pytest.raises(ValueError, match=message) as info:
