@@ -35,8 +35,9 @@ from cpmoe.models.deepseek_v4_sparse import fp32_dots
 
 triton, tl = import_triton()
 
-# Defaults for D = 128, h = 64 on an H100/H200, chosen by size, not yet measured (`python3
-# -m bench.v4_indexer --sweep` times the alternatives): a [64, 128] fp32 accumulator (32
+# Defaults for D = 128, h = 64 on an H100/H200, chosen by size, not swept (`python3 -m
+# bench.v4_indexer --sweep` times the alternatives; at them the kernel ran at 349-418
+# TFLOP/s on the H200, bench/results/v4-indexer-eafae3c.log): a [64, 128] fp32 accumulator (32
 # registers a thread at 8 warps, as much again for a head's dot), a [128, 128] bf16 key
 # tile (32 KB) and a [64, 128] bf16 q tile (16 KB) a stage.
 BLOCK_T, BLOCK_C, NUM_WARPS, NUM_STAGES = 64, 128, 8, 2
