@@ -10,7 +10,7 @@
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
 #                                               # gather, indexer kernel vs fp32 matmul,
 #                                               # hyper-connection kernels vs torch,
-#                                               # 4-layer V4 prefill + profile, decode
+#                                               # 4-layer V4 prefill + profiles (16K, 64K), decode
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
 # if any failed (a failing test included), listed in OUT_DIR/failed-engine-<part>.txt.
@@ -159,8 +159,10 @@ PY
       json.dump(d, open(sys.argv[1], 'w'))" "$v4"
     step v4-prefill python3 -m cpmoe.cli bench --config "$v4" --device cuda --dtype bfloat16 \
       --lengths 4096,16384,65536 --layouts tp=1 --out "$out/v4-4l-1gpu.json"
-    step v4-profile python3 -m bench.profile_prefill --config "$v4" --layout tp=1 \
-      --length 16384 --layers 4
+    for len in 16384 65536; do
+      step "v4-profile-$len" python3 -m bench.profile_prefill --config "$v4" --layout tp=1 \
+        --length "$len" --layers 4
+    done
     step v4-one-batch python3 -m cpmoe.cli bench-one-batch --config "$v4" --device cuda \
       --dtype bfloat16 --routing uniform --batch-size 1,64 --input-len 4096 --output-len 32 \
       --out "$out/v4-4l-one-batch.json" --profile "$out/v4-one-batch-profile"
