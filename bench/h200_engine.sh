@@ -11,7 +11,8 @@
 #                                               # gather, indexer kernel vs fp32 matmul,
 #                                               # hyper-connection kernels vs torch,
 #                                               # 4-layer V4 prefill + profiles (16K, 64K), decode
-# serving needs fastapi/uvicorn there: carry .whl (device README) and install it first.
+# serving needs fastapi/uvicorn there: carry .whl (device README) and install it first
+# (recent fastapi also imports opentelemetry-api: carry its wheel too).
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
 # if any failed (a failing test included), listed in OUT_DIR/failed-engine-<part>.txt.
 # Without .git on the machine: CPMOE_GIT_COMMIT=<commit> CPMOE_GIT_DIRTY=0 bash bench/...
