@@ -10,8 +10,8 @@ intermediate 2048, top-6), bf16, T rows of each length:
   apply_interleaved_rope (floor: read and write q);
 - inverse_rope: `head_norm_rope_` with the norm off and -sin vs apply_interleaved_rope(out,
   cos, -sin) (floor: read and write the 64 rotated channels);
-- rms_norm: `ops.rms_norm_fp32_weight` on [T, 4096] vs RMSNorm's float32-weight expression
-  (floor: read x, write the result);
+- rms_norm: `ops.rms_norm_fp32_weight` on [T, 4096] vs `layers.rms_norm_ref` (RMSNorm's
+  torch expression) with a float32 weight (floor: read x, write the result);
 - swiglu: `ops.clamped_swiglu` on the halves of packed [6T, 2 x 2048] rows vs its torch
   expression (floor: read both halves, write the result).
 Prints per length and op the milliseconds of both (CUDA events, mean of --iters after one
@@ -26,7 +26,7 @@ import torch
 
 from cpmoe import ops
 from cpmoe.models.deepseek_v4_rope import head_norm_rope_
-from cpmoe.models.layers import apply_interleaved_rope, unweighted_rms_norm
+from cpmoe.models.layers import apply_interleaved_rope, rms_norm_ref, unweighted_rms_norm
 
 EPS = 1e-6
 
@@ -38,11 +38,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM peak, TB/s (the floor)")
     p.add_argument("--out", help="write the results here as JSON")
     return p.parse_args(argv)
-
-
-def _rms_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))).to(x.dtype)
 
 
 def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
@@ -66,7 +61,7 @@ def bench_length(a: argparse.Namespace, T: int, dev: torch.device,
         "inverse_rope": (lambda: head_norm_rope_(work, cos, sin, EPS, norm=False,
                                                  sin_sign=-1.0),
                          lambda: apply_interleaved_rope(q, cos, -sin), None, q.nbytes // 4),
-        "rms_norm": (lambda: ops.rms_norm_fp32_weight(x, w, EPS), lambda: _rms_torch(x, w),
+        "rms_norm": (lambda: ops.rms_norm_fp32_weight(x, w, EPS), lambda: rms_norm_ref(x, w, EPS),
                      None, 2 * x.nbytes),
         "swiglu": (lambda: ops.clamped_swiglu(gate, up, 10.0),
                    lambda: ops.clamped_swiglu_ref(gate, up, 10.0), None, 3 * h.nbytes // 4),

@@ -17,6 +17,15 @@ _ROW_KERNEL_MAX = 16384  # widest row `ops.rms_norm_fp32_weight` takes in one pr
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm`'s torch expression (see there for where the weight's dtype rounds)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (weight * normed).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, the mean square in float32. The weight's dtype says where the
     result is rounded to x's dtype, as each model's reference does: a weight in the model
@@ -37,11 +46,7 @@ class RMSNorm(nn.Module):
                 and self.weight.dtype == torch.float32 and x.shape[-1] <= _ROW_KERNEL_MAX
                 and ops.triton is not None):
             return ops.rms_norm_fp32_weight(x, self.weight, self.eps)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight.dtype == torch.float32:
-            return (self.weight * normed).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
