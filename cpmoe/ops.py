@@ -70,6 +70,18 @@ def clamped_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) ->
     if gate.shape != up.shape or gate.dim() != 2 or up.dtype != gate.dtype:
         raise ValueError(f"clamped_swiglu: need gate and up [M, I] of one dtype, got "
                          f"{tuple(gate.shape)} {gate.dtype}, {tuple(up.shape)} {up.dtype}")
+    return _swiglu(gate, up, limit)
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(h) or h.shape[0] == 0:
+        return silu_and_mul_ref(h)
+    return _swiglu(*h.contiguous().chunk(2, dim=-1), None)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """SiLU(gate) * up of [M, I] rows (inputs clamped first when limit is given), one
+    Triton pass -> new [M, I]."""
     gate = gate if gate.stride(1) == 1 else gate.contiguous()
     up = up if up.stride(1) == 1 else up.contiguous()
     n, inter = gate.shape
@@ -77,19 +89,9 @@ def clamped_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) ->
     if n == 0 or inter == 0:
         return out
     block = 1024
-    _clamped_swiglu_kernel[(n, triton.cdiv(inter, block))](
-        gate, up, out, gate.stride(0), up.stride(0), inter, limit, BLOCK=block)
-    return out
-
-
-def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    if not _use_triton(h) or h.shape[0] == 0:
-        return silu_and_mul_ref(h)
-    h = h.contiguous()
-    n, two_i = h.shape
-    out = h.new_empty((n, two_i // 2))
-    block = 1024
-    _silu_and_mul_kernel[(n, triton.cdiv(two_i // 2, block))](h, out, two_i // 2, BLOCK=block)
+    _swiglu_kernel[(n, triton.cdiv(inter, block))](
+        gate, up, out, gate.stride(0), up.stride(0), inter, 0.0 if limit is None else limit,
+        CLAMP=limit is not None, BLOCK=block)
     return out
 
 
@@ -350,25 +352,16 @@ if triton is not None:
         tl.store(w_ptr + dst, out_w.to(w_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _silu_and_mul_kernel(h_ptr, out_ptr, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < inter
-        gate = tl.load(h_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, g_st, u_st, inter, limit,
-                               BLOCK: tl.constexpr):
+    def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, g_st, u_st, inter, limit,
+                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(gate_ptr + row * g_st + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + row * u_st + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
