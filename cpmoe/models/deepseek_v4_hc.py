@@ -5,11 +5,10 @@ streams once and writes its result once, accumulating in float32.
         h'[t, j] = post[t, j] * out[t] + sum_i comb[t, i, j] * h[t, i]
     hc_collapse(h_TcH, pre_Tc) -> x_TH
         x[t] = sum_i pre[t, i] * h[t, i]
-    hc_rms(h_TcH, eps) -> r_T
-        r[t] = rsqrt(mean over c, H of h[t]^2 + eps)
     hc_mix(h_TcH, fn_NK, eps) -> mix_TN
-        mix[t] = (fn @ flat h[t]) * r[t], K = c H: the hyper-connection's float32 mix of the
-        RMS-normed streams (the norm's scale applied after the linear)
+        mix[t] = (fn @ flat h[t]) * r[t], r[t] = rsqrt(mean over c, H of h[t]^2 + eps),
+        K = c H: the hyper-connection's float32 mix of the RMS-normed streams (the norm's
+        scale applied after the linear)
     hc_weights(mix_TN, scale_3, base_N, iters, eps) -> (pre_Tc, post_Tc, comb_Tcc)
         the mix's split into the collapse weights pre, the spread weights post and the
         Sinkhorn-projected stream mixing comb (`DeepseekV4HyperConnection.weights`)
@@ -30,7 +29,7 @@ per hyper-connection (a few us each); `hc_weights` is one launch.
 Accuracy: merge and collapse form their sums in float32 from the 16-bit streams and the
 float32 weights and round once to h's dtype. The torch merge rounds post and comb to h's
 dtype, then each of its two terms and their sum, so the kernel is the more accurate of the
-two; the torch collapse also rounds once. hc_rms sums squares in float32. hc_mix's products
+two; the torch collapse also rounds once. hc_mix sums squares in float32; its products
 take tl.dot with 3 TF32 passes (a 16-bit h is exact in TF32; fn splits into two TF32 parts,
 ~22 bits) accumulated in float32, IEEE float32 dots in the interpreter.
 
@@ -56,7 +55,6 @@ triton, tl = import_triton()
 # registers a thread at 4 warps) and writes 4 x 4 x 256 outputs. On the H200 at 16K rows
 # merge and collapse ran at 3.8-4.0 TB/s (bench/results/v4-hyper-connection-eafae3c.log).
 BLOCK_T, BLOCK_H, NUM_WARPS = 4, 256, 4
-RMS_BLOCK = 1024
 # hc_mix: [32 rows, 64] float32 tiles of h, a [64, 32] tile of fn (N = 24 padded), a
 # [32, 32] float32 accumulator; 512 programs at 16K rows. Not swept: at 16K rows it took
 # 0.905 ms on the H200 (0.59 TB/s; its HBM floor is 0.11 ms).
@@ -117,18 +115,6 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor, block_t: int = BLOCK_T,
     _collapse_kernel[grid](h, pre, x, h.stride(0), h.stride(1), pre.stride(0), pre.stride(1),
                            T, H, HC=c, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps)
     return x
-
-
-def hc_rms(h: torch.Tensor, eps: float, block: int = RMS_BLOCK) -> torch.Tensor:
-    """See the module docstring -> r [T] float32, one program a row."""
-    T, c, H = _check_streams("hc_rms", h, {})
-    if triton is None:
-        raise RuntimeError("hc_rms needs Triton (on CUDA or its interpreter)")
-    r = torch.empty(T, dtype=torch.float32, device=h.device)
-    if T == 0:
-        return r
-    _rms_kernel[(T,)](h, r, h.stride(0), h.stride(1), H, eps, HC=c, BLOCK=block)
-    return r
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLOCK_T,
@@ -278,14 +264,3 @@ if triton is not None:
         x = tl.sum(pre[:, :, None] * hs, axis=1)
         tl.store(x_ptr + t64[:, None] * H + col[None, :], x.to(x_ptr.dtype.element_ty),
                  mask=ok)
-
-    @triton.jit
-    def _rms_kernel(h_ptr, r_ptr, h_st, h_sc, H, eps, HC: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in tl.static_range(HC):
-            for n0 in range(0, H, BLOCK):
-                n = n0 + tl.arange(0, BLOCK)
-                v = tl.load(h_ptr + t * h_st + i * h_sc + n, mask=n < H, other=0.0)
-                acc += v.to(tl.float32) * v.to(tl.float32)
-        tl.store(r_ptr + t, 1.0 / tl.sqrt(tl.sum(acc, axis=0) / (HC * H) + eps))

@@ -9,8 +9,7 @@ row block).
 Tolerance, elementwise, with u = 2^-8 for bf16 and 2^-11 for fp16 (round to nearest, with
 a factor 2 to spare): the kernels sum in float32 and round once, so |kernel - ref| <=
 u |ref| + 2 (hc + 2) 2^-24 S, S the sum of the absolute terms (merge: post |out| +
-sum_i comb_ij |h_i|; collapse: sum_i pre_i |h_i|). hc_rms against float64:
-(N / 2 + 4) 2^-24 relative, N = hc H (tests/unit/test_v4_hyper_connection.py). The torch
+sum_i comb_ij |h_i|; collapse: sum_i pre_i |h_i|). The torch
 bf16 merge (post and comb rounded to bf16, two rounded terms added) is measured against the
 same reference: the kernel's mean error must be below it.
 
@@ -24,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_rms
+from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")  # the fp32 references
@@ -74,16 +73,11 @@ def test_merge_matches_fp32_and_beats_the_torch_chain(H, dtype) -> None:
 @cuda
 @pytest.mark.parametrize("H, dtype", [(4096, torch.bfloat16), (4000, torch.bfloat16),
                                       (4096, torch.float16)])
-def test_collapse_and_rms_match_reference(H, dtype) -> None:
+def test_collapse_matches_reference(H, dtype) -> None:
     h, _, pre, _ = inputs(H, dtype, seed=H + 1)
     hf = h.float()
     want = (pre[..., None] * hf).sum(1)
     report("collapse", hc_collapse(h, pre), want, (pre[..., None] * hf.abs()).sum(1), dtype)
-    eps = 1e-6
-    ref = torch.rsqrt(h.double().square().flatten(1).mean(-1) + eps)
-    rel = ((hc_rms(h, eps).double() - ref).abs() / ref).max().item()
-    assert rel <= (HC * H / 2 + 4) * 2.0 ** -24, rel
-    print(f"rms: max relative error {rel:.3g}")
 
 
 @cuda
