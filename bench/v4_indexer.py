@@ -10,11 +10,13 @@ At V4's default widths (64 index heads of 128; CSA rate 4; for the blocks also 6
 heads of 512, window 128, top-512), one prompt of each length on one rank: T = L query rows
 at positions 0..L-1 against its C = L/4 entries (bf16 q and keys, unit variance; fp32 head
 weights of scale heads^-0.5), entry c visible to the row at position p when c < (p+1)//4,
-masked to -inf on both paths as `select_visible` needs. Blocks: `rows_per_block` of each path
-(the kernel's are larger: no [rows, heads, entries] temporary). Prints per length the
+masked to -inf on both paths as `select_visible` needs (the kernel: by row bounds).
+Blocks: `rows_per_block` of each path (the kernel's are larger: no [rows, heads, entries]
+temporary). Prints per length the
 milliseconds of both (CUDA events, mean of --iters after one untimed call), their ratio, the
 kernel's TFLOP/s (2 * T * heads * C * dim, every tile computed, masked or not) and the
-largest difference of the two paths' visible scores. --sweep also times the kernel over tile
+largest difference of the two paths' visible scores; and the picks of each (the kernel's
+top-k over its order keys, the torch path's stable sort). --sweep also times the kernel over tile
 and launch options (rows a tile, entries a tile, warps, stages) at each length, for tuning
 the defaults; an option set that does not compile or fit is reported and skipped.
 """
@@ -79,46 +81,58 @@ def bench_length(a: argparse.Namespace, L: int, dev: torch.device,
     keys = torch.randn(C, D, device=dev, generator=gen).to(torch.bfloat16)
     w = torch.randn(L, H, device=dev, generator=gen) * H ** -0.5
     visible, scale = causal_visible(L, a.rate, dev), D ** -0.5
+    hi = (torch.arange(L, device=dev) + 1) // a.rate  # the kernel's bounds of the same mask
+    lo = torch.zeros_like(hi)
     attn_keys = a.window + min(a.topk, C)
     rows_k = rows_per_block(attn_keys, a.attn_heads, a.head_dim, H, C, kernel=True)
     rows_r = rows_per_block(attn_keys, a.attn_heads, a.head_dim, H, C, kernel=False)
 
     def kernel(**opts):
         return lambda: run_blocks(lambda r: indexer.indexer_scores(
-            q[r], keys, w[r], scale, visible[r], **opts), L, rows_k)
+            q[r], keys, w[r], scale, (lo[r], hi[r]), **opts), L, rows_k)
+
+    def kernel_topk():
+        run_blocks(lambda r: indexer.indexer_topk(q[r], keys, w[r], scale, (lo[r], hi[r]),
+                                                  a.topk), L, rows_k)
 
     def reference():
         run_blocks(lambda r: torch_scores(q[r], keys, w[r], scale, visible[r]), L, rows_r)
 
+    def reference_sort():  # the torch path's picks: a stable sort of its scores
+        run_blocks(lambda r: torch_scores(q[r], keys, w[r], scale, visible[r]).sort(
+            dim=-1, descending=True, stable=True).indices[:, :a.topk], L, rows_r)
+
     ms_k, ms_r = cuda_ms(kernel(), a.iters), cuda_ms(reference, a.iters)
+    ms_kt, ms_rs = cuda_ms(kernel_topk, a.iters), cuda_ms(reference_sort, a.iters)
     flops = 2 * L * H * C * D
-    diff, top = largest_difference(q, keys, w, scale, visible, rows_k, rows_r)
+    diff, top = largest_difference(q, keys, w, scale, (lo, hi), visible, rows_k, rows_r)
     row = {"length": L, "entries": C, "kernel_block_rows": rows_k,
            "reference_block_rows": rows_r, "kernel_ms": ms_k, "reference_ms": ms_r,
            "speedup": ms_r / ms_k, "kernel_tflops": flops / ms_k / 1e9,
+           "kernel_topk_ms": ms_kt, "reference_sort_ms": ms_rs,
            "max_abs_diff": diff, "max_abs_score": top}
     print(f"L={L} (C={C}): kernel {ms_k:.2f} ms ({rows_k}-row blocks, "
           f"{row['kernel_tflops']:.0f} TFLOP/s), fp32 matmul path {ms_r:.2f} ms ({rows_r}-row "
-          f"blocks), {ms_r / ms_k:.2f}x; max |diff| {diff:.3g} (max |score| {top:.3g})",
-          flush=True)
+          f"blocks), {ms_r / ms_k:.2f}x; with the top-{a.topk}: kernel + topk {ms_kt:.2f} ms, "
+          f"torch path + stable sort {ms_rs:.2f} ms; max |diff| {diff:.3g} (max |score| "
+          f"{top:.3g})", flush=True)
     if a.sweep:
         row["sweep"] = sweep_ms(kernel, SWEEP, flops, a.iters)
     return row
 
 
-def largest_difference(q, keys, w, scale, visible, rows_k: int, rows_r: int
+def largest_difference(q, keys, w, scale, bounds, visible, rows_k: int, rows_r: int
                        ) -> tuple[float, float]:
     """(max |kernel - torch path|, max |torch path|) over the visible scores."""
     got = torch.empty(visible.shape, device=q.device)
     want = torch.empty_like(got)
 
-    def fill(out, fn):
-        def block(r):
-            out[r] = fn(q[r], keys, w[r], scale, visible[r])
-        return block
+    def fill(r):
+        got[r] = indexer.indexer_scores(q[r], keys, w[r], scale, (bounds[0][r], bounds[1][r]))
 
-    run_blocks(fill(got, indexer.indexer_scores), q.shape[0], rows_k)
-    run_blocks(fill(want, torch_scores), q.shape[0], rows_r)
+    run_blocks(fill, q.shape[0], rows_k)
+    run_blocks(lambda r: want.__setitem__(r, torch_scores(q[r], keys, w[r], scale,
+                                                           visible[r])), q.shape[0], rows_r)
     err = torch.where(visible, got - want, 0).abs().max().item()
     return err, torch.where(visible, want, 0).abs().max().item()
 

@@ -42,7 +42,7 @@ from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rop
                                  default_inv_freq, unweighted_rms_norm)
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
-from cpmoe.models.deepseek_v4_indexer import indexer_scores
+from cpmoe.models.deepseek_v4_indexer import indexer_topk
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
 from cpmoe.models.deepseek_v4_rope import head_norm_rope_
 from cpmoe.models.deepseek_v4_sparse import kernel_applies
@@ -156,11 +156,8 @@ class DeepseekV4IndexerScorer(nn.Module):
         rounded to fp32 at the end: a score then does not depend on how many rows and
         entries share the kernels (batch composition, CP shard; fp32 reductions order by
         shape), so near-tied top-k picks do not flip between layouts; fp32 for 16-bit
-        inputs, on CUDA with shared keys in one Triton kernel (`deepseek_v4_indexer.py`:
-        no [T, h, C] temporary, 16-bit tensor cores)."""
-        if keys.dim() == 2 and keys.dtype == q.dtype and kernel_applies(q.device, q.dtype):
-            weights = self.weights_proj(x_TH).float() * self.weights_scaling
-            return indexer_scores(q, keys, weights, self.softmax_scale, visible)
+        inputs (prefill on CUDA in 16 bits scores with `deepseek_v4_indexer`'s kernel
+        instead, `select_visible`)."""
         acc = torch.float64 if q.dtype == torch.float32 else torch.float32
         if keys.dim() == 3:
             dots = torch.einsum("thd,tcd->thc", q.to(acc), keys.to(acc))
@@ -170,6 +167,10 @@ class DeepseekV4IndexerScorer(nn.Module):
         weights = self.weights_proj(x_TH).to(acc) * self.weights_scaling
         scores = (scores * weights[..., None]).sum(dim=1).float()
         return scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+
+    def head_weights(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """w [T, h] float32, scaled by h^-0.5: each head's weight in a row's score."""
+        return self.weights_proj(x_TH).float() * self.weights_scaling
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -190,18 +191,25 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         return self.scorer(_rotate(q, cos, sin), keys_TCd, x_TH)
 
     def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, keys_Ed: torch.Tensor, visible_TE: torch.Tensor
-                       ) -> torch.Tensor:
+                       sin: torch.Tensor, keys_Ed: torch.Tensor, lo_T: torch.Tensor,
+                       hi_T: torch.Tensor) -> torch.Tensor:
         """-> [T, min(topk, E)] indices into keys_Ed, best first; -1 where the pick is not
-        visible to the row (another sequence's entry, or its window not yet closed).
-        Equal scores go to the lower entry (a stable sort; `topk`'s choice among ties
-        depends on the row's length, so it would differ between batch compositions and CP
-        layouts). Exact ties are scores of 0: every head's q.k negative."""
-        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
-        scores = self.scorer(_rotate(q, cos, sin), keys_Ed, x_TH, visible_TE)
+        visible to the row: row t sees entries [lo[t], hi[t]) (its own sequence's, whose
+        window has closed). Equal scores go to the lower entry (a stable sort; `topk`'s
+        choice among ties depends on the row's length, so it would differ between batch
+        compositions and CP layouts). Exact ties are scores of 0: every head's q.k
+        negative. On CUDA in 16 bits one kernel scores and masks, and a top-k over keys
+        that order as the sort does picks (`deepseek_v4_indexer.indexer_topk`)."""
+        q = _rotate(self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim), cos, sin)
         k = min(self.topk, keys_Ed.shape[0])
+        if keys_Ed.dtype == q.dtype and kernel_applies(q.device, q.dtype):
+            return indexer_topk(q, keys_Ed, self.scorer.head_weights(x_TH),
+                                self.scorer.softmax_scale, (lo_T, hi_T), k)
+        c = torch.arange(keys_Ed.shape[0], device=keys_Ed.device)
+        visible = (c[None, :] >= lo_T[:, None]) & (c[None, :] < hi_T[:, None])
+        scores = self.scorer(q, keys_Ed, x_TH, visible)
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        return torch.where(visible_TE.gather(1, picks), picks, -1)
+        return torch.where(visible.gather(1, picks), picks, -1)
 
 
 # ---- attention -------------------------------------------------------------------------------

@@ -50,15 +50,17 @@ from cpmoe._triton import import_triton
 
 triton, tl = import_triton()
 
-# Defaults by size for c = 4, not swept (`python3 -m bench.v4_hyper_connection --sweep`
-# times the alternatives): a merge program holds [4 rows, 4 streams, 256] float32 (32
-# registers a thread at 4 warps) and writes 4 x 4 x 256 outputs. On the H200 at 16K rows
-# merge and collapse ran at 3.8-4.0 TB/s (bench/results/v4-hyper-connection-eafae3c.log).
+# Defaults for c = 4 from `python3 -m bench.v4_hyper_connection --lengths 16384 --sweep` on
+# the H200 (bench/results/v4-hc-sweep-1f85a85.log): a merge program holds [4 rows, 4
+# streams, 256] float32 (32 registers a thread at 4 warps) and writes 4 x 4 x 256 outputs;
+# merge and collapse run at 3.8-4.0 TB/s, each within 3% of its sweep's best.
 BLOCK_T, BLOCK_H, NUM_WARPS = 4, 256, 4
-# hc_mix: [32 rows, 64] float32 tiles of h, a [64, 32] tile of fn (N = 24 padded), a
-# [32, 32] float32 accumulator; 512 programs at 16K rows. Not swept: at 16K rows it took
-# 0.905 ms on the H200 (0.59 TB/s; its HBM floor is 0.11 ms).
-MIX_BLOCK_T, MIX_BLOCK_K = 32, 64
+# hc_mix from 8192 rows (prefill): [64 rows, 32] float32 tiles of h, a [32, 32] tile of fn
+# (N = 24 padded), a [64, 32] float32 accumulator; 256 programs at 16K rows. The sweep's
+# fastest: 0.509 ms at 16K rows (1.05 TB/s; the HBM floor is 0.11 ms), where 32 x 64 took
+# 0.920 ms. Fewer rows (decode) keep 32 x 64, unswept: 64-row tiles would halve their few
+# programs.
+MIX_TILES, MIX_TILES_FEW, MIX_MANY_ROWS = (64, 32), (32, 64), 8192
 WEIGHTS_BLOCK_T = 64  # hc_weights: [64, 4, 4] float32 comb tiles, 256 programs at 16K
 
 
@@ -117,11 +119,11 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor, block_t: int = BLOCK_T,
     return x
 
 
-def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLOCK_T,
-           block_k: int = MIX_BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int | None = None,
+           block_k: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """See the module docstring -> mix [T, N] float32. h's rows must be flat ([T, c, H] with
     the streams adjacent, as hc_merge writes them); fn [N, c H] float32, last dim
-    contiguous."""
+    contiguous. Tiles default to MIX_TILES from MIX_MANY_ROWS rows, else MIX_TILES_FEW."""
     T, c, H = _check_streams("hc_mix", h, {})
     if h.stride(1) != H or fn.dim() != 2 or fn.shape[1] != c * H or fn.stride(1) != 1 \
             or fn.dtype != torch.float32:
@@ -131,6 +133,8 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float, block_t: int = MIX_BLO
     if triton is None:
         raise RuntimeError("hc_mix needs Triton (on CUDA or its interpreter)")
     N = fn.shape[0]
+    tiles = MIX_TILES if T >= MIX_MANY_ROWS else MIX_TILES_FEW
+    block_t, block_k = block_t or tiles[0], block_k or tiles[1]
     mix = torch.empty(T, N, dtype=torch.float32, device=h.device)
     if T == 0:
         return mix

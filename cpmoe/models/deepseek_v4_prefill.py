@@ -8,13 +8,15 @@ without per-sequence work:
   of a sequence mixes its window w, and with overlap window w-1; the first has none);
 - per block of query rows (several sequences, one block for any prompt that fits the
   budget): each row's keys are an index list into [K-side KV rows ; pooled entries] -- the
-  W window positions, then its HCA entries (every closed entry of its sequence) or its CSA
-  picks (the indexer's top-k over the closed entries of its sequence, scored against the
-  block's entry range with other sequences masked; on CUDA in 16 bits by a Triton kernel
-  without the [rows, heads, entries] dot products, `deepseek_v4_indexer.py`) -- attended
-  with the sink: on CUDA in 16 bits by a Triton kernel that walks the index lists without
-  gathering (`deepseek_v4_sparse.py`), elsewhere gathered once and attended in fp32 by
-  `sink_attention`, the reference.
+  W window positions, then its HCA entries (every closed entry of its sequence, in order) or
+  its CSA picks (the indexer's top-k over the closed entries of its sequence, scored against
+  the block's entry range up to the last entry any of its rows sees, other sequences and
+  open windows masked; on CUDA in 16 bits by a Triton kernel without the [rows, heads,
+  entries] dot products, and a top-k instead of a sort, `deepseek_v4_indexer.py`) --
+  attended with the sink: on CUDA in 16 bits by a Triton kernel that walks the index lists
+  without gathering and stops at each row's last visible key (`deepseek_v4_sparse.py`),
+  elsewhere gathered once and attended in fp32 by `sink_attention`, the reference.
+  Per-block extents come from the plan (host), so nothing syncs.
 Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
 absolute positions.
 
@@ -39,18 +41,16 @@ if TYPE_CHECKING:
     from cpmoe.models.layers import RotaryEmbedding
 
 # Elements of the largest per-block temporary (the indexer's scores, or on the torch path the
-# gathered keys and their scores): ~256 MB in fp32.
+# gathered keys and their scores): ~256 MB in fp32, twice that where fp32 inputs take fp64.
 _BLOCK_ELEMS = 1 << 26
 # fp32-sized elements per key of a row on the kernel path: the int64 index lists (window,
 # picks, their concatenation) and the masks, nothing gathered.
 _KERNEL_KEY_ELEMS = 8
 # fp32-sized elements per CSA entry of a row on the kernel path, counted from the code
-# (tests/gpu/test_v4_indexer_cuda.py measures the sort's peak): the indexer kernel's scores
-# (1) and the visible mask with its two operands (bools, 3/4), then the stable sort's values
-# (1) and int64 indices (2) and, past 4096 entries (ATen's segmented radix sort; in-place
-# below), an int64 iota of the indices (2) and cub's alternate key and index buffers (3).
-# About 10, rounded up.
-_KERNEL_INDEX_ELEMS = 12
+# (tests/gpu/test_v4_indexer_cuda.py measures the peak): the indexer kernel's int64 order
+# keys (2) and what `torch.topk` of a few hundred picks allocates beside them (the keys are
+# not sorted), rounded up.
+_KERNEL_INDEX_ELEMS = 4
 
 
 def rows_per_block(keys: int, heads: int, head_dim: int, index_heads: int, entries: int,
@@ -59,7 +59,7 @@ def rows_per_block(keys: int, heads: int, head_dim: int, index_heads: int, entri
     list (`keys` = W + CSA picks or HCA entries), gathered [keys, D] and scored [Hq, keys] in
     fp32 on the torch path, only indices and masks with the kernel; and the indexer's scores
     against the block's CSA entries (at most `entries`, all of the batch's): [index_heads,
-    entries] fp32 dot products on the torch path, only [entries] scores and the sort's
+    entries] fp32 dot products on the torch path, only [entries] order keys and the top-k's
     temporaries with the kernel."""
     if kernel:
         per_row = max(keys * _KERNEL_KEY_ELEMS, entries * _KERNEL_INDEX_ELEMS)
@@ -101,6 +101,9 @@ class PrefillPlan:
     row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0
     blocks: list[tuple[int, int, int, int]]  # (row0, row1, first seq, last seq + 1)
     entries: dict[int, EntryIndex]  # by compress rate
+    # by compress rate, per block (host): the end of the entries any of its rows may see
+    # (flat entry index) and the most entries one of its rows sees
+    seen: dict[int, list[tuple[int, int]]]
 
     @classmethod
     def build(cls, batch: ForwardBatch, cp_rank: int, cfg: DeepseekV4Config,
@@ -111,7 +114,8 @@ class PrefillPlan:
         cu, device = list(split.cu_seqlens), batch.positions.device
         rates = {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}
         entries = {m: EntryIndex.build(cu, m, device) for m in rates}
-        seqs = split.local_token_to_seq(cp_rank)  # host copy of batch.token_to_seq
+        seqs = split.local_token_to_seq(cp_rank)  # host copies of batch.token_to_seq
+        pos = split.local_positions(cp_rank)  # and of batch.positions
         T, W = seqs.numel(), cfg.sliding_window
         csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
         hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
@@ -120,18 +124,28 @@ class PrefillPlan:
                               csa.offsets[-1] if csa else 0, kernel_applies(device, dtype))
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
+        seen = {}
+        for m, ei in entries.items():
+            count = (pos + 1) // m  # entries the row sees, its sequence's first ones
+            end = torch.tensor(ei.offsets[:-1], dtype=torch.int64)[seqs] + count
+            seen[m] = [(int(end[r0:r1].max()), int(count[r0:r1].max()))
+                       for r0, r1, _, _ in blocks]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
-        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries)
+        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries, seen)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] over per-row keys kv [T, N, D] (K = V) where valid [T, N]; each head's
-    softmax also holds its sink logit, whose probability mass is dropped. fp32 math."""
-    kvf = kv.float()
-    scores = torch.einsum("thd,tnd->thn", q.float(), kvf) * scale
+    softmax also holds its sink logit, whose probability mass is dropped. fp32 math, fp64
+    for fp32 inputs: the result then does not depend on N (how many masked keys a block's
+    lists carry differs between batch compositions and CP layouts, and fp32 reductions
+    order by shape)."""
+    acc = torch.float64 if q.dtype == torch.float32 else torch.float32
+    kvf = kv.to(acc)
+    scores = torch.einsum("thd,tnd->thn", q.to(acc), kvf) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    sink = sinks.to(acc).view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("thn,tnd->thd", probs, kvf).to(q.dtype)
 
@@ -155,27 +169,33 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
     out = torch.empty_like(qs.q)
     kernel = kernel_applies(qs.q.device, qs.q.dtype)
     arange_w = torch.arange(W, device=kv_N.device)
-    for r0, r1, s0, s1 in plan.blocks:
+    if c is not None:
+        count = (qs.pos + 1) // c.rate  # [T] entries a row sees: its sequence's first ones
+        first = ei.seq_offset[plan.row_seq]  # [T] its sequence's first entry
+    for b, (r0, r1, s0, _) in enumerate(plan.blocks):
         r = slice(r0, r1)
-        pos = qs.pos[r]
-        kpos = pos[:, None] - (W - 1) + arange_w  # [rows, W]
+        kpos = qs.pos[r][:, None] - (W - 1) + arange_w  # [rows, W]
         idx, valid = plan.row_base[r][:, None] + kpos.clamp(min=0), kpos >= 0
-        if c is not None and ei.offsets[s1] > ei.offsets[s0]:
-            e0, e1 = ei.offsets[s0], ei.offsets[s1]
-            visible = ((ei.seq[e0:e1][None, :] == plan.row_seq[r][:, None])
-                       & (ei.window[e0:e1][None, :] < ((pos + 1) // c.rate)[:, None]))
-            if c.indexer is not None:
+        keys = None  # keys a row may see lie in its first `keys` (default: all)
+        if c is not None and plan.seen[c.rate][b][1] > 0:
+            e1, most = plan.seen[c.rate][b]
+            if c.indexer is not None:  # CSA: the indexer's picks of the block's entries
                 assert index_keys is not None
+                e0 = ei.offsets[s0]
+                lo = first[r] - e0
                 picks = c.indexer.select_visible(qs.q_res[r], qs.x[r], qs.cos[r], qs.sin[r],
-                                                 index_keys[e0:e1], visible)
+                                                 index_keys[e0:e1], lo, lo + count[r])
                 cidx, cvalid = N + e0 + picks.clamp(min=0), picks >= 0
-            else:  # HCA: every closed entry of the row's sequence
-                cidx = (N + e0 + torch.arange(e1 - e0, device=pos.device)).expand(
-                    r1 - r0, -1)
-                cvalid = visible
+                keys = W + count[r].clamp(max=picks.shape[1])  # the visible picks lead
+            else:  # HCA: every closed entry of the row's sequence, in order
+                j = torch.arange(most, device=qs.pos.device)
+                cvalid = j[None, :] < count[r][:, None]
+                cidx = torch.where(cvalid, N + first[r][:, None] + j, N)
+                keys = W + count[r]
             idx, valid = torch.cat([idx, cidx], dim=1), torch.cat([valid, cvalid], dim=1)
         if kernel:
-            sparse_sink_attention(qs.q[r], pool, idx, valid, attn.sinks, attn.scale, out[r])
+            sparse_sink_attention(qs.q[r], pool, idx, valid, attn.sinks, attn.scale, out[r],
+                                  lens=keys)
         else:
             out[r] = sink_attention(qs.q[r], pool[idx], valid, attn.sinks, attn.scale)
     if batch.kv is not None:

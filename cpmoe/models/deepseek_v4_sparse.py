@@ -1,13 +1,14 @@
 """DeepSeek-V4 prefill's sparse sink attention as one Triton kernel: each query row attends
 its own list of key rows of a shared pool, without gathering them first.
 
-    sparse_sink_attention(q_THD, pool_MD, idx_TS, valid_TS, sinks_H, scale, out=None)
-        -> o_THD
+    sparse_sink_attention(q_THD, pool_MD, idx_TS, valid_TS, sinks_H, scale, out=None,
+                          lens=None) -> o_THD
 
 equals `deepseek_v4_prefill.sink_attention(q_THD, pool_MD[idx_TS], valid_TS, sinks_H,
 scale)`: row t's keys are pool rows idx[t, s] where valid[t, s] (K = V, one shared KV
 head); each head's softmax also holds its sink logit sinks[h], whose probability mass is
-dropped, so a row with no valid key gives o = 0.
+dropped, so a row with no valid key gives o = 0. lens [T] (optional): row t's valid keys
+all lie in its first lens[t] (the kernel reads no further).
 
 Legend: T query rows, H query heads, D head dim, M pool rows, S keys per row.
 
@@ -16,7 +17,7 @@ IEEE fp32 dots, for the interpreter tests), last dims contiguous, other strides 
 pool may be a column slice of the K-side rows); idx [T, S] int64 or int32 with every valid
 entry in [0, M) (invalid entries are never read); valid [T, S] bool; sinks [H] finite,
 any float dtype. Output in q's dtype, written into `out` ([T, H, D], last dim contiguous)
-when given.
+when given. lens: int32/int64, values in [0, S].
 
 Kernel: one program per (row, block of BLOCK_H heads), the head blocks of a row adjacent in
 launch order so they meet its key rows in L2. It loads the row's q tile [BLOCK_H, D] once,
@@ -58,7 +59,8 @@ def kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _check_inputs(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                  sinks: torch.Tensor, out: torch.Tensor | None) -> None:
+                  sinks: torch.Tensor, out: torch.Tensor | None,
+                  lens: torch.Tensor | None = None) -> None:
     """Shape/dtype/layout checks only (no value is read, so no host sync)."""
     if q.dim() != 3 or pool.dim() != 2 or pool.shape[1] != q.shape[2]:
         raise ValueError(f"sparse_sink_attention: need q [T, H, D] and pool [M, D], got "
@@ -78,17 +80,22 @@ def _check_inputs(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, valid:
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
         raise ValueError(f"sparse_sink_attention: out must be {q.dtype} {tuple(q.shape)} with "
                          f"a contiguous last axis, got {out.dtype} {tuple(out.shape)}")
+    if lens is not None and (lens.shape != (q.shape[0],)
+                             or lens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"sparse_sink_attention: lens must be int32/int64 [{q.shape[0]}], "
+                         f"got {lens.dtype} {tuple(lens.shape)}")
 
 
 def sparse_sink_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor,
                           valid: torch.Tensor, sinks: torch.Tensor, scale: float,
-                          out: torch.Tensor | None = None, block_h: int = BLOCK_H,
+                          out: torch.Tensor | None = None, lens: torch.Tensor | None = None,
+                          block_h: int = BLOCK_H,
                           block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
                           num_stages: int = NUM_STAGES) -> torch.Tensor:
     """See the module docstring -> o [T, H, D] in q's dtype (`out` when given). The tile
     sizes and launch options are for the benchmark's sweeps; tiles must be powers of two
     >= 16."""
-    _check_inputs(q, pool, idx, valid, sinks, out)
+    _check_inputs(q, pool, idx, valid, sinks, out, lens)
     if triton is None:
         raise RuntimeError("sparse_sink_attention needs Triton (on CUDA or its interpreter)")
     T, H, D = q.shape
@@ -101,11 +108,13 @@ def sparse_sink_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor
     heads = max(16, min(block_h, triton.next_power_of_2(H)))
     grid = (T * triton.cdiv(H, heads),)
     _sparse_sink_kernel[grid](
-        q, pool, idx, mask, sinks, out, scale * math.log2(math.e),
+        q, pool, idx, mask, lens if lens is not None else idx, sinks, out,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), pool.stride(0), idx.stride(0), idx.stride(1),
         mask.stride(0), mask.stride(1), out.stride(0), out.stride(1), H, D, idx.shape[1],
         BLOCK_H=heads, BLOCK_N=block_n, D_PAD=max(16, triton.next_power_of_2(D)),
-        FP32_DOT=fp32_dots(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        HAS_LENS=lens is not None, FP32_DOT=fp32_dots(q.dtype), num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
@@ -119,10 +128,12 @@ if triton is not None:
     # S and the row strides of idx/valid (S when contiguous) change every block; the unit
     # key strides stay specialized (1 in prefill: contiguous index loads)
     @triton.jit(do_not_specialize=["idx_st", "val_st", "S"])
-    def _sparse_sink_kernel(q_ptr, pool_ptr, idx_ptr, val_ptr, sink_ptr, o_ptr, scale_log2,
+    def _sparse_sink_kernel(q_ptr, pool_ptr, idx_ptr, val_ptr, len_ptr, sink_ptr, o_ptr,
+                            scale_log2,
                             q_st, q_sh, pool_sm, idx_st, idx_ss, val_st, val_ss, o_st, o_sh,
                             H, D, S, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                            D_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+                            D_PAD: tl.constexpr, HAS_LENS: tl.constexpr,
+                            FP32_DOT: tl.constexpr):
         head_blocks = tl.cdiv(H, BLOCK_H)
         pid = tl.program_id(0)
         t = (pid // head_blocks).to(tl.int64)
@@ -135,9 +146,12 @@ if triton is not None:
         m = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634
         total = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-        for n0 in range(0, S, BLOCK_N):
+        keys = S
+        if HAS_LENS:
+            keys = tl.minimum(tl.load(len_ptr + t).to(tl.int32), S)
+        for n0 in range(0, keys, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < S
+            n_ok = n < keys
             ok = (tl.load(val_ptr + t * val_st + n * val_ss, mask=n_ok, other=0) != 0) & n_ok
             rows = tl.load(idx_ptr + t * idx_st + n * idx_ss, mask=ok, other=0).to(tl.int64)
             k = tl.load(pool_ptr + rows[:, None] * pool_sm + d[None, :],

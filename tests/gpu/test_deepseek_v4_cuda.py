@@ -26,12 +26,13 @@ scores nearly tie, which the whole-matrix norm absorbs.
   blur a wrong index or mask into the model's bf16 noise (a dropped window key moved the
   700-token logits by 9e-2, the 33-token ones not at all).
 
-- the indexer's two branches: every call of the indexer score kernel in the bf16 prefill
-  (`deepseek_v4_indexer.py`, the CUDA default for shared keys; once per CSA layer and row
-  block) is checked against the scorer's fp32 torch branch on the same inputs, elementwise
-  within (3 dI + 2 h + 4) 2^-24 scale sum_h |w| (|q| . |k|) (derived in
-  tests/gpu/test_v4_indexer_cuda.py), -inf exactly where not visible. Scores, not picks:
-  picks may legitimately differ where scores nearly tie.
+- the indexer's two branches: every call of the indexer's top-k in the bf16 prefill
+  (`deepseek_v4_indexer.py`, the CUDA default; once per CSA layer and row block) has its
+  kernel's scores checked against the scorer's fp32 torch branch on the same inputs,
+  elementwise within (3 dI + 2 h + 4) 2^-24 scale sum_h |w| (|q| . |k|) (derived in
+  tests/gpu/test_v4_indexer_cuda.py), -inf exactly where not visible, and its picks against
+  a stable sort of those scores (exactly). Scores, not the torch branch's picks: those may
+  legitimately differ where scores nearly tie.
 
 - CUDA graphs (`V4DecodeGraphs`): greedy decode of the same prompts with the decode step
   replayed from graphs (bf16; 3 rows in batch bucket 4, one context bucket) gives the
@@ -168,11 +169,16 @@ def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
     from cpmoe.models import deepseek_v4_attention
     from tests.gpu.test_v4_indexer_cuda import score_bound
 
-    kernel, worst = deepseek_v4_attention.indexer_scores, []
+    from cpmoe.models.deepseek_v4_indexer import indexer_scores
 
-    def checked(q, keys, w, scale, visible):
-        """The kernel, checked against the torch branch's scores of the same inputs."""
-        got = kernel(q, keys, w, scale, visible)
+    kernel, worst = deepseek_v4_attention.indexer_topk, []
+
+    def checked(q, keys, w, scale, bounds, k):
+        """The kernel's scores, checked against the torch branch's scores of the same
+        inputs; its picks, against a stable sort of its scores."""
+        got = indexer_scores(q, keys, w, scale, bounds)
+        c = torch.arange(keys.shape[0], device=q.device)
+        visible = (c[None, :] >= bounds[0][:, None]) & (c[None, :] < bounds[1][:, None])
         saved = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         want = torch_scores(q, keys, w, scale, visible)
@@ -181,9 +187,12 @@ def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
         assert torch.equal(got == float("-inf"), ~visible)
         err = torch.where(visible, got - want, 0).abs()
         worst.append((err / bound.clamp(min=1e-30)).max().item())
-        return got
+        picks = kernel(q, keys, w, scale, bounds, k)
+        order = got.sort(dim=-1, descending=True, stable=True).indices[:, :picks.shape[1]]
+        assert torch.equal(picks, torch.where(visible.gather(1, order), order, -1))
+        return picks
 
-    monkeypatch.setattr(deepseek_v4_attention, "indexer_scores", checked)
+    monkeypatch.setattr(deepseek_v4_attention, "indexer_topk", checked)
     prefill_small_v4_bf16()
     print(f"V4 prefill indexer, kernel vs torch scores, error / bound per call: {worst}")
     assert len(worst) == 2, worst  # CSA layers 1 and 3, one row block each

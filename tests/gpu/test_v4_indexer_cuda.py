@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from bench.v4_indexer import torch_scores
-from cpmoe.models.deepseek_v4_indexer import indexer_scores
+from cpmoe.models.deepseek_v4_indexer import indexer_scores, indexer_topk
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -49,7 +49,8 @@ def score_bound(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
 
 
 def case(dtype: torch.dtype, seed: int):
-    """-> (q, keys, w, visible): T rows at positions spread over an L-token prompt."""
+    """-> (q, keys, w, bounds, visible): T rows at positions spread over an L-token prompt,
+    row t seeing entries [0, (pos + 1) // RATE)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(T, H, D, device=dev, generator=gen).to(dtype)
@@ -58,16 +59,17 @@ def case(dtype: torch.dtype, seed: int):
     w[:, 5] = 0.0
     w[7] = 0.0
     pos = torch.linspace(0, L - 1, T, device=dev).long()
-    visible = torch.arange(C, device=dev)[None, :] < ((pos + 1) // RATE)[:, None]
-    return q, keys, w, visible
+    hi = (pos + 1) // RATE
+    visible = torch.arange(C, device=dev)[None, :] < hi[:, None]
+    return q, keys, w, (torch.zeros_like(hi), hi), visible
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_fp32_torch_path_at_v4_shape(dtype) -> None:
-    q, keys, w, visible = case(dtype, seed=0)
+    q, keys, w, bounds, visible = case(dtype, seed=0)
     scale = D ** -0.5
-    got = indexer_scores(q, keys, w, scale, visible)
+    got = indexer_scores(q, keys, w, scale, bounds)
     want = torch_scores(q, keys, w, scale, visible)
     bound = score_bound(q, keys, w, scale)
     assert got.dtype == torch.float32 and got.shape == (T, C)
@@ -83,13 +85,27 @@ def test_kernel_matches_fp32_torch_path_at_v4_shape(dtype) -> None:
 
 
 @cuda
-@pytest.mark.parametrize("entries", [2000, 6000])
-def test_scores_and_sort_fit_the_prefill_plans_count(entries) -> None:
-    """`select_visible`'s C-sized temporaries on the kernel path (the kernel's scores, then
-    the stable sort: in place up to 4096 entries, ATen's segmented radix sort above, counted
-    at about 9 elements an entry) peak within what `rows_per_block` counts for them:
-    _KERNEL_INDEX_ELEMS fp32-sized elements an entry of a row (which also counts the visible
-    mask, made before here)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_picks_what_a_stable_sort_of_the_scores_picks(dtype) -> None:
+    """`indexer_topk` on the GPU (the kernel's int64 order keys, torch.topk) equals a stable
+    descending sort of the kernel's own scores, -1 where not visible: the same picks in the
+    same order, row 7's all-zero ties going to the lower entries."""
+    q, keys, w, bounds, visible = case(dtype, seed=1)
+    scale = D ** -0.5
+    scores = indexer_scores(q, keys, w, scale, bounds)
+    for k in (512, C):
+        picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        want = torch.where(visible.gather(1, picks), picks, -1)
+        got = indexer_topk(q, keys, w, scale, bounds, k)
+        assert torch.equal(got, want), (k, (got != want).nonzero()[:5])
+
+
+@cuda
+@pytest.mark.parametrize("entries", [2000, 16384])
+def test_topk_temporaries_fit_the_prefill_plans_count(entries) -> None:
+    """`indexer_topk`'s C-sized temporaries (the kernel's int64 order keys, then
+    torch.topk's) peak within what `rows_per_block` counts for them: _KERNEL_INDEX_ELEMS
+    fp32-sized elements an entry of a row."""
     from cpmoe.models import deepseek_v4_prefill as prefill
 
     rows, dev = 200, torch.device("cuda")
@@ -97,12 +113,11 @@ def test_scores_and_sort_fit_the_prefill_plans_count(entries) -> None:
     q = torch.randn(rows, H, D, device=dev, generator=gen).to(torch.bfloat16)
     keys = torch.randn(entries, D, device=dev, generator=gen).to(torch.bfloat16)
     w = torch.randn(rows, H, device=dev, generator=gen) * H ** -0.5
-    visible = torch.rand(rows, entries, device=dev, generator=gen) < 0.5
+    hi = torch.randint(0, entries + 1, (rows,), device=dev, generator=gen)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    scores = indexer_scores(q, keys, w, D ** -0.5, visible)
-    picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :512]
+    picks = indexer_topk(q, keys, w, D ** -0.5, (torch.zeros_like(hi), hi), 512)
     torch.cuda.synchronize()
     per_entry = (torch.cuda.max_memory_allocated() - base) / (4 * rows * entries)
     print(f"\n{entries} entries: {per_entry:.2f} fp32-sized elements an entry of a row "

@@ -4,9 +4,9 @@
   whether the model may attend it (window, closed compressed windows, indexer picks);
 - the per-token terms equal torch's FLOP counter on a real one-rank forward of a tiny V4
   (4 layers: HCA, CSA, sliding, CSA; hash and top-k MoE; hc 4), once the counter's view of
-  the implementation's attention core (it computes masked window slots and every HCA
-  entry of the batch in one block) and the formula's contractions the implementation does elementwise (pooling,
-  the indexer's head-weighted sum) are accounted for by hand;
+  the implementation's attention core (it computes masked window slots, and HCA lists as
+  long as the longest of the block) and the formula's contractions the implementation does
+  elementwise (pooling, the indexer's head-weighted sum) are accounted for by hand;
 - `cpmoe bench`'s `model_flops` uses it for V4 configs.
 """
 
@@ -64,13 +64,14 @@ def test_v4_attention_flops_match_brute_force(cfg, L):
 
 def _implementation_attention(cfg, layer: int, lengths: list[int]) -> int:
     """What the one-rank batched forward's matmuls spend on attention (counted by the FLOP
-    counter), all rows in one block: W gathered window slots per row, every HCA entry of the
-    batch (other sequences' masked), min(topk, E) CSA picks, indexer scores against every
-    CSA entry of the batch (its head-weighted sum is elementwise)."""
+    counter), all rows in one block: W gathered window slots per row, as many HCA entries
+    as the row of the block that sees most (shorter lists masked), min(topk, E) CSA picks,
+    indexer scores against every CSA entry up to the last any row sees (in one block: all E
+    of the batch; its head-weighted sum is elementwise)."""
     Hq, D, kind = cfg.num_attention_heads, cfg.head_dim, cfg.layer_types[layer]
     keys, scores = cfg.sliding_window, 0
     if kind == HCA:
-        keys += sum(L // cfg.compress_rate_hca for L in lengths)
+        keys += max(L // cfg.compress_rate_hca for L in lengths)
     elif kind == CSA:
         E = sum(L // cfg.compress_rate_csa for L in lengths)
         keys += min(cfg.index_topk, E)

@@ -135,6 +135,7 @@ results = [
     collapse_case(9, 4, 100, dtype=torch.bfloat16, block_h=64),
     mix_case(37, 4, 100, 24),  # 2 row blocks, the last partial; K 400: a partial k block
     mix_case(5, 2, 70, 2, block_t=16, block_k=32),
+    mix_case(70, 4, 100, 24, block_t=64, block_k=32),  # prefill's tiles (MIX_TILES)
     mix_case(9, 4, 64, 4, dtype=torch.bfloat16),
     weights_case(70, 4, 20),  # 2 row blocks, the last partial
     weights_case(5, 2, 3, block_t=2),

@@ -7,8 +7,10 @@ Cases: 6 heads, D 32, 64 and 48 (not a power of two: a padded, masked tile), T a
 multiples of the tiles with several tiles each way (the defaults 64 x 128 and 16 x 16),
 random signs so about half of the dot products are negative (relu matters: the test checks
 that dropping it would fail), a head whose weight is 0 for every row and a row whose weights
-are all 0 (its scores exactly 0), a visible mask (-inf exactly where False), strided q and w,
-and one bf16 case.
+are all 0 (its scores exactly 0), per-row bounds of the visible entries (-inf exactly
+outside; a row that sees all, one that sees none), strided q and w, and one bf16 case. With
+bounds also the order keys (they decode to the scores and entries) and `indexer_topk`
+against a stable descending sort of the same scores (equal, ties included).
 
 Tolerance, elementwise, from fp32 rounding (u = 2^-24): the kernel's IEEE fp32 dot of D
 products is off by at most D u sum_i |q_i k_i| = D u A[t, h, c]; relu moves no error up;
@@ -32,7 +34,7 @@ from tests._interpreter import run_interpreted
 
 _KERNEL = r"""
 import torch
-from cpmoe.models.deepseek_v4_indexer import indexer_scores
+from cpmoe.models.deepseek_v4_indexer import indexer_scores, indexer_topk
 
 g = torch.Generator().manual_seed(0)
 
@@ -50,8 +52,15 @@ def case(T, H, D, C, dtype=torch.float32, masked=False, **tiles):
     w[:, 2] = 0.0  # a head that counts for nobody
     w[3] = 0.0  # a row whose scores are all 0
     scale = D ** -0.5
-    visible = torch.rand(T, C, generator=g) < 0.7 if masked else None
-    got = indexer_scores(q, keys, w, scale, visible, **tiles)
+    visible = bounds = None
+    if masked:  # row t sees [lo, hi): some rows nothing, some everything
+        lo = torch.randint(0, C, (T,), generator=g)
+        hi = (lo + torch.randint(0, C, (T,), generator=g)).clamp(max=C)
+        lo[0], hi[0], lo[1], hi[1] = 0, C, 5, 5
+        c = torch.arange(C)
+        visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+        bounds = (lo, hi)
+    got = indexer_scores(q, keys, w, scale, bounds, **tiles)
     want = reference(q, keys, w, scale)
     abs_sum = scale * (w.double().abs()[..., None]
                        * torch.einsum("thd,cd->thc", q.double().abs(), keys.double().abs())
@@ -68,7 +77,26 @@ def case(T, H, D, C, dtype=torch.float32, masked=False, **tiles):
     if visible is not None:
         without_relu = torch.where(visible, without_relu, 0)
     assert without_relu.max() > 1000 * bound.max()  # the check above would catch no relu
+    if bounds is not None:
+        check_topk(q, keys, w, scale, bounds, visible, tiles)
     return err.max().item(), bound.max().item()
+
+
+# The order keys decode to the scores' bits and entries, and `indexer_topk` picks what a
+# stable descending sort of the same scores picks: row 3's scores all tie at 0 (its weights
+# are 0), so ties go to the lower entry; -1 where not visible.
+def check_topk(q, keys, w, scale, bounds, visible, tiles):
+    scores = indexer_scores(q, keys, w, scale, bounds, **tiles)
+    order = indexer_scores(q, keys, w, scale, bounds, order_keys=True, **tiles)
+    high, low = order >> 32, order & 0xFFFFFFFF
+    bits = torch.where(high >= 0, high, high ^ 0x7FFFFFFF).to(torch.int32)
+    assert torch.equal(bits.view(torch.float32), scores)
+    assert torch.equal(low, 0xFFFFFFFF - torch.arange(scores.shape[1]).expand_as(low))
+    for k in (1, 7, scores.shape[1]):
+        picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        want = torch.where(visible.gather(1, picks), picks, -1)
+        got = indexer_topk(q, keys, w, scale, bounds, k)
+        assert torch.equal(got, want), (k, (got != want).nonzero()[:5])
 
 
 results = [
@@ -111,13 +139,15 @@ T, E = 40, 150
 q_res, x = torch.randn(T, 32, generator=g), torch.randn(T, 64, generator=g)
 angles = torch.rand(T, 8, generator=g) * 6.3
 keys = torch.randn(E, 32, generator=g)
-visible = torch.rand(T, E, generator=g) < 0.5
-visible[5] = False  # no visible entry: every pick -1
-visible[6] = False
-visible[6, :3] = True  # fewer visible entries than top-k
-args = (q_res, x, angles.cos(), angles.sin(), keys, visible)
+lo = torch.randint(0, E, (T,), generator=g)
+hi = (lo + torch.randint(0, E, (T,), generator=g)).clamp(max=E)
+lo[5], hi[5] = 7, 7  # no visible entry: every pick -1
+lo[6], hi[6] = 0, 3  # fewer visible entries than top-k
+c = torch.arange(E)
+visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+args = (q_res, x, angles.cos(), angles.sin(), keys, lo, hi)
 calls = []
-kernel = attention.indexer_scores
+kernel = attention.indexer_topk
 
 
 def spy(*a):
@@ -125,7 +155,7 @@ def spy(*a):
     return kernel(*a)
 
 
-attention.indexer_scores = spy
+attention.indexer_topk = spy
 attention.kernel_applies = lambda device, dtype: False
 want = idx.select_visible(*args)
 q = attention.apply_interleaved_rope(idx.q_b_proj(q_res).view(T, 6, 32), angles.cos(),
@@ -164,14 +194,14 @@ def test_select_visible_kernel_branch_matches_reference_branch_in_the_interprete
 
 def test_bad_inputs_raise_one_line_errors() -> None:
     q, keys, w = torch.randn(3, 4, 16), torch.randn(10, 16), torch.randn(3, 4)
-    visible = torch.ones(3, 10, dtype=torch.bool)
+    lo, hi = torch.zeros(3, dtype=torch.int64), torch.full((3,), 10)
     cases = [
         ((q, keys[:, :8], w, 0.25), r"need q \[T, h, D\] and keys \[C, D\]"),
         ((q, keys.half(), w, 0.25), "keys in q's dtype"),
         ((q, keys, w.double(), 0.25), r"need w float32 \(3, 4\)"),
         ((q, keys, w[:2], 0.25), r"need w float32 \(3, 4\)"),
-        ((q, keys, w, 0.25, visible.int()), r"need visible bool \(3, 10\)"),
-        ((q, keys, w, 0.25, visible[:, :5]), r"need visible bool \(3, 10\)"),
+        ((q, keys, w, 0.25, (lo, hi.int())), r"need bounds \(lo, hi\) int64 \[3\]"),
+        ((q, keys, w, 0.25, (lo[:2], hi)), r"need bounds \(lo, hi\) int64 \[3\]"),
         ((q, keys.t().contiguous().t(), w, 0.25), "contiguous last axis"),
     ]
     for args, message in cases:

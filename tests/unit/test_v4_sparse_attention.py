@@ -49,7 +49,7 @@ def abs_attention(q, kv, valid, sinks, scale):
 
 
 def case(T, H, D, S, M, dtype=torch.float32, idx_dtype=torch.int64, sliced=False,
-         into_out=False):
+         into_out=False, with_lens=False):
     wide = torch.randn(M, D + 24 if sliced else D, generator=g)
     wide[-3:] = float("nan")  # rows only invalid entries point at
     pool = (wide[:, 5:5 + D] if sliced else wide).to(dtype)
@@ -64,10 +64,20 @@ def case(T, H, D, S, M, dtype=torch.float32, idx_dtype=torch.int64, sliced=False
     idx[~valid] = torch.randint(M - 3, M, (int((~valid).sum()),), generator=g)
     sinks = torch.randn(H, generator=g)
     scale = D ** -0.5
+    lens = None
+    if with_lens:  # each row's valid keys lie in its first lens[t]; past them, valid junk
+        lens = torch.randint(0, S + 1, (T,), generator=g)
+        lens[2] = S
+        past = torch.arange(S)[None, :] >= lens[:, None]
+        idx_bad = torch.randint(M - 3, M, (T, S), generator=g)  # NaN rows: read = caught
+        idx = torch.where(past, idx_bad, idx)
+        valid_kernel = valid | past  # what the kernel is told: it must stop at lens
+        valid = valid & ~past
     out = None
     if into_out:
         out = torch.full((T, H + 3, D), float("nan"), dtype=dtype)[:, 1:H + 1]
-    o = sparse_sink_attention(q, pool, idx.to(idx_dtype), valid, sinks, scale, out=out)
+    o = sparse_sink_attention(q, pool, idx.to(idx_dtype), valid_kernel if with_lens else valid,
+                              sinks, scale, out=out, lens=lens)
     clean = pool.float().nan_to_num(0.0)  # the reference multiplies masked NaNs by 0
     want = sink_attention(q.float(), clean[idx], valid, sinks, scale)
     abs_k = abs_attention(q, clean[idx], valid, sinks, scale)
@@ -89,6 +99,7 @@ errors = [
     case(5, 20, 80, 33, 40, sliced=True),
     case(4, 4, 64, 96, 30),  # S a multiple of BLOCK_N, many repeats (M < S)
     case(4, 4, 32, 20, 25, dtype=torch.bfloat16),
+    case(9, 4, 64, 150, 60, with_lens=True),  # rows stop early, some before their 1st tile
 ]
 print("sparse sink kernel ok", errors)
 """
@@ -116,17 +127,29 @@ calls = []
 kernel = prefill.sparse_sink_attention
 
 
-def spy(q, pool, idx, valid, sinks, scale, out):
+def spy(q, pool, idx, valid, sinks, scale, out, lens=None):
     calls.append(idx.shape)
-    return kernel(q, pool, idx, valid, sinks, scale, out)
+    return kernel(q, pool, idx, valid, sinks, scale, out, lens=lens)
+
+
+plans = []
+build = prefill.PrefillPlan.build
+
+
+def spy_plan(*args, **kwargs):
+    plans.append(build(*args, **kwargs))
+    return plans[-1]
+
 
 
 prefill.kernel_applies = lambda device, dtype: True  # the CUDA branch, here in float32
 prefill.sparse_sink_attention = spy
-prefill._BLOCK_ELEMS = 1 << 13  # blocks of 14 rows (12 elements an entry, 37 + 10 CSA)
+prefill.PrefillPlan.build = spy_plan
+prefill._BLOCK_ELEMS = 1 << 13  # blocks of about 20 rows, some across sequences
 got = runner.prefill(seqs)
-blocks = -(-191 // 14)
-assert len(calls) == 3 * blocks, calls  # every layer, every block, through the kernel
+blocks = plans[0].blocks
+assert len(blocks) > 5 and any(s1 - s0 > 1 for _, _, s0, s1 in blocks), blocks
+assert len(calls) == 3 * len(blocks), calls  # every layer, every block, through the kernel
 assert max(s for _, s in calls) > 32, calls  # CSA rows: window 24 + 16 picks, two tiles
 err, top = (got - want).abs().max().item(), want.abs().max().item()
 assert err <= 1e-5 * top, (err, top)
@@ -174,14 +197,15 @@ def test_bad_inputs_raise_one_line_errors() -> None:
 
 def test_kernel_blocks_are_sized_without_gathered_keys() -> None:
     """At V4's widths (64 heads of 512, window 128 + top-512, 64 indexer heads) a 4096-token
-    prompt (1024 CSA entries) fits 5461-row blocks with the kernels (the indexer's scores and
-    sort, 12 elements an entry) and 182 without: the gathered keys and scores, not the
-    indexer's dot products, bound the torch path's blocks."""
+    prompt (1024 CSA entries) fits 13107-row blocks with the kernels (bound by the 640 keys'
+    index lists, 8 elements a key, over the indexer's order keys and top-k, 4 an entry) and
+    182 without: the gathered keys and scores, not the indexer's dot products, bound the
+    torch path's blocks. At 64K tokens (16384 entries) the indexer bounds the kernels'."""
     from cpmoe.models.deepseek_v4_prefill import rows_per_block
 
-    assert rows_per_block(640, 64, 512, 64, 1024, kernel=True) == (1 << 26) // (12 * 1024)
+    assert rows_per_block(640, 64, 512, 64, 1024, kernel=True) == (1 << 26) // (640 * 8)
     assert rows_per_block(640, 64, 512, 64, 1024, kernel=False) == (1 << 26) // (640 * 576)
-    assert rows_per_block(640, 64, 512, 64, 16384, kernel=True) == 341  # the indexer's bound
+    assert rows_per_block(640, 64, 512, 64, 16384, kernel=True) == 1024  # the indexer's bound
     assert rows_per_block(640, 64, 512, 64, 16384, kernel=False) == 64
     assert rows_per_block(640, 64, 512, 64, 0, kernel=True) == (1 << 26) // (640 * 8)
     assert rows_per_block(1 << 30, 64, 512, 64, 0, kernel=False) == 1
