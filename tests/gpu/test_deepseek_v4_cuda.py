@@ -131,13 +131,13 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
                                   prefill.prefill_attention)
     use_kernel, slack, worst = [True], [], []
 
-    def kernel_with_bounds(q, pool, idx, valid, sinks, scale, out):
+    def kernel_with_bounds(q, pool, idx, valid, sinks, scale, out, lens=None):
         """The kernel, noting each block's attn(|k|) and fp32 score error bound delta."""
         kv = pool.float()[idx]
         delta = q.shape[-1] * 2.0 ** -24 * scale * (q.float().norm(dim=-1).max()
                                                     * kv.norm(dim=-1).max()).item()
         slack.append((abs_attention(q, kv, valid, sinks, scale), delta))
-        return kernel(q, pool, idx, valid, sinks, scale, out)
+        return kernel(q, pool, idx, valid, sinks, scale, out, lens=lens)
 
     def both_branches(*args):
         slack.clear()
