@@ -50,11 +50,25 @@ def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     return q.view(M, K), s
 
 
-def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_config(M: int) -> dict:
+    """Tile of `_quantize_act_kernel` for M rows: BLOCK_M rows x one group a program, and
+    its warps. Decode (1-64 rows) is launch-bound whatever the tile, and one row a program
+    keeps its few hundred programs spread over the SMs; prefill (16K-128K rows) wants
+    programs big enough to hide memory latency: 32 rows x 128 bf16 inputs are 8 KB, 16-byte
+    loads, 32 inputs a thread. Between, the tile grows with the rows. Not yet swept on a
+    GPU: bench/fp8_quantize.py sweeps BLOCK_M and warps."""
+    block_m = 1
+    while block_m < 32 and block_m * 512 < M:
+        block_m *= 2
+    return {"BLOCK_M": block_m, "num_warps": 1 if block_m == 1 else 4}
+
+
+def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
+                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
     scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
-    both padded to that many rows with zeros (values and scales)."""
+    both padded to that many rows with zeros (values and scales). config:
+    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
@@ -66,27 +80,35 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
         s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
         return q, s.t().contiguous().t()
     x = x.contiguous()
-    alloc = torch.empty if rows == M else torch.zeros
-    q = alloc(rows, K, dtype=FP8, device=x.device)
-    s_t = alloc(K // group, rows, dtype=torch.float32, device=x.device)
-    _quantize_act_kernel[(M, K // group)](x, q, s_t, rows, K, GROUP=group)
+    q = torch.empty(rows, K, dtype=FP8, device=x.device)
+    s_t = torch.empty(K // group, rows, dtype=torch.float32, device=x.device)
+    cfg = config or quantize_config(M)
+    groups = K // group
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
+    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
     return q, s_t.t()
 
 
 if triton is not None:
-    # a size that changes every step: no specialization on it (Triton would compile a
+    # M, R: sizes that change every step: no specialization on them (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["M"])
-    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP: tl.constexpr):
-        row = tl.program_id(0)
-        g = tl.program_id(1)
+    @triton.jit(do_not_specialize=["M", "R"])
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, R, K, GROUP: tl.constexpr,
+                             BLOCK_M: tl.constexpr):
+        """Program p: rows [BLOCK_M * (p // groups), ..) x group p % groups (neighbouring
+        programs read neighbouring groups of the same rows). Rows in [M, R) are padding:
+        values and scales 0 (their inputs read as 0, so x / s is 0)."""
+        groups = K // GROUP
+        pid = tl.program_id(0)
+        g = pid % groups
+        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + row * K + cols).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        q = tl.clamp(x / s, -448.0, 448.0)
-        tl.store(q_ptr + row * K + cols,
-                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
-        tl.store(s_ptr + g * M + row, s)  # scales stored [K/group, M]: column-major [M, ..]
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
+        q, s = quantize_rows(x)
+        tl.store(q_ptr + offs, q, mask=(rows < R)[:, None])
+        # scales stored [K/group, R]: column-major [R, K/group]
+        tl.store(s_ptr + g * R + rows, tl.where(rows < M, s, 0.0), mask=rows < R)
 
     @triton.jit
     def quantize_rows(x):

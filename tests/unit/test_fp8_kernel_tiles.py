@@ -1,0 +1,83 @@
+"""The tiles of two FP8 kernels in Triton's CPU interpreter (skipped without Triton).
+
+- `quantize_act`'s kernel, one [BLOCK_M, group] tile a program: values and scales equal
+  `quantize_act_ref` for row counts that are not a multiple of BLOCK_M, for padded rows
+  (rows > M: zero values and scales, whatever the fresh buffers held) and for every BLOCK_M
+  tried. Exactly on rows whose quantization rounds nothing (the interpreter's float32 -> FP8
+  cast drops the carry when rounding up crosses a power of two, rounds ties away from zero
+  and FP8 subnormals off by up to one step; the GPU's does none of these: see
+  tests/unit/test_fp8_kernels.py), and on random float32 rows (no ties) up to those.
+  tests/gpu/test_fp8_cuda.py checks bit equality on random bf16 rows on the GPU.
+- `grouped_fp8_gemm`'s output is allocated uninitialized: rows past offs[-1] (other EP
+  ranks' slots) are written as zeros by the kernel's spare tile slots, even when the fresh
+  memory held NaN, and the rest equals `grouped_fp8_gemm_ref`.
+"""
+
+import importlib.util
+
+import pytest
+
+from tests._interpreter import run_interpreted
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton not installed")
+
+_QUANTIZE = r"""
+import torch
+from cpmoe.quant import kernels as k
+FP8 = torch.float8_e4m3fn
+torch.manual_seed(0)
+empty = torch.empty
+# fresh buffers hold NaN (the kernel must write every element it returns)
+torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+
+
+def exact_rows(M, K, group):
+    # FP8 values times a power of two per group, 448 in every group, one all-zero group
+    q = (torch.randn(M, K) * 64).clamp(-448, 448).to(FP8).float()
+    q[:, ::group] = 448.0
+    x = q * 2.0 ** torch.randint(-10, 4, (M, K // group)).float().repeat_interleave(group, 1)
+    x[M // 2, :group] = 0.0
+    return x
+
+
+def check(x, group, rows, cfg, exact):
+    M, K = x.shape
+    q, s = k.quantize_act(x, group, rows, config=cfg)
+    qr, sr = k.quantize_act_ref(x, group)
+    assert q.shape == (rows, K) and s.shape == (rows, K // group) and s.stride() == (1, rows)
+    assert torch.equal(s[:M], sr), cfg
+    assert torch.equal(s[M:], torch.zeros_like(s[M:]))
+    assert torch.equal(q[M:].float(), torch.zeros(rows - M, K))
+    qf, rf = q[:M].float(), qr.float()
+    if exact:
+        assert torch.equal(q[:M].view(torch.uint8), qr.view(torch.uint8)), cfg
+    else:  # the interpreter's cast (see the module docstring)
+        carry = (rf.abs().log2() == rf.abs().log2().round()) & (qf == rf / 2)
+        subnormal = (rf.abs() < 2 ** -6) & ((qf - rf).abs() <= 2 ** -9)
+        assert ((qf == rf) | carry | subnormal).all()
+
+
+cases = 0
+for block_m, warps in ((1, 1), (2, 4), (8, 4), (32, 4)):
+    cfg = dict(BLOCK_M=block_m, num_warps=warps)
+    for M, K, group in ((7, 256, 128), (37, 96, 32), (1, 128, 128)):
+        for rows in (M, M + 3, M + 16):
+            check(exact_rows(M, K, group), group, rows, cfg, exact=True)
+            # float32: bf16 inputs land on FP8 ties, which the interpreter's cast rounds
+            # away from zero (the GPU's to even)
+            x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]
+            check(x, group, rows, cfg, exact=False)
+            cases += 1
+# the default tiles, decode and prefill sizes
+assert k.quantize_config(1)["BLOCK_M"] == 1 and k.quantize_config(16384)["BLOCK_M"] == 32
+check(exact_rows(40, 256, 128), 128, 48, None, exact=True)
+print("quantize tiles ok", cases)
+"""
+
+
+@needs_triton
+def test_quantize_act_tiles_match_quantize_act_ref_in_the_interpreter() -> None:
+    out = run_interpreted(_QUANTIZE, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "quantize tiles ok" in out.stdout
