@@ -159,23 +159,30 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     if K % bk or bk < 16 or bk & (bk - 1):
         raise ValueError(f"grouped FP8 GEMM: K {K} must be a multiple of the block {bk}, a "
                          f"power of two >= 16")
-    out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
+    # uninitialized: the kernel writes every row, the tail past offs[-1] as zeros (a
+    # zero-filled [P, N] buffer cost ~0.5 GB of writes a layer at 16K tokens)
+    out = torch.empty(P, N, dtype=out_dtype, device=a.device)
     if P == 0:
         return out
     cfg = config or grouped_fp8_config(P, E)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
-    # tiles of each expert, and for every tile slot its expert (E: an empty slot)
+    # tiles of each expert, and for every tile slot its expert (E: a spare slot)
     offs = offs.to(torch.int64)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     tiles = (offs - starts + BM - 1) // BM
     tile_end = tiles.cumsum(0)
-    bound = (P + BM - 1) // BM + E  # at most one partial tile per expert
+    # Enough slots for the experts' tiles and the zero tail, for any routing: with n_e
+    # rows for expert e and L = offs[-1] = sum n_e <= P, the experts take
+    # T = sum ceil(n_e / BM) <= sum (n_e + BM - 1) / BM = (L + E (BM - 1)) / BM slots, so
+    # the spare ones number bound - T >= P / BM + E - L / BM - E + E / BM > (P - L) / BM,
+    # an integer, hence >= ceil((P - L) / BM): the tiles of the tail rows [L, P).
+    bound = (P + BM - 1) // BM + E
     tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
                                      right=True)
     grid = (bound, triton.cdiv(N, BN))
     _grouped_fp8_kernel[grid](
         a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
-        N, K, a_scale.stride(0), a_scale.stride(1),
+        P, N, K, a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -183,24 +190,30 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
 
 
 if triton is not None:
-    @triton.jit
+    # P: the slots, which change every step (no variant per residue mod 16)
+    @triton.jit(do_not_specialize=["P"])
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
-                            tile_end_ptr, tiles_ptr, tile_expert_ptr, N, K,
+                            tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
                             as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             BK: tl.constexpr, UPCAST: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + t)
-        if e >= E:
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        if e >= E:  # a spare slot, the (t - T)-th (T = tile_end[E - 1]): zeros past offs[-1]
+            spare = t - tl.load(tile_end_ptr + E - 1)
+            rows = tl.load(ends_ptr + E - 1) + spare * BM + tl.arange(0, BM)
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
+                     mask=(rows < P)[:, None] & col_ok[None, :])
             return
         local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
         start = tl.load(starts_ptr + e)
         end = tl.load(ends_ptr + e)
         rows = start + local * BM + tl.arange(0, BM)
         row_ok = rows < end
-        cols = pid_n * BN + tl.arange(0, BN)
-        col_ok = cols < N
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * N * K

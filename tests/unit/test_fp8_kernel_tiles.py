@@ -81,3 +81,42 @@ def test_quantize_act_tiles_match_quantize_act_ref_in_the_interpreter() -> None:
     out = run_interpreted(_QUANTIZE, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "quantize tiles ok" in out.stdout
+
+
+_TAIL = r"""
+import torch
+from cpmoe.quant import kernels as k
+from cpmoe.quant.formats import quantize_block_fp8
+torch.manual_seed(0)
+empty = torch.empty
+torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))  # garbage output memory
+
+cases = 0
+# (P, offs, BM): one row an expert (the most experts' tiles for the rows), a long tail over
+# many tiles, no local rows at all, an expert straddling tiles, a tail shorter than a tile
+for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0, 0, 0], 16),
+                    (150, [40, 40, 90, 130], 64), (33, [31], 16), (20, [20, 20], 16)):
+    E, N, K, block = len(offs), 48, 64, (16, 32)
+    pairs = [quantize_block_fp8(torch.randn(N, K), block) for _ in range(E)]
+    wq, ws = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    aq, a_s = k.quantize_act_ref(torch.randn(P, K), block[1])
+    offs = torch.tensor(offs)
+    cfg = {"BM": BM, "BN": 32, "num_warps": 4, "num_stages": 1}
+    for dtype in (torch.float32, torch.bfloat16):
+        got = k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, dtype, config=cfg)
+        want = k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, dtype)
+        L = int(offs[-1])
+        assert torch.equal(got[L:], torch.zeros(P - L, N, dtype=dtype)), (P, offs, dtype)
+        # bf16: the interpreter's cast truncates (torch's rounds), one bf16 step apart
+        tol = (1e-5, 1e-4) if dtype == torch.float32 else (2 ** -7, 1e-2)
+        torch.testing.assert_close(got[:L].float(), want[:L].float(), rtol=tol[0], atol=tol[1])
+        cases += 1
+print("gemm tail ok", cases)
+"""
+
+
+@needs_triton
+def test_grouped_fp8_gemm_zeroes_rows_past_offs_in_uninitialized_memory() -> None:
+    out = run_interpreted(_TAIL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gemm tail ok" in out.stdout
