@@ -2,6 +2,8 @@
 
 - `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
   s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
+- `swiglu_quantize(h, group, limit)`: `quantize_act(silu_and_mul(h), group)` (or of the
+  clamped SwiGLU) in one pass, for the FP8 experts' down GEMM.
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
@@ -119,6 +121,60 @@ if triton is not None:
         q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv,
                                                        fp_downcast_rounding="rtne")
         return q, s
+
+
+def swiglu_quantize_fits(h: torch.Tensor, group: int) -> bool:
+    """Whether `swiglu_quantize` takes packed gate/up rows h [P, 2I] here."""
+    return _use_triton(h) and h.dim() == 2 and h.shape[0] > 0 and h.shape[1] % (2 * group) == 0
+
+
+def swiglu_quantize(h: torch.Tensor, group: int = 128, limit: float | None = None,
+                    config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_act(silu_and_mul(h), group)` in one pass (with limit: of DeepSeek-V4's
+    `clamped_swiglu`), the SwiGLU never written out: h [P, 2I] (gate first) -> (e4m3
+    [P, I], float32 scales [P, I/group] with strides (1, P)). Bit for bit the two Triton
+    kernels' result: the SwiGLU has their expression in float32 and is rounded to h's dtype
+    before it is quantized, as the unfused path stores it. config: `quantize_config`'s."""
+    if not swiglu_quantize_fits(h, group):
+        raise ValueError(f"swiglu_quantize: need [P > 0, 2I] rows, I a multiple of {group}, "
+                         f"on CUDA or the interpreter; got {tuple(h.shape)} on {h.device}")
+    h = h if h.stride(1) == 1 else h.contiguous()
+    P, inter = h.shape[0], h.shape[1] // 2
+    q = torch.empty(P, inter, dtype=FP8, device=h.device)
+    s_t = torch.empty(inter // group, P, dtype=torch.float32, device=h.device)
+    cfg = config or quantize_config(P)
+    grid = (triton.cdiv(P, cfg["BLOCK_M"]) * (inter // group),)
+    _swiglu_quantize_kernel[grid](h, q, s_t, P, inter, h.stride(0),
+                                  0.0 if limit is None else limit, GROUP=group,
+                                  CLAMP=limit is not None, **cfg)
+    return q, s_t.t()
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["P"])  # the slots: a size that changes every step
+    def _swiglu_quantize_kernel(h_ptr, q_ptr, s_ptr, P, inter, h_st, limit,
+                                GROUP: tl.constexpr, CLAMP: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+        """Program p: rows [BLOCK_M * (p // groups), ..) x output group p % groups, as in
+        `_quantize_act_kernel`; the SwiGLU is ops._swiglu_kernel's expression."""
+        groups = inter // GROUP
+        pid = tl.program_id(0)
+        g = pid % groups
+        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = (rows < P)[:, None]
+        cols = g * GROUP + tl.arange(0, GROUP)
+        at = h_ptr + rows[:, None].to(tl.int64) * h_st + cols[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + inter, mask=ok, other=0.0).to(tl.float32)
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        # rounded as the unfused path stores it, so the scales and values are the same
+        act = act.to(h_ptr.dtype.element_ty).to(tl.float32)
+        q, s = quantize_rows(act)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], q, mask=ok)
+        tl.store(s_ptr + g * P + rows, s, mask=rows < P)  # [I/group, P]: column-major
 
 
 # ---- block-scaled grouped GEMM ----------------------------------------------------------

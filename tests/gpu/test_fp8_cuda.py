@@ -72,6 +72,23 @@ def test_quantize_act_matches_quantize_act_ref_bit_for_bit(block_m, m, rows):
     assert not q[m:].view(torch.uint8).any() and not s[m:].any()
 
 
+@cuda
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("rows", [1, 37, 5000])
+def test_swiglu_quantize_matches_swiglu_kernel_then_quantize_act_ref(limit, rows):
+    """The fused SwiGLU + quantization is the unfused path bit for bit: the same SwiGLU
+    expression rounded to bf16 (ops' kernel), then quantize_act_ref's values and scales."""
+    from cpmoe import ops
+    torch.manual_seed(3)
+    h = torch.randn(rows, 2 * 768, device="cuda", dtype=torch.bfloat16) * 4
+    q, s = kernels.swiglu_quantize(h, 128, limit)
+    gate, up = h.chunk(2, dim=-1)
+    act = ops.silu_and_mul(h) if limit is None else ops.clamped_swiglu(gate, up, limit)
+    qr, sr = kernels.quantize_act_ref(act, 128)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr) and s.stride() == (1, rows)
+
+
 # The skinny decode GEMM quantizes its rows with quantize_act's arithmetic and multiplies the
 # same FP8 operands as quantize_act + F.scaled_mm: only the summation order (and the FP8
 # MMA's accumulation within each 128-input dot) differs, and then each side rounds to bf16

@@ -120,3 +120,54 @@ def test_grouped_fp8_gemm_zeroes_rows_past_offs_in_uninitialized_memory() -> Non
     out = run_interpreted(_TAIL, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gemm tail ok" in out.stdout
+
+
+_SWIGLU = r"""
+import torch
+from cpmoe import ops
+from cpmoe.quant import kernels as k
+from cpmoe.quant.formats import dequantize
+torch.manual_seed(0)
+
+cases = 0
+for P, inter, group in ((37, 256, 128), (5, 96, 32), (1, 128, 128)):
+    for dtype in (torch.bfloat16, torch.float32):
+        h = (torch.randn(P, 2 * inter) * 3).to(dtype)
+        for limit in (None, 2.0):
+            gate, up = h.chunk(2, dim=-1)
+            act = ops.silu_and_mul(h) if limit is None else ops._swiglu(gate, up, limit)
+            for block_m in (1, 4, 16):
+                cfg = dict(BLOCK_M=block_m, num_warps=4)
+                q, s = k.swiglu_quantize(h, group, limit, config=cfg)
+                # the unfused Triton path, bit for bit (the same interpreter casts)
+                qu, su = k.quantize_act(act, group, config=cfg)
+                assert s.stride() == (1, P) and torch.equal(s, su), (P, dtype, limit)
+                assert torch.equal(q.view(torch.uint8), qu.view(torch.uint8))
+                cases += 1
+            # the torch references: silu_and_mul_ref rounds SiLU and the product each to
+            # the dtype (the kernels round once), and torch's casts are not the
+            # interpreter's, so the activations may differ by a couple of bf16 steps
+            # (2^-7 each): scales within 2^-5, dequantized values within one FP8 step
+            # (2^-3 of the value, or 2^-9 of the scale among subnormals) of each other.
+            # On the GPU (one rounding, RNE casts) tests/gpu/test_fp8_cuda.py asks equality.
+            ref = (ops.silu_and_mul_ref(h) if limit is None
+                   else ops.clamped_swiglu_ref(gate, up, limit))
+            qr, sr = k.quantize_act_ref(ref, group)
+            torch.testing.assert_close(s, sr, rtol=2 ** -5, atol=0)
+            # the interpreter's dropped carry (a rounding up to 2^(e+1) gives 2^e) undone
+            qf, rf = q.float(), qr.float()
+            dropped = (qf.abs().log2() == qf.abs().log2().round()) & (rf.abs() > 1.5 * qf.abs())
+            got = dequantize(torch.where(dropped, 2 * qf, qf), s, (1, group))
+            want = dequantize(qr, sr, (1, group))
+            step = 2 ** -3 * torch.maximum(got.abs(), want.abs()) + 2 ** -9 * (
+                sr.repeat_interleave(group, 1))
+            assert ((got - want).abs() <= step * 1.05).all()
+print("swiglu quantize ok", cases)
+"""
+
+
+@needs_triton
+def test_swiglu_quantize_matches_swiglu_then_quantize_act_in_the_interpreter() -> None:
+    out = run_interpreted(_SWIGLU, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "swiglu quantize ok" in out.stdout
