@@ -11,6 +11,8 @@ rows of hidden) and decode's (64 rows; 64 x 8 expert slots of 768). Each shape r
 4.8 TB/s HBM peak. Time per call from CUDA events over back-to-back calls
 (`cpmoe.bench.timing.cuda_ms`), so decode's figures are launch-bound. Prints one table (a
 line per tile, a column per shape, * the column's fastest) and writes every time to JSON.
+Then, at the experts' intermediate (768) for 128K and 512 slots, the FP8 experts' SwiGLU +
+quantization fused (`kernels.swiglu_quantize`) against `ops.silu_and_mul` + `quantize_act`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 
 import torch
 
+from cpmoe import ops
 from cpmoe.bench.provenance import provenance
 from cpmoe.bench.timing import cuda_ms, sweep_ms
 from cpmoe.quant import kernels
@@ -66,8 +69,28 @@ def main() -> None:
         results.append({"M": M, "K": K, "hbm_floor_ms": moved / HBM_BYTES_PER_S * 1e3})
         del x
     print_table(table, columns)
+    results += swiglu_rows(args.iters)
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
+
+
+def swiglu_rows(iters: int, slots: tuple[int, ...] = (131072, 512)) -> list[dict]:
+    """Fused and unfused SwiGLU + quantization of packed [P, 2 x 768] bf16 gate/up rows;
+    the fused one reads 4 bytes an output and writes 1 (+ scales)."""
+    rows = []
+    for P in slots:
+        h = torch.randn(P, 2 * 768, device="cuda", dtype=torch.bfloat16)
+        moved = P * 768 * 5 + P * 6 * 4
+        for path, fn in (("fused", lambda: kernels.swiglu_quantize(h, GROUP)),
+                         ("silu_and_mul+quantize_act",
+                          lambda: kernels.quantize_act(ops.silu_and_mul(h), GROUP))):
+            ms = cuda_ms(fn, iters)
+            gbs = moved / ms / 1e6  # the fused kernel's bytes, for both
+            print(f"swiglu {P}x768 {path}: {ms * 1e3:.1f} us ({gbs:.0f} GB/s of the fused "
+                  f"bytes, {gbs * 1e9 / HBM_BYTES_PER_S:.0%} of HBM)")
+            rows.append({"swiglu_rows": P, "I": 768, "path": path, "ms": ms, "gb_s": gbs})
+        del h
+    return rows
 
 
 def print_table(table: dict[str, dict[str, float]], columns: list[str]) -> None:
