@@ -125,6 +125,7 @@ PY
     step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py
     # the skinny dense GEMM vs quantize_act + scaled_mm, the experts' modes at 64 rows
     step fp8-linear python3 -m bench.fp8_linear --out "$out/fp8-linear.json"
+    step fp8-quantize python3 -m bench.fp8_quantize --out "$out/fp8-quantize.json"
     step fp8-experts python3 -m bench.decode_kernels --fp8 --rows 64 \
       --out "$out/decode-kernels-fp8.json"
     for q in bf16 fp8; do

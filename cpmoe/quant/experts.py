@@ -4,11 +4,13 @@ Every (row, slot) pair is sorted by local expert as on the bf16 grouped path
 (`LocalExperts.sorted_slots`: other ranks' slots, id -1, sort last and are skipped by the
 kernel), the rows are quantized per 1 x bk group and gathered, and two block-scaled grouped FP8
 GEMMs (kernels.grouped_fp8_gemm) run gate/up and down with the experts' own activation in
-between (so DeepSeek-V4's clamped SwiGLU is kept); each row's weighted sum of its slots'
-outputs follows (`ops.weighted_row_sum`). With EP and many slots (prefill) the local slot
-count is read once so other ranks' slots are not gathered; with few slots (decode) nothing
-syncs with the host, so CUDA graphs can capture it (other ranks' rows come out zero and
-weigh zero).
+between (so DeepSeek-V4's clamped SwiGLU is kept): LocalExperts' own SwiGLU (plain or
+clamped) and the down GEMM's quantization are one kernel (kernels.swiglu_quantize, the bits
+of the SwiGLU kernel and quantize_act); an overridden activation runs, then quantize_act.
+Each row's weighted sum of its slots' outputs follows (`ops.weighted_row_sum`). With EP and
+many slots (prefill) the local slot count is read once so other ranks' slots are not
+gathered; with few slots (decode) nothing syncs with the host, so CUDA graphs can capture
+it (other ranks' rows come out zero and weigh zero).
 
 Legend: M rows, K top-k, H hidden, I local intermediate, P = M*K slots.
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from cpmoe.ops import weighted_row_sum
-from cpmoe.quant.kernels import grouped_fp8_gemm, quantize_act
+from cpmoe.quant.kernels import (grouped_fp8_gemm, quantize_act, swiglu_quantize,
+                                 swiglu_quantize_fits)
 
 
 def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
@@ -31,8 +34,19 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     xq, xs = xq[rows_n], xs[rows_n]
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
                          out_dtype=x_MH.dtype)
-    aq, a_s = quantize_act(experts.activation(h), block[1])
+    aq, a_s = activate_and_quantize(experts, h, block[1])
     y = grouped_fp8_gemm(aq, a_s, experts.down_proj, experts.down_scale_inv, offs, block,
                          out_dtype=x_MH.dtype)
     w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
     return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
+
+
+def activate_and_quantize(experts, h_PI2: torch.Tensor, group: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' activation of packed gate/up rows, quantized per 1 x group: fused when
+    the activation is LocalExperts' own SwiGLU, which `swiglu_quantize` computes."""
+    from cpmoe.moe.experts import LocalExperts  # it imports this module lazily too
+    if (type(experts).activation is LocalExperts.activation
+            and swiglu_quantize_fits(h_PI2, group)):
+        return swiglu_quantize(h_PI2, group, experts.swiglu_limit)
+    return quantize_act(experts.activation(h_PI2), group)

@@ -2,6 +2,8 @@
 
 - `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
   s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
+- `swiglu_quantize(h, group, limit)`: `quantize_act(silu_and_mul(h), group)` (or of the
+  clamped SwiGLU) in one pass, for the FP8 experts' down GEMM.
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
@@ -50,11 +52,25 @@ def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     return q.view(M, K), s
 
 
-def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_config(M: int) -> dict:
+    """Tile of `_quantize_act_kernel` for M rows: BLOCK_M rows x one group a program, and
+    its warps. Decode (1-64 rows) is launch-bound whatever the tile, and one row a program
+    keeps its few hundred programs spread over the SMs; prefill (16K-128K rows) wants
+    programs big enough to hide memory latency: 32 rows x 128 bf16 inputs are 8 KB, 16-byte
+    loads, 32 inputs a thread. Between, the tile grows with the rows. Not yet swept on a
+    GPU: bench/fp8_quantize.py sweeps BLOCK_M and warps."""
+    block_m = 1
+    while block_m < 32 and block_m * 512 < M:
+        block_m *= 2
+    return {"BLOCK_M": block_m, "num_warps": 1 if block_m == 1 else 4}
+
+
+def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
+                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
     scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
-    both padded to that many rows with zeros (values and scales)."""
+    both padded to that many rows with zeros (values and scales). config:
+    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
@@ -66,27 +82,35 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None
         s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
         return q, s.t().contiguous().t()
     x = x.contiguous()
-    alloc = torch.empty if rows == M else torch.zeros
-    q = alloc(rows, K, dtype=FP8, device=x.device)
-    s_t = alloc(K // group, rows, dtype=torch.float32, device=x.device)
-    _quantize_act_kernel[(M, K // group)](x, q, s_t, rows, K, GROUP=group)
+    q = torch.empty(rows, K, dtype=FP8, device=x.device)
+    s_t = torch.empty(K // group, rows, dtype=torch.float32, device=x.device)
+    cfg = config or quantize_config(M)
+    groups = K // group
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
+    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
     return q, s_t.t()
 
 
 if triton is not None:
-    # a size that changes every step: no specialization on it (Triton would compile a
+    # M, R: sizes that change every step: no specialization on them (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["M"])
-    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, K, GROUP: tl.constexpr):
-        row = tl.program_id(0)
-        g = tl.program_id(1)
+    @triton.jit(do_not_specialize=["M", "R"])
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, R, K, GROUP: tl.constexpr,
+                             BLOCK_M: tl.constexpr):
+        """Program p: rows [BLOCK_M * (p // groups), ..) x group p % groups (neighbouring
+        programs read neighbouring groups of the same rows). Rows in [M, R) are padding:
+        values and scales 0 (their inputs read as 0, so x / s is 0)."""
+        groups = K // GROUP
+        pid = tl.program_id(0)
+        g = pid % groups
+        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + row * K + cols).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        q = tl.clamp(x / s, -448.0, 448.0)
-        tl.store(q_ptr + row * K + cols,
-                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
-        tl.store(s_ptr + g * M + row, s)  # scales stored [K/group, M]: column-major [M, ..]
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
+        q, s = quantize_rows(x)
+        tl.store(q_ptr + offs, q, mask=(rows < R)[:, None])
+        # scales stored [K/group, R]: column-major [R, K/group]
+        tl.store(s_ptr + g * R + rows, tl.where(rows < M, s, 0.0), mask=rows < R)
 
     @triton.jit
     def quantize_rows(x):
@@ -97,6 +121,60 @@ if triton is not None:
         q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv,
                                                        fp_downcast_rounding="rtne")
         return q, s
+
+
+def swiglu_quantize_fits(h: torch.Tensor, group: int) -> bool:
+    """Whether `swiglu_quantize` takes packed gate/up rows h [P, 2I] here."""
+    return _use_triton(h) and h.dim() == 2 and h.shape[0] > 0 and h.shape[1] % (2 * group) == 0
+
+
+def swiglu_quantize(h: torch.Tensor, group: int = 128, limit: float | None = None,
+                    config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_act(silu_and_mul(h), group)` in one pass (with limit: of DeepSeek-V4's
+    `clamped_swiglu`), the SwiGLU never written out: h [P, 2I] (gate first) -> (e4m3
+    [P, I], float32 scales [P, I/group] with strides (1, P)). Bit for bit the two Triton
+    kernels' result: the SwiGLU has their expression in float32 and is rounded to h's dtype
+    before it is quantized, as the unfused path stores it. config: `quantize_config`'s."""
+    if not swiglu_quantize_fits(h, group):
+        raise ValueError(f"swiglu_quantize: need [P > 0, 2I] rows, I a multiple of {group}, "
+                         f"on CUDA or the interpreter; got {tuple(h.shape)} on {h.device}")
+    h = h if h.stride(1) == 1 else h.contiguous()
+    P, inter = h.shape[0], h.shape[1] // 2
+    q = torch.empty(P, inter, dtype=FP8, device=h.device)
+    s_t = torch.empty(inter // group, P, dtype=torch.float32, device=h.device)
+    cfg = config or quantize_config(P)
+    grid = (triton.cdiv(P, cfg["BLOCK_M"]) * (inter // group),)
+    _swiglu_quantize_kernel[grid](h, q, s_t, P, inter, h.stride(0),
+                                  0.0 if limit is None else limit, GROUP=group,
+                                  CLAMP=limit is not None, **cfg)
+    return q, s_t.t()
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["P"])  # the slots: a size that changes every step
+    def _swiglu_quantize_kernel(h_ptr, q_ptr, s_ptr, P, inter, h_st, limit,
+                                GROUP: tl.constexpr, CLAMP: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+        """Program p: rows [BLOCK_M * (p // groups), ..) x output group p % groups, as in
+        `_quantize_act_kernel`; the SwiGLU is ops._swiglu_kernel's expression."""
+        groups = inter // GROUP
+        pid = tl.program_id(0)
+        g = pid % groups
+        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = (rows < P)[:, None]
+        cols = g * GROUP + tl.arange(0, GROUP)
+        at = h_ptr + rows[:, None].to(tl.int64) * h_st + cols[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + inter, mask=ok, other=0.0).to(tl.float32)
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        # rounded as the unfused path stores it, so the scales and values are the same
+        act = act.to(h_ptr.dtype.element_ty).to(tl.float32)
+        q, s = quantize_rows(act)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], q, mask=ok)
+        tl.store(s_ptr + g * P + rows, s, mask=rows < P)  # [I/group, P]: column-major
 
 
 # ---- block-scaled grouped GEMM ----------------------------------------------------------
@@ -137,23 +215,30 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     if K % bk or bk < 16 or bk & (bk - 1):
         raise ValueError(f"grouped FP8 GEMM: K {K} must be a multiple of the block {bk}, a "
                          f"power of two >= 16")
-    out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
+    # uninitialized: the kernel writes every row, the tail past offs[-1] as zeros (a
+    # zero-filled [P, N] buffer cost ~0.5 GB of writes a layer at 16K tokens)
+    out = torch.empty(P, N, dtype=out_dtype, device=a.device)
     if P == 0:
         return out
     cfg = config or grouped_fp8_config(P, E)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
-    # tiles of each expert, and for every tile slot its expert (E: an empty slot)
+    # tiles of each expert, and for every tile slot its expert (E: a spare slot)
     offs = offs.to(torch.int64)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     tiles = (offs - starts + BM - 1) // BM
     tile_end = tiles.cumsum(0)
-    bound = (P + BM - 1) // BM + E  # at most one partial tile per expert
+    # Enough slots for the experts' tiles and the zero tail, for any routing: with n_e
+    # rows for expert e and L = offs[-1] = sum n_e <= P, the experts take
+    # T = sum ceil(n_e / BM) <= sum (n_e + BM - 1) / BM = (L + E (BM - 1)) / BM slots, so
+    # the spare ones number bound - T >= P / BM + E - L / BM - E + E / BM > (P - L) / BM,
+    # an integer, hence >= ceil((P - L) / BM): the tiles of the tail rows [L, P).
+    bound = (P + BM - 1) // BM + E
     tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
                                      right=True)
     grid = (bound, triton.cdiv(N, BN))
     _grouped_fp8_kernel[grid](
         a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
-        N, K, a_scale.stride(0), a_scale.stride(1),
+        P, N, K, a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -161,24 +246,30 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
 
 
 if triton is not None:
-    @triton.jit
+    # P: the slots, which change every step (no variant per residue mod 16)
+    @triton.jit(do_not_specialize=["P"])
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
-                            tile_end_ptr, tiles_ptr, tile_expert_ptr, N, K,
+                            tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
                             as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             BK: tl.constexpr, UPCAST: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + t)
-        if e >= E:
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        if e >= E:  # a spare slot, the (t - T)-th (T = tile_end[E - 1]): zeros past offs[-1]
+            spare = t - tl.load(tile_end_ptr + E - 1)
+            rows = tl.load(ends_ptr + E - 1) + spare * BM + tl.arange(0, BM)
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
+                     mask=(rows < P)[:, None] & col_ok[None, :])
             return
         local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
         start = tl.load(starts_ptr + e)
         end = tl.load(ends_ptr + e)
         rows = start + local * BM + tl.arange(0, BM)
         row_ok = rows < end
-        cols = pid_n * BN + tl.arange(0, BN)
-        col_ok = cols < N
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * N * K

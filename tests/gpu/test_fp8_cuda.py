@@ -55,6 +55,40 @@ def test_fp8_linear_matches_dequantized_bf16(m, n, k):
     assert rel(got, F.linear(x, deq.to(torch.bfloat16))) < FP8_TOL
 
 
+@cuda
+@pytest.mark.parametrize("block_m", [None, 1, 4, 32])
+@pytest.mark.parametrize("m,rows", [(1, 16), (37, 48), (4099, 4099)])
+def test_quantize_act_matches_quantize_act_ref_bit_for_bit(block_m, m, rows):
+    """Every tile gives the reference's values and scales exactly (the GPU's cast rounds to
+    nearest even, carries and subnormals included); padded rows are zero."""
+    torch.manual_seed(0)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16) * torch.logspace(
+        -4, 4, m, device="cuda")[:, None].to(torch.bfloat16)
+    cfg = None if block_m is None else {"BLOCK_M": block_m, "num_warps": 4}
+    q, s = kernels.quantize_act(x, 128, rows, config=cfg)
+    qr, sr = kernels.quantize_act_ref(x, 128)
+    assert torch.equal(q[:m].view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s[:m], sr) and s.stride() == (1, rows)
+    assert not q[m:].view(torch.uint8).any() and not s[m:].any()
+
+
+@cuda
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("rows", [1, 37, 5000])
+def test_swiglu_quantize_matches_swiglu_kernel_then_quantize_act_ref(limit, rows):
+    """The fused SwiGLU + quantization is the unfused path bit for bit: the same SwiGLU
+    expression rounded to bf16 (ops' kernel), then quantize_act_ref's values and scales."""
+    from cpmoe import ops
+    torch.manual_seed(3)
+    h = torch.randn(rows, 2 * 768, device="cuda", dtype=torch.bfloat16) * 4
+    q, s = kernels.swiglu_quantize(h, 128, limit)
+    gate, up = h.chunk(2, dim=-1)
+    act = ops.silu_and_mul(h) if limit is None else ops.clamped_swiglu(gate, up, limit)
+    qr, sr = kernels.quantize_act_ref(act, 128)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr) and s.stride() == (1, rows)
+
+
 # The skinny decode GEMM quantizes its rows with quantize_act's arithmetic and multiplies the
 # same FP8 operands as quantize_act + F.scaled_mm: only the summation order (and the FP8
 # MMA's accumulation within each 128-input dot) differs, and then each side rounds to bf16
