@@ -116,10 +116,13 @@ if triton is not None:
     def quantize_rows(x):
         """A tile's rows [R, group] (float32) -> (e4m3 values, float32 scales [R]) with
         `quantize_act`'s arithmetic: amax / 448 per row, rounded to nearest even. For GEMM
-        kernels that quantize the rows they read (no launch of their own)."""
-        s = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
-        q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv,
-                                                       fp_downcast_rounding="rtne")
+        kernels that quantize the rows they read (no launch of their own). Both divisions
+        are IEEE-rounded (`div_rn`) as torch's are: Triton's `/` on fp32 is the GPU's
+        approximate division, off by an ulp at times, which moved values across FP8
+        rounding boundaries (tests/gpu/test_fp8_cuda.py, bit for bit, failed at 6127e2f)."""
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-12)
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0).to(
+            tl.float8e4nv, fp_downcast_rounding="rtne")
         return q, s
 
 
