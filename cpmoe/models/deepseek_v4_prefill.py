@@ -76,7 +76,6 @@ class EntryIndex:
     offsets: list[int]  # first entry of each sequence (host), plus the total
     start_row: torch.Tensor  # [E] flat K-side row where the entry's window starts
     window: torch.Tensor  # [E] window index w within its sequence
-    seq: torch.Tensor  # [E] sequence of the entry
     seq_offset: torch.Tensor  # [B] first entry of each sequence
 
     @classmethod
@@ -90,7 +89,7 @@ class EntryIndex:
         seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
         window = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1], dtype=torch.int64)[seq]
         start = torch.tensor(cu[:-1], dtype=torch.int64)[seq] + window * rate
-        return cls(counts, offsets, start.to(device), window.to(device), seq.to(device),
+        return cls(counts, offsets, start.to(device), window.to(device),
                    torch.tensor(offsets[:-1], dtype=torch.int64, device=device))
 
 
