@@ -36,6 +36,11 @@ from cpmoe.quant.formats import FP8, FP8_MAX, dequantize
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# 1 / 448 rounded to float32 (a Python float holding that value): activation scales are
+# amax times it, in `quantize_act_ref` and in the kernels alike
+_INV_FP8_MAX = float(torch.tensor(1.0) / torch.tensor(FP8_MAX))
+if triton is not None:
+    INV_FP8_MAX = tl.constexpr(_INV_FP8_MAX)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -47,8 +52,10 @@ def _use_triton(x: torch.Tensor) -> bool:
 def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     g = x.float().view(M, K // group, group)
-    s = (g.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
-    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # times the float32 reciprocal, not "/ 448": what the kernels compute, exactly, on any
+    # device (torch's CUDA division by a scalar multiplies by its reciprocal anyway)
+    s = (g.abs().amax(dim=-1) * _INV_FP8_MAX).clamp(min=1e-12)
+    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # IEEE division
     return q.view(M, K), s
 
 
@@ -116,11 +123,13 @@ if triton is not None:
     def quantize_rows(x):
         """A tile's rows [R, group] (float32) -> (e4m3 values, float32 scales [R]) with
         `quantize_act`'s arithmetic: amax / 448 per row, rounded to nearest even. For GEMM
-        kernels that quantize the rows they read (no launch of their own). Both divisions
-        are IEEE-rounded (`div_rn`) as torch's are: Triton's `/` on fp32 is the GPU's
-        approximate division, off by an ulp at times, which moved values across FP8
-        rounding boundaries (tests/gpu/test_fp8_cuda.py, bit for bit, failed at 6127e2f)."""
-        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-12)
+        kernels that quantize the rows they read (no launch of their own). The scale is
+        amax times the float32 reciprocal of 448, as `quantize_act_ref` computes it; the
+        values divide with `div_rn`, IEEE-rounded as torch's tensor division is: Triton's
+        `/` on fp32 is the GPU's approximate division, off by an ulp at times, which moved
+        values across FP8 rounding boundaries (tests/gpu/test_fp8_cuda.py, bit for bit,
+        failed at 6127e2f)."""
+        s = tl.maximum(tl.max(tl.abs(x), axis=1) * INV_FP8_MAX, 1e-12)
         q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0).to(
             tl.float8e4nv, fp_downcast_rounding="rtne")
         return q, s
