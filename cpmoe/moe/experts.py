@@ -38,11 +38,16 @@ class LocalExperts(nn.Module):
             return silu_and_mul(h)
         return clamped_swiglu(*h.chunk(2, dim=-1), self.swiglu_limit)
 
+    def own_activation(self) -> bool:
+        """Whether `activation` is this class's SwiGLU (not a subclass's override): the
+        fused kernels, which compute only it, serve these experts."""
+        return type(self).activation is LocalExperts.activation
+
     def forward(self, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
                 weights_MK: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each row's local experts (id -1: expert not on this rank)."""
         fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn  # FP8 weights (cpmoe/quant)
-        if (x_MH.is_cuda and type(self).activation is LocalExperts.activation
+        if (x_MH.is_cuda and self.own_activation()
                 and fused_moe.usable(x_MH, local_ids_MK.numel())  # decode: few rows
                 and (not fp8 or fused_moe.takes_block_scales(self))):
             scales = (self.gate_up_scale_inv, self.down_scale_inv) if fp8 else None

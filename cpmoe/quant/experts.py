@@ -45,8 +45,6 @@ def activate_and_quantize(experts, h_PI2: torch.Tensor, group: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' activation of packed gate/up rows, quantized per 1 x group: fused when
     the activation is LocalExperts' own SwiGLU, which `swiglu_quantize` computes."""
-    from cpmoe.moe.experts import LocalExperts  # it imports this module lazily too
-    if (type(experts).activation is LocalExperts.activation
-            and swiglu_quantize_fits(h_PI2, group)):
+    if experts.own_activation() and swiglu_quantize_fits(h_PI2, group):
         return swiglu_quantize(h_PI2, group, experts.swiglu_limit)
     return quantize_act(experts.activation(h_PI2), group)
