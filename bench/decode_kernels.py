@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
+    ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:BLOCK_K:"
+                    "warps:stages, comma-separated (e.g. 64:128:4:5,128:128:4:4)")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -95,6 +97,14 @@ def main() -> None:
     else:
         grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
+    if args.tiles:
+        try:
+            grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
+        except ValueError:
+            grid = []
+        if not grid or any(len(t) != 4 for t in grid):
+            sys.exit(f"--tiles: expected BLOCK_N:BLOCK_K:warps:stages[,...], got "
+                     f"{args.tiles!r}")
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
