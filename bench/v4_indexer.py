@@ -127,12 +127,14 @@ def largest_difference(q, keys, w, scale, bounds, visible, rows_k: int, rows_r: 
     got = torch.empty(visible.shape, device=q.device)
     want = torch.empty_like(got)
 
-    def fill(r):
+    def kernel_block(r):
         got[r] = indexer.indexer_scores(q[r], keys, w[r], scale, (bounds[0][r], bounds[1][r]))
 
-    run_blocks(fill, q.shape[0], rows_k)
-    run_blocks(lambda r: want.__setitem__(r, torch_scores(q[r], keys, w[r], scale,
-                                                           visible[r])), q.shape[0], rows_r)
+    def torch_block(r):
+        want[r] = torch_scores(q[r], keys, w[r], scale, visible[r])
+
+    run_blocks(kernel_block, q.shape[0], rows_k)
+    run_blocks(torch_block, q.shape[0], rows_r)
     err = torch.where(visible, got - want, 0).abs().max().item()
     return err, torch.where(visible, want, 0).abs().max().item()
 

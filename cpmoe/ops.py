@@ -352,6 +352,16 @@ if triton is not None:
         tl.store(w_ptr + dst, out_w.to(w_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
+    def swiglu_act(gate, up, limit, CLAMP: tl.constexpr):
+        """SiLU(gate) * up of float32 tiles, the inputs clamped first with CLAMP
+        (`clamped_swiglu_ref`'s bounds): the one expression of every SwiGLU kernel, so
+        their results agree bit for bit."""
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
     def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, g_st, u_st, inter, limit,
                        CLAMP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -359,10 +369,7 @@ if triton is not None:
         mask = cols < inter
         gate = tl.load(gate_ptr + row * g_st + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + row * u_st + cols, mask=mask, other=0.0).to(tl.float32)
-        if CLAMP:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = swiglu_act(gate, up, limit, CLAMP)
         tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -76,7 +76,6 @@ class EntryIndex:
     offsets: list[int]  # first entry of each sequence (host), plus the total
     start_row: torch.Tensor  # [E] flat K-side row where the entry's window starts
     window: torch.Tensor  # [E] window index w within its sequence
-    seq_offset: torch.Tensor  # [B] first entry of each sequence
 
     @classmethod
     def build(cls, cu: list[int], rate: int, device: torch.device) -> "EntryIndex":
@@ -89,8 +88,7 @@ class EntryIndex:
         seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
         window = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1], dtype=torch.int64)[seq]
         start = torch.tensor(cu[:-1], dtype=torch.int64)[seq] + window * rate
-        return cls(counts, offsets, start.to(device), window.to(device),
-                   torch.tensor(offsets[:-1], dtype=torch.int64, device=device))
+        return cls(counts, offsets, start.to(device), window.to(device))
 
 
 @dataclass
@@ -100,6 +98,9 @@ class PrefillPlan:
     row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0
     blocks: list[tuple[int, int, int, int]]  # (row0, row1, first seq, last seq + 1)
     entries: dict[int, EntryIndex]  # by compress rate
+    # by compress rate: per local row, its sequence's first entry (flat) and how many of
+    # its sequence's entries it sees (the first ones: windows closed at its position)
+    row_entries: dict[int, tuple[torch.Tensor, torch.Tensor]]
     # by compress rate, per block (host): the end of the entries any of its rows may see
     # (flat entry index) and the most entries one of its rows sees
     seen: dict[int, list[tuple[int, int]]]
@@ -123,14 +124,17 @@ class PrefillPlan:
                               csa.offsets[-1] if csa else 0, kernel_applies(device, dtype))
         blocks = [(r0, min(r0 + step, T), int(seqs[r0]), int(seqs[min(r0 + step, T) - 1]) + 1)
                   for r0 in range(0, T, step)]
-        seen = {}
+        row_entries, seen = {}, {}
         for m, ei in entries.items():
-            count = (pos + 1) // m  # entries the row sees, its sequence's first ones
-            end = torch.tensor(ei.offsets[:-1], dtype=torch.int64)[seqs] + count
+            first = torch.tensor(ei.offsets[:-1], dtype=torch.int64)[seqs]
+            count = (pos + 1) // m
+            end = first + count
+            row_entries[m] = (first.to(device), count.to(device))
             seen[m] = [(int(end[r0:r1].max()), int(count[r0:r1].max()))
                        for r0, r1, _, _ in blocks]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
-        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries, seen)
+        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries,
+                   row_entries, seen)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
@@ -169,8 +173,7 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
     kernel = kernel_applies(qs.q.device, qs.q.dtype)
     arange_w = torch.arange(W, device=kv_N.device)
     if c is not None:
-        count = (qs.pos + 1) // c.rate  # [T] entries a row sees: its sequence's first ones
-        first = ei.seq_offset[plan.row_seq]  # [T] its sequence's first entry
+        first, count = plan.row_entries[c.rate]  # [T] each
     for b, (r0, r1, s0, _) in enumerate(plan.blocks):
         r = slice(r0, r1)
         kpos = qs.pos[r][:, None] - (W - 1) + arange_w  # [rows, W]
