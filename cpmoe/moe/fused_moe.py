@@ -143,7 +143,7 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     block_n = 32 if fp8 and not (mode == "w8a8" and not compact) else 64
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
-            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
+            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused", "SWAP_AB": False,
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
@@ -218,7 +218,7 @@ if triton is not None:
                             stride_we, stride_wn, stride_out, E, stride_se, stride_sn, limit,
                             GATED: tl.constexpr, E_POW2: tl.constexpr, SCALED: tl.constexpr,
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-                            CLAMP: tl.constexpr, COMPACT: tl.constexpr,
+                            CLAMP: tl.constexpr, COMPACT: tl.constexpr, SWAP_AB: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
@@ -258,20 +258,22 @@ if triton is not None:
             p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
             a_rows = a_ptr + (p // rows_per_a) * stride_a
             as_rows = as_ptr + (p // rows_per_a) * stride_as
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if SWAP_AB:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_DIM, BLOCK_K):
                 for j in tl.static_range(K_PIECES):
                     offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
                     k_ok = offs_k < K_DIM
                     a = tl.load(a_rows[:, None] + offs_k[None, :],
                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    w_mask = k_ok[:, None] & n_ok[None, :]
-                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
-                                mask=w_mask, other=0.0)
+                    w = _weight_tile(w_e, offs_n, offs_k, stride_wn, n_ok, k_ok, SWAP_AB)
                     if GATED:
-                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
-                                    mask=w_mask, other=0.0)
+                        u = _weight_tile(w_e, N + offs_n, offs_k, stride_wn, n_ok, k_ok,
+                                         SWAP_AB)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
                         w_s = tl.load(s_gate + kb)
@@ -289,21 +291,49 @@ if triton is not None:
                                 u = u.to(tl.float32)
                         # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
                         # with fewer bits, here over 128 inputs at most
-                        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+                        acc += _dot(a, w, SWAP_AB) * (_per_row(a_s, SWAP_AB) * w_s)
                         if GATED:
-                            acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
+                            acc_up += _dot(a, u, SWAP_AB) * (_per_row(a_s, SWAP_AB) * u_s)
                     elif SCALED:
-                        acc += tl.dot(a, w.to(a.dtype)) * w_s
+                        acc += _dot(a, w.to(a.dtype), SWAP_AB) * w_s
                         if GATED:
-                            acc_up += tl.dot(a, u.to(a.dtype)) * u_s
+                            acc_up += _dot(a, u.to(a.dtype), SWAP_AB) * u_s
                     else:
-                        acc = tl.dot(a, w, acc)
+                        acc = _dot(a, w, SWAP_AB, acc)
                         if GATED:
-                            acc_up = tl.dot(a, u, acc_up)
+                            acc_up = _dot(a, u, SWAP_AB, acc_up)
             if GATED:
                 if CLAMP:
                     acc = tl.minimum(acc, limit)
                     acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            if SWAP_AB:
+                tl.store(out_ptr + p[None, :] * stride_out + offs_n[:, None],
+                         acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+            else:
+                tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
+                         acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _weight_tile(w_e, rows, offs_k, stride_wn, n_ok, k_ok, SWAP_AB: tl.constexpr):
+        """Weight rows `rows` x inputs offs_k: [rows, k] with SWAP_AB, else [k, rows]."""
+        if SWAP_AB:
+            return tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :],
+                           mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None],
+                       mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+
+    @triton.jit
+    def _dot(a, w, SWAP_AB: tl.constexpr, acc=None):
+        """a [m, k] times the weight tile (+ acc): [n, m] with SWAP_AB (w [n, k]), else
+        [m, n]."""
+        if SWAP_AB:
+            return tl.dot(w, tl.trans(a), acc)
+        return tl.dot(a, w, acc)
+
+    @triton.jit
+    def _per_row(v, SWAP_AB: tl.constexpr):
+        """A per-row vector broadcast over the accumulator's columns of rows."""
+        if SWAP_AB:
+            return v[None, :]
+        return v[:, None]

@@ -16,6 +16,7 @@ from cpmoe.moe import fused_moe
 from cpmoe.moe.experts import LocalExperts
 assert fused_moe.usable(torch.zeros(1), 1), "interpreter not active"
 torch.manual_seed(0)
+config = fused_moe.gemm_config
 # (rows, top-k, local experts, hidden, intermediate): a row per expert and several rows on
 # one expert (more than a 16-row tile), widths off the tile sizes, other ranks' slots (-1);
 # fewer slots than experts (2 x 3 < 20: the compact grid, as at batch 1 on 128 experts)
@@ -30,8 +31,11 @@ for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16),
     ids = torch.where(ids < 0, -1, ids)
     w = torch.rand(M, K)
     want = m._forward_loop(x, ids, w)
-    got = fused_moe.fused_experts(x, ids, w, m.gate_up_proj, m.down_proj)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for swap in (False, True):  # the weights on the dot's right, or on its left (SWAP_AB)
+        fused_moe.gemm_config = lambda *a, **kw: dict(config(*a, **kw), SWAP_AB=swap)
+        got = fused_moe.fused_experts(x, ids, w, m.gate_up_proj, m.down_proj)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    fused_moe.gemm_config = config
     none = torch.full_like(ids, -1)  # no slot on this rank: zeros, nothing read
     assert torch.equal(fused_moe.fused_experts(x, none, w, m.gate_up_proj, m.down_proj),
                        torch.zeros_like(x))
@@ -104,7 +108,7 @@ def exact_rows(M, K):
     return q * 2.0 ** torch.randint(-10, -6, (M, 1)).float()
 
 
-def gemm(a, w, s, ids, gated, mode, block_k, limit=None):
+def gemm(a, w, s, ids, gated, mode, block_k, limit=None, swap=False):
     # one expert GEMM of the decode path -> [slots, N] float32; NaN where no slot wrote
     E, n_rows, k_dim = w.shape
     M, K = ids.shape
@@ -113,7 +117,8 @@ def gemm(a, w, s, ids, gated, mode, block_k, limit=None):
     counts = torch.empty(E, dtype=torch.int32)
     fused_moe._align_kernel[(E,)](ids.reshape(P), slots, counts, P, P, BLOCK_P=64)
     out = torch.full((P, n_rows // 2 if gated else n_rows), float("nan"))
-    cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k)
+    cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k,
+               SWAP_AB=swap)
     fused_moe._gemm(a, w, slots, counts, out, K, row_of_slot=gated, gated=gated, config=cfg,
                     scale=s, limit=limit)
     return out
@@ -126,7 +131,8 @@ def gate_up_ref(x, gu, e, limit=None):
     return F.silu(g) * u
 
 
-# GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks; (rows, top-k,
+# GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks, the weights on
+# either side of the dot (SWAP_AB with two blocks); (rows, top-k,
 # experts, hidden, intermediate): one row on fewer slots than experts (COMPACT), a few
 # rows, and more rows on one expert than a 64-row tile; a slot of another rank (-1)
 for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 128)):
@@ -137,15 +143,15 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
     routed = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
     x, act = exact_rows(M, H), exact_rows(M * K, I)
     for mode in ("w8a8", "w8a8-fused"):
-        for block_k, limit in ((128, None), (256, 0.5)):
-            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit)
+        for block_k, limit, swap in ((128, None, False), (256, 0.5, True)):
+            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit, swap)
             assert got[~(ids.reshape(-1) >= 0)].isnan().all()  # not written
             for p in routed.tolist():
                 want = gate_up_ref(x[p // K:p // K + 1], gu, ids.reshape(-1)[p], limit)
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
             if I % block_k:
                 continue
-            got = gemm(act, q_d, s_d, ids, False, mode, block_k)
+            got = gemm(act, q_d, s_d, ids, False, mode, block_k, swap=swap)
             for p in routed.tolist():
                 want = fake_quant(act[p:p + 1]) @ dn[ids.reshape(-1)[p]].t()
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
