@@ -314,26 +314,33 @@ if triton is not None:
                 tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
                          acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
+    # (constexpr branches, one return each: Triton types every return of a function alike)
     @triton.jit
     def _weight_tile(w_e, rows, offs_k, stride_wn, n_ok, k_ok, SWAP_AB: tl.constexpr):
         """Weight rows `rows` x inputs offs_k: [rows, k] with SWAP_AB, else [k, rows]."""
         if SWAP_AB:
-            return tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :],
+            tile = tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :],
                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        return tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None],
-                       mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None],
+                           mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        return tile
 
     @triton.jit
     def _dot(a, w, SWAP_AB: tl.constexpr, acc=None):
         """a [m, k] times the weight tile (+ acc): [n, m] with SWAP_AB (w [n, k]), else
         [m, n]."""
         if SWAP_AB:
-            return tl.dot(w, tl.trans(a), acc)
-        return tl.dot(a, w, acc)
+            out = tl.dot(w, tl.trans(a), acc)
+        else:
+            out = tl.dot(a, w, acc)
+        return out
 
     @triton.jit
     def _per_row(v, SWAP_AB: tl.constexpr):
         """A per-row vector broadcast over the accumulator's columns of rows."""
         if SWAP_AB:
-            return v[None, :]
-        return v[:, None]
+            out = v[None, :]
+        else:
+            out = v[:, None]
+        return out
