@@ -328,11 +328,27 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: 64 columns, 128 inputs a step, 4
     warps, 3 stages, K split in 4 ranges (fewer when K has fewer 128-input groups): the
     fastest of bench/fp8_linear.py's sweep at 9b4f34c for qkv and o_proj from 1 to 64 rows,
-    within 5% of each column's best."""
+    within 5% of each column's best. LAST_SUMS: a split K's partial sums are added by the
+    last program of each column block to finish (`_skinny_fp8_kernel`), not by a second
+    launch."""
     split = 1
     while split < 4 and split * 2 <= k // 128:
         split *= 2
-    return {"BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 64, "SPLIT_K": split, "LAST_SUMS": False, "num_warps": 4,
+            "num_stages": 3}
+
+
+# arrival counters of `_skinny_fp8_kernel`'s column blocks (LAST_SUMS), per device: zeros
+# between launches (the last program of a block puts its counter back), made once, outside
+# any CUDA graph capture, so captured launches keep using them
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+MAX_COLUMN_BLOCKS = 4096
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
 
 
 def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -343,8 +359,9 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     [M <= SKINNY_ROWS, K] with x_scale [M, K/128] (any strides), w fp8 [N, K], w_scale
     float32 [ceil(N/128), K/128] -> [M, N] in out_dtype: `F.scaled_mm`'s product up to
     float32 summation order; the bias is added in float32, before the one rounding.
-    SPLIT_K > 1: float32 partial sums, added by a second launch (no atomics: the same sums
-    every run). config: `skinny_config`'s."""
+    SPLIT_K > 1: float32 partial sums, added in split order (the same sums every run) by a
+    second launch, or with LAST_SUMS by the column block's last program to finish.
+    config: `skinny_config`'s."""
     M, K = xq.shape
     N = w.shape[0]
     if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1 or xq.dtype != FP8:
@@ -358,12 +375,16 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
                                               device=xq.device)
     b = bias if bias is not None else out  # any pointer when there is no bias
-    _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-        xq, x_scale, w, w_scale, b, part, M, N, K, xq.stride(0), x_scale.stride(0),
-        x_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
-        UPCAST=_INTERPRET, **cfg)
-    if split > 1:
+    column_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    last_sums = cfg.get("LAST_SUMS", False) and split > 1 and column_blocks <= MAX_COLUMN_BLOCKS
+    arrivals = _arrivals(xq.device) if last_sums else out  # any pointer when unused
+    _skinny_fp8_kernel[(column_blocks, split)](
+        xq, x_scale, w, w_scale, b, part, out, arrivals, M, N, K, xq.stride(0),
+        x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale.stride(0),
+        w_scale.stride(1), HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET,
+        **dict(cfg, LAST_SUMS=last_sums))
+    if split > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block)
@@ -373,13 +394,17 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 if triton is not None:
     # M: the batch, which changes every step (no variant per residue mod 16; see above)
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x,
-                           stride_xs_m, stride_xs_g, stride_w, stride_ws_n, stride_ws_k,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, out_ptr,
+                           arrivals_ptr, M, N, K, stride_x, stride_xs_m, stride_xs_g, stride_w,
+                           stride_ws_n, stride_ws_k, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr,
                            UPCAST: tl.constexpr):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
-        groups -> out (SPLIT_K 1: y with bias) or out[s] (float32 partials)."""
+        groups -> out (SPLIT_K 1: y with bias) or part[s] (float32 partials). LAST_SUMS:
+        each program of column block n counts itself in arrivals[n] once its partials are
+        stored; the last to arrive adds part[0..SPLIT_K) in order (+ bias) into out and
+        puts the counter back to 0 for the next launch."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -411,8 +436,23 @@ if triton is not None:
             tl.store(out_ptr + rows[:, None] * N + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(out_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc,
-                     mask=mask)
+            parts = part_ptr + rows[:, None] * N + cols[None, :]
+            tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
+            if LAST_SUMS:
+                tl.debug_barrier()  # every thread's partials stored before the count
+                # acq_rel at GPU scope: the other programs' partials are visible to the last
+                arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+                if arrived == SPLIT_K - 1:
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):  # from L2: other SMs wrote them
+                        acc += tl.load(parts + s * M * N, mask=mask, other=0.0,
+                                       cache_modifier=".cg")
+                    if HAS_BIAS:
+                        acc += tl.load(b_ptr + cols, mask=col_ok,
+                                       other=0.0).to(tl.float32)[None, :]
+                    tl.store(out_ptr + rows[:, None] * N + cols[None, :],
+                             acc.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0)
 
     @triton.jit(do_not_specialize=["M"])
     def _split_k_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,

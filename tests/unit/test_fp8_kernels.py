@@ -191,9 +191,12 @@ def reference(x, w, w_scale, bias):
 
 # (N, K): fewer inputs than outputs, and the other way with N not whole 128-row blocks
 # (fp8_linear takes those too); every row count class; bias or not; the default tiles and
-# split K over 1, 2 and 4 ranges (4 ranges of 3 groups: the last one empty), 32 or 64 columns
+# split K over 1, 2 and 4 ranges (4 ranges of 3 groups: the last one empty), 32 or 64 columns,
+# partial sums added by a second launch or by each column block's last program (LAST_SUMS;
+# its arrival counters back at 0 after every launch)
 configs = [None, dict(BLOCK_N=64, SPLIT_K=2, num_warps=4, num_stages=3),
-           dict(BLOCK_N=32, SPLIT_K=4, num_warps=4, num_stages=3)]
+           dict(BLOCK_N=32, SPLIT_K=4, num_warps=4, num_stages=3),
+           dict(BLOCK_N=32, SPLIT_K=2, LAST_SUMS=True, num_warps=4, num_stages=3)]
 case = 0
 for N, K in ((384, 256), (200, 384)):
     w = (torch.randn(N, K) * 100).clamp(-448, 448).to(FP8)
@@ -205,6 +208,7 @@ for N, K in ((384, 256), (200, 384)):
             case += 1
             xq, xs = k.quantize_act(x, 128)
             got = k.fp8_linear_skinny(xq, xs, w, w_scale, bias, torch.float32, config=cfg)
+            assert not k._ARRIVALS or not k._ARRIVALS[x.device].any()
             want = reference(x, w, w_scale, bias)
             assert got.shape == (M, N) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=1e-5,
@@ -213,7 +217,7 @@ for N, K in ((384, 256), (200, 384)):
             if cfg is None:  # fp8_linear takes it for these rows, over any leading dims
                 lin = k.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
                 assert torch.equal(lin.view(M, N), got)
-assert case == 16
+assert case == 16 and k._ARRIVALS  # every config ran, LAST_SUMS among them
 # bf16 out (the default): the interpreter's float32 -> bf16 cast truncates (the GPU's
 # rounds), so within one bf16 step of the float32 result
 x = exact_rows(5, 256)
