@@ -151,6 +151,35 @@ def test_skinny_fp8_linear_replays_in_a_cuda_graph():
 
 
 @cuda
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)])
+def test_skinny_last_sums_equal_the_second_launch_bit_for_bit(m, n, k):
+    """LAST_SUMS (each column block's last program adds the split K's partials) adds them in
+    the same order as the second launch: equal outputs, bias included, again and again
+    (the arrival counters go back to 0 after each launch) and in a replayed CUDA graph."""
+    torch.manual_seed(6)
+    q, s, _ = fp8_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    xq, xs = kernels.quantize_act(x, 128)
+    cfg = kernels.skinny_config(m, n, k)
+    assert cfg["SPLIT_K"] > 1
+    want = kernels.fp8_linear_skinny(xq, xs, q, s, bias, config=dict(cfg, LAST_SUMS=False))
+    last = dict(cfg, LAST_SUMS=True)
+    for _ in range(20):
+        assert torch.equal(kernels.fp8_linear_skinny(xq, xs, q, s, bias, config=last), want)
+    assert not kernels._ARRIVALS[x.device].any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.fp8_linear_skinny(xq, xs, q, s, bias, config=last)
+    for _ in range(5):
+        xq.copy_(kernels.quantize_act(torch.randn_like(x), 128)[0])
+        graph.replay()
+        assert torch.equal(y, kernels.fp8_linear_skinny(xq, xs, q, s, bias,
+                                                        config=dict(cfg, LAST_SUMS=False)))
+
+
+@cuda
 @pytest.mark.parametrize("rows", [8, 512, 20000])
 def test_grouped_fp8_gemm_matches_dequantized_bf16(rows):
     torch.manual_seed(1)
