@@ -268,6 +268,31 @@ def test_fused_fp8_experts_match_dequantized_float32(rows, block_k, monkeypatch,
     assert rel(got["w8a8-fused"], got["w8a8"]) < REF_TOL
 
 
+@cuda
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("swap", [False, True])
+def test_gate_up_quantizing_its_output_equals_quantize_act(rows, swap, monkeypatch):
+    """QUANT_OUT (128-column tiles): the gate/up GEMM writes the down GEMM's FP8 rows and
+    scales itself; bit for bit what rounding its output to bf16 and `quantize_act` give,
+    with the weights on either side of the dot (SWAP_AB)."""
+    from cpmoe.moe import fused_moe
+    torch.manual_seed(7)
+    E, H, inter, K = 64, 2048, 768, 8
+    q_gu, s_gu, _ = fp8_weight(2 * inter, H, E)
+    q_d, s_d, _ = fp8_weight(H, inter, E)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(rows)])
+    w = torch.rand(rows, K, device="cuda", dtype=x.dtype)
+    base = fused_moe.gemm_config
+    monkeypatch.setattr(fused_moe, "gemm_config", lambda *a, **kw: dict(
+        base(*a, **kw), BLOCK_N=128, SWAP_AB=swap))
+    assert fused_moe.quantizes_output(fused_moe.gemm_config(rows * K, E, H, True, "w8a8"))
+    got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="w8a8")
+    monkeypatch.setattr(fused_moe, "quantizes_output", lambda cfg: False)
+    apart = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="w8a8")
+    assert torch.equal(got, apart)
+
+
 def _fp8_qwen3_checkpoint(tmp_path):
     """A Qwen3-MoE of 128-multiple widths written as a [128, 128] FP8 hub checkpoint."""
     from tests.conftest import make_hf_model

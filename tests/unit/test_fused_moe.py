@@ -162,6 +162,7 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
 # Its quantize_act is the torch one here (the interpreter's cast, see exact_rows); the
 # activations are random, so the kernel's and the reference's float32 sums may put one
 # gated output on either side of an FP8 rounding step: a relative error bound, not exact.
+kernel_quantize_act = fused_moe.quantize_act
 fused_moe.quantize_act = lambda a, group: (lambda q, s: (q, s.t().contiguous().t()))(
     *quantize_act_ref(a, group))
 for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5)):
@@ -181,6 +182,22 @@ for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5
     weights_only = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit,
                                            fp8_act="weights")
     assert ((weights_only - want).norm() / want.norm()).item() > 1e-2  # FP8 rows mattered
+# QUANT_OUT: with 128-column tiles the gate/up GEMM quantizes its own output for the down
+# GEMM; the same FP8 rows and scales as its output quantized by the separate quantize_act
+# (the interpreter's kernel on both sides, so the same casts): equal results
+fused_moe.quantize_act = kernel_quantize_act
+config = fused_moe.gemm_config
+fused_moe.gemm_config = lambda *a, **kw: dict(config(*a, **kw), BLOCK_N=128)
+quant_out = fused_moe.quantizes_output
+assert quant_out(fused_moe.gemm_config(64, 4, 256, True, "w8a8"))
+for swap in (False, True):
+    fused_moe.gemm_config = lambda *a, **kw: dict(config(*a, **kw), BLOCK_N=128, SWAP_AB=swap)
+    got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
+    fused_moe.quantizes_output = lambda cfg: False
+    apart = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
+    fused_moe.quantizes_output = quant_out
+    assert torch.equal(got, apart), (got - apart).abs().max()
+    assert ((got - want).norm() / want.norm()).item() < 1e-1  # not garbage either
 print("w8a8 ok")
 """
 
