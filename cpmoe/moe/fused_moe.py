@@ -196,7 +196,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         out.stride(0), o_s.stride(0), E, s.stride(0) if scaled else 0,
         s.stride(1) if scaled else 0, 0.0 if limit is None else float(limit), GATED=gated,
         E_POW2=_pow2(E), SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None,
-        K_PIECES=pieces, QUANT_OUT=out_scale is not None, ROUND_TO=round_to, **cfg)
+        K_PIECES=pieces, KB_POW2=_pow2(triton.cdiv(k_dim, 128)),
+        QUANT_OUT=out_scale is not None, ROUND_TO=round_to, **cfg)
 
 
 if triton is not None:
@@ -243,7 +244,8 @@ if triton is not None:
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr, SWAP_AB: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            QUANT_OUT: tl.constexpr, ROUND_TO: tl.constexpr):
+                            KB_POW2: tl.constexpr, QUANT_OUT: tl.constexpr,
+                            ROUND_TO: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -277,12 +279,24 @@ if triton is not None:
         s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
             stride_sn
         s_up = s_gate + (N // 128) * stride_sn
+        # every scale of the program's K blocks read up front, then picked per piece: a load
+        # in the K loop is not pipelined, and its latency stalled every step (~15% of a
+        # W8A8 GEMM's time)
+        kbs = tl.arange(0, KB_POW2)
+        kb_ok = kbs < tl.cdiv(K_DIM, 128)
+        if SCALED:
+            w_s_all = tl.load(s_gate + kbs, mask=kb_ok, other=0.0)
+            if GATED:
+                u_s_all = tl.load(s_up + kbs, mask=kb_ok, other=0.0)
         for m0 in range(0, count, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < count
             p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
             a_rows = a_ptr + (p // rows_per_a) * stride_a
             as_rows = as_ptr + (p // rows_per_a) * stride_as
+            if ACT_FP8 and not QUANT_A:
+                a_s_all = tl.load(as_rows[:, None] + kbs[None, :] * stride_as_k,
+                                  mask=m_ok[:, None] & kb_ok[None, :], other=0.0)
             if SWAP_AB:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -301,14 +315,14 @@ if triton is not None:
                                          SWAP_AB)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
-                        w_s = tl.load(s_gate + kb)
+                        w_s = tl.sum(tl.where(kbs == kb, w_s_all, 0.0), axis=0)
                         if GATED:
-                            u_s = tl.load(s_up + kb)
+                            u_s = tl.sum(tl.where(kbs == kb, u_s_all, 0.0), axis=0)
                     if ACT_FP8:
                         if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
                             a, a_s = quantize_rows(a.to(tl.float32))
                         else:
-                            a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
+                            a_s = tl.sum(tl.where(kbs[None, :] == kb, a_s_all, 0.0), axis=1)
                         if UPCAST:
                             a = a.to(tl.float32)
                             w = w.to(tl.float32)

@@ -207,6 +207,10 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
     return out.to(out_dtype)
 
 
+# K blocks whose scales `_grouped_fp8_kernel` reads before its K loop (more: in the loop)
+MAX_HOISTED_SCALES = 32
+
+
 def grouped_fp8_config(P: int, E: int) -> dict:
     """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
     scales are read per column, so tiles need not align with the scale blocks), and the
@@ -249,11 +253,13 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
                                      right=True)
     grid = (bound, triton.cdiv(N, BN))
+    kb_pow2 = triton.next_power_of_2(K // BK)
     _grouped_fp8_kernel[grid](
         a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
         P, N, K, a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
+        KB_POW2=kb_pow2 if kb_pow2 <= MAX_HOISTED_SCALES else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -265,7 +271,7 @@ if triton is not None:
                             tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
                             as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, UPCAST: tl.constexpr):
+                            BK: tl.constexpr, KB_POW2: tl.constexpr, UPCAST: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + t)
@@ -286,6 +292,14 @@ if triton is not None:
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * N * K
+        if KB_POW2 > 0:  # the scales of every K block up front (a load in the loop stalls)
+            kbs = tl.arange(0, KB_POW2)
+            kb_ok = kbs < K // BK
+            a_s_all = tl.load(as_ptr + rows[:, None] * as_s0 + kbs[None, :] * as_s1,
+                              mask=row_ok[:, None] & kb_ok[None, :], other=0.0)
+            w_s_all = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q)[None, :] * ws_s1
+                              + kbs[:, None] * ws_s2, mask=kb_ok[:, None] & col_ok[None, :],
+                              other=0.0)  # [KB_POW2, BN]
         for kb in range(0, K // BK):
             k = kb * BK + ks
             a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
@@ -296,9 +310,13 @@ if triton is not None:
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32))
             else:
                 part = tl.dot(a, b)
-            a_s = tl.load(as_ptr + rows * as_s0 + kb * as_s1, mask=row_ok, other=0.0)
-            w_s = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1 + kb * ws_s2,
-                          mask=col_ok, other=0.0)
+            if KB_POW2 > 0:
+                a_s = tl.sum(tl.where(kbs[None, :] == kb, a_s_all, 0.0), axis=1)
+                w_s = tl.sum(tl.where(kbs[:, None] == kb, w_s_all, 0.0), axis=0)
+            else:
+                a_s = tl.load(as_ptr + rows * as_s0 + kb * as_s1, mask=row_ok, other=0.0)
+                w_s = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1 + kb * ws_s2,
+                              mask=col_ok, other=0.0)
             acc += part * a_s[:, None] * w_s[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -383,6 +401,7 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale.stride(0),
         w_scale.stride(1), HAS_BIAS=bias is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET,
+        GROUPS_POW2=triton.next_power_of_2(triton.cdiv(K // 128, split)),
         **dict(cfg, LAST_SUMS=last_sums))
     if split > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(N))
@@ -399,7 +418,7 @@ if triton is not None:
                            stride_ws_n, stride_ws_k, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr,
-                           UPCAST: tl.constexpr):
+                           GROUPS_POW2: tl.constexpr, UPCAST: tl.constexpr):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
         groups -> out (SPLIT_K 1: y with bias) or part[s] (float32 partials). LAST_SUMS:
         each program of column block n counts itself in arrivals[n] once its partials are
@@ -413,17 +432,25 @@ if triton is not None:
         groups = K // 128
         per = tl.cdiv(groups, SPLIT_K)
         g0 = tl.program_id(1) * per
+        g_end = tl.minimum(g0 + per, groups)
+        # the range's scales read up front, then picked per group: a load in the loop is
+        # not pipelined, and its latency would stall every step
+        gs = g0 + tl.arange(0, GROUPS_POW2)
+        g_ok = gs < g_end
+        a_s_all = tl.load(xs_ptr + rows[:, None] * stride_xs_m + gs[None, :] * stride_xs_g,
+                          mask=row_ok[:, None] & g_ok[None, :], other=0.0)
+        w_s_all = tl.load(ws_ptr + (cols // 128)[None, :] * stride_ws_n
+                          + gs[:, None] * stride_ws_k, mask=g_ok[:, None] & col_ok[None, :],
+                          other=0.0)  # [GROUPS_POW2, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(g0, tl.minimum(g0 + per, groups)):
+        for g in range(g0, g_end):
             k = g * 128 + ks
             a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
                         other=0.0)
-            a_s = tl.load(xs_ptr + rows * stride_xs_m + g * stride_xs_g, mask=row_ok,
-                          other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
                         mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
-            w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
-                          other=0.0)
+            a_s = tl.sum(tl.where(gs[None, :] == g, a_s_all, 0.0), axis=1)
+            w_s = tl.sum(tl.where(gs[:, None] == g, w_s_all, 0.0), axis=0)
             if UPCAST:  # the interpreter has no FP8 dot
                 part = tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:

@@ -88,6 +88,7 @@ def experts_weights(E, N, K, block):
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 # grouped GEMM: empty experts, an expert over several row tiles, rows past the last group
+# (more K blocks than the kernel reads the scales of up front: at the end)
 for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
                                 (40, 4, 48, 128, (16, 16), [0, 35, 35, 38])):
     wq, ws = experts_weights(E, N, K, block)
@@ -146,6 +147,16 @@ got = m(x, ids, w)
 assert ((got - want).norm() / want.norm()).item() < 3e-2
 none = torch.full_like(ids, -1)
 assert torch.equal(m(x, none, w), torch.zeros_like(x))
+# the grouped GEMM over more K blocks than it reads the scales of before its K loop (33 >
+# MAX_HOISTED_SCALES: read in the loop)
+torch.manual_seed(1)
+assert 528 // 16 > k.MAX_HOISTED_SCALES
+wq, ws = experts_weights(2, 32, 528, (16, 16))
+aq, a_s = k.quantize_act_ref(torch.randn(20, 528), 16)
+offs = torch.tensor([9, 17])
+torch.testing.assert_close(k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (16, 16), torch.float32),
+                           k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, (16, 16),
+                                                  torch.float32), rtol=1e-5, atol=1e-4)
 print("fp8 kernels ok")
 """
 
