@@ -45,19 +45,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,32,64",
                     help=f"row counts, each at most kernels.SKINNY_ROWS "
                          f"({kernels.SKINNY_ROWS})")
-    ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:SPLIT_K:"
-                    "warps:stages[:last], comma-separated; last 1: a split K's partials "
-                    "added by each column block's last program (LAST_SUMS), no second launch")
     args = ap.parse_args()
-    grid = GRID
-    if args.tiles:
-        try:
-            grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
-        except ValueError:
-            grid = []
-        if not grid or any(len(t) not in (4, 5) for t in grid):
-            sys.exit(f"--tiles: expected BLOCK_N:SPLIT_K:warps:stages[:last][,...], got "
-                     f"{args.tiles!r}")
     torch.manual_seed(0)
     table: dict[str, dict[str, float]] = {}  # row label -> column -> us
     results = []
@@ -97,10 +85,9 @@ def main() -> None:
                 table.setdefault(label, {})[col] = t = time_us(fn)
                 results.append({"shape": name, "N": N, "K": K, "rows": rows, "path": label,
                                 "us": t, **(default if label == "skinny default" else {})})
-            for tile in grid:
-                bn, split, warps, stages, last = (*tile, 0)[:5]
-                cfg = dict(BLOCK_N=bn, SPLIT_K=split, LAST_SUMS=bool(last), num_warps=warps,
-                           num_stages=stages)
+            for tile in GRID:
+                bn, split, warps, stages = tile
+                cfg = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
                 try:
                     t = time_us(skinny(cfg))
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
@@ -115,18 +102,18 @@ def main() -> None:
                   f"quantize+scaled_mm {table['quantize+scaled_mm'][col]:.1f} us",
                   file=sys.stderr, flush=True)
         del ws
-    print_table(table, columns, grid)
+    print_table(table, columns)
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
 
 
-def print_table(table: dict[str, dict[str, float]], columns: list[str], grid: list) -> None:
-    """A line per path or skinny tile ("BLOCK_N SPLIT_K warps stages[ last]"), a column per
-    shape and row count, in us per call; * marks each column's fastest skinny tile."""
-    tiles = {" ".join(map(str, tile)) for tile in grid}
+def print_table(table: dict[str, dict[str, float]], columns: list[str]) -> None:
+    """A line per path or skinny tile ("BLOCK_N SPLIT_K warps stages"), a column per shape
+    and row count, in us per call; * marks each column's fastest skinny tile."""
+    tiles = {" ".join(map(str, tile)) for tile in GRID}
     best = {c: min((table[t][c] for t in tiles if c in table[t]), default=None)
             for c in columns}
-    print("| path or tile (BLOCK_N SPLIT_K warps stages[ last]) | " + " | ".join(columns) + " |")
+    print("| path or tile (BLOCK_N SPLIT_K warps stages) | " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * len(columns))
     for label, us in table.items():
         print(f"| {label} | " + " | ".join(

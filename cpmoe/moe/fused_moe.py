@@ -33,7 +33,6 @@ import os
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.quant.formats import FP8
 from cpmoe.quant.kernels import quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
@@ -79,31 +78,19 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     slots = torch.empty(E, P, dtype=torch.int32, device=dev)  # room for any routing
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)))
+    act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     gate_up_s, down_s = scales or (None, None)
     fp8 = scales is not None
-    config = gemm_config(P, E, H, fp8, fp8_act)
-    act_s = None
-    if quantizes_output(config):  # the gate/up GEMM writes the down GEMM's FP8 rows
-        act = torch.empty(P, I, dtype=FP8, device=dev)
-        act_s = torch.empty(P, I // 128, dtype=torch.float32, device=dev)
-    else:
-        act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
-          config=config, scale=gate_up_s, limit=swiglu_limit, out_scale=act_s)
+          config=gemm_config(P, E, H, fp8, fp8_act), scale=gate_up_s, limit=swiglu_limit)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
-          config=gemm_config(P, E, I, fp8, fp8_act), scale=down_s, a_scale=act_s)
+          config=gemm_config(P, E, I, fp8, fp8_act), scale=down_s)
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
                                                   K=K, BLOCK=block)
     return out
-
-
-def quantizes_output(config: dict) -> bool:
-    """Whether the gate/up GEMM of `config` quantizes its output for the down GEMM itself:
-    W8A8 with rows quantized ahead, and column tiles of one whole 128-input group."""
-    return config["ACT_FP8"] and not config["QUANT_A"] and config["BLOCK_N"] == 128
 
 
 def _pow2(n: int) -> int:
@@ -156,20 +143,16 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     block_n = 32 if fp8 and not (mode == "w8a8" and not compact) else 64
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
-            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused", "SWAP_AB": False,
+            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
           config: dict | None = None, scale: torch.Tensor | None = None,
-          limit: float | None = None, out_scale: torch.Tensor | None = None,
-          a_scale: torch.Tensor | None = None) -> None:
+          limit: float | None = None) -> None:
     """One expert GEMM (`_expert_gemm_kernel`) of `config` (default `gemm_config`'s); with
-    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it, unless a
-    comes FP8 with its a_scale [P, K/128]. out_scale [P, N/128] (`quantizes_output`, gated
-    only): out gets the FP8 values of the 16-bit output `quantize_act` would quantize, and
-    out_scale their scales."""
+    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it."""
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
@@ -179,25 +162,20 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
         assert 128 % cfg["BLOCK_K"] == 0 or k_dim % cfg["BLOCK_K"] == 0  # whole pieces
     assert scaled or not cfg["ACT_FP8"], "FP8 activations need FP8 weights"
-    round_to = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 0)  # the 16-bit output
-    if a_scale is None:
-        a_scale = a  # any pointer when the kernel reads no activation scales
-        if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
-            a, a_scale = quantize_act(a, 128)
-    assert out_scale is None or (gated and quantizes_output(cfg))
+    a_scale = a  # any pointer when the kernel reads no activation scales
+    if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
+        a, a_scale = quantize_act(a, 128)
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
-    o_s = out if out_scale is None else out_scale  # any pointer when not QUANT_OUT
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
-        a, a_scale, w, s, slots, counts, out, o_s, N, k_dim, P, top_k if row_of_slot else 1,
+        a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
-        out.stride(0), o_s.stride(0), E, s.stride(0) if scaled else 0,
-        s.stride(1) if scaled else 0, 0.0 if limit is None else float(limit), GATED=gated,
-        E_POW2=_pow2(E), SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None,
-        K_PIECES=pieces, KB_POW2=_pow2(triton.cdiv(k_dim, 128)),
-        QUANT_OUT=out_scale is not None, ROUND_TO=round_to, **cfg)
+        out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
+        0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
+        SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
+        **cfg)
 
 
 if triton is not None:
@@ -235,17 +213,14 @@ if triton is not None:
 
     # likewise: no specialization on the sizes that change every step
     @triton.jit(do_not_specialize=["cap"])
-    def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr,
-                            os_ptr, N, K_DIM, cap, rows_per_a, stride_a, stride_as,
-                            stride_as_k, stride_we, stride_wn, stride_out, stride_os, E,
-                            stride_se, stride_sn, limit,
+    def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N,
+                            K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
+                            stride_we, stride_wn, stride_out, E, stride_se, stride_sn, limit,
                             GATED: tl.constexpr, E_POW2: tl.constexpr, SCALED: tl.constexpr,
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-                            CLAMP: tl.constexpr, COMPACT: tl.constexpr, SWAP_AB: tl.constexpr,
+                            CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            KB_POW2: tl.constexpr, QUANT_OUT: tl.constexpr,
-                            ROUND_TO: tl.constexpr):
+                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -258,9 +233,7 @@ if triton is not None:
         quantizes its 16-bit rows so itself (as unused; a piece is then one 128-input group).
         Else the weight tile is widened to a's dtype (weights-only FP8). UPCAST: FP8 dots in
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
-        [-limit, limit] before SiLU(gate) * up. QUANT_OUT (BLOCK_N 128): out gets FP8 values
-        and os [.., N / 128] their scales, as `quantize_act` would quantize the output
-        rounded to ROUND_TO (1 bf16, 2 fp16, 0 float32)."""
+        [-limit, limit] before SiLU(gate) * up."""
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
             t = tl.program_id(0)
@@ -279,50 +252,36 @@ if triton is not None:
         s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
             stride_sn
         s_up = s_gate + (N // 128) * stride_sn
-        # every scale of the program's K blocks read up front, then picked per piece: a load
-        # in the K loop is not pipelined, and its latency stalled every step (~15% of a
-        # W8A8 GEMM's time)
-        kbs = tl.arange(0, KB_POW2)
-        kb_ok = kbs < tl.cdiv(K_DIM, 128)
-        if SCALED:
-            w_s_all = tl.load(s_gate + kbs, mask=kb_ok, other=0.0)
-            if GATED:
-                u_s_all = tl.load(s_up + kbs, mask=kb_ok, other=0.0)
         for m0 in range(0, count, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < count
             p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
             a_rows = a_ptr + (p // rows_per_a) * stride_a
             as_rows = as_ptr + (p // rows_per_a) * stride_as
-            if ACT_FP8 and not QUANT_A:
-                a_s_all = tl.load(as_rows[:, None] + kbs[None, :] * stride_as_k,
-                                  mask=m_ok[:, None] & kb_ok[None, :], other=0.0)
-            if SWAP_AB:
-                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_DIM, BLOCK_K):
                 for j in tl.static_range(K_PIECES):
                     offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
                     k_ok = offs_k < K_DIM
                     a = tl.load(a_rows[:, None] + offs_k[None, :],
                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    w = _weight_tile(w_e, offs_n, offs_k, stride_wn, n_ok, k_ok, SWAP_AB)
+                    w_mask = k_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
+                                mask=w_mask, other=0.0)
                     if GATED:
-                        u = _weight_tile(w_e, N + offs_n, offs_k, stride_wn, n_ok, k_ok,
-                                         SWAP_AB)
+                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                                    mask=w_mask, other=0.0)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
-                        w_s = tl.sum(tl.where(kbs == kb, w_s_all, 0.0), axis=0)
+                        w_s = tl.load(s_gate + kb)
                         if GATED:
-                            u_s = tl.sum(tl.where(kbs == kb, u_s_all, 0.0), axis=0)
+                            u_s = tl.load(s_up + kb)
                     if ACT_FP8:
                         if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
                             a, a_s = quantize_rows(a.to(tl.float32))
                         else:
-                            a_s = tl.sum(tl.where(kbs[None, :] == kb, a_s_all, 0.0), axis=1)
+                            a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
                         if UPCAST:
                             a = a.to(tl.float32)
                             w = w.to(tl.float32)
@@ -330,62 +289,21 @@ if triton is not None:
                                 u = u.to(tl.float32)
                         # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
                         # with fewer bits, here over 128 inputs at most
-                        acc += _dot(a, w, SWAP_AB) * (_per_row(a_s, SWAP_AB) * w_s)
+                        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
                         if GATED:
-                            acc_up += _dot(a, u, SWAP_AB) * (_per_row(a_s, SWAP_AB) * u_s)
+                            acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
                     elif SCALED:
-                        acc += _dot(a, w.to(a.dtype), SWAP_AB) * w_s
+                        acc += tl.dot(a, w.to(a.dtype)) * w_s
                         if GATED:
-                            acc_up += _dot(a, u.to(a.dtype), SWAP_AB) * u_s
+                            acc_up += tl.dot(a, u.to(a.dtype)) * u_s
                     else:
-                        acc = _dot(a, w, SWAP_AB, acc)
+                        acc = tl.dot(a, w, acc)
                         if GATED:
-                            acc_up = _dot(a, u, SWAP_AB, acc_up)
+                            acc_up = tl.dot(a, u, acc_up)
             if GATED:
                 if CLAMP:
                     acc = tl.minimum(acc, limit)
                     acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            if SWAP_AB:
-                acc = tl.trans(acc)
-            out_mask = m_ok[:, None] & n_ok[None, :]
-            if QUANT_OUT:
-                if ROUND_TO == 1:
-                    acc = acc.to(tl.bfloat16).to(tl.float32)
-                elif ROUND_TO == 2:
-                    acc = acc.to(tl.float16).to(tl.float32)
-                acc, acc_s = quantize_rows(acc)
-                tl.store(os_ptr + p * stride_os + tl.program_id(1), acc_s, mask=m_ok)
             tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    # (constexpr branches, one return each: Triton types every return of a function alike)
-    @triton.jit
-    def _weight_tile(w_e, rows, offs_k, stride_wn, n_ok, k_ok, SWAP_AB: tl.constexpr):
-        """Weight rows `rows` x inputs offs_k: [rows, k] with SWAP_AB, else [k, rows]."""
-        if SWAP_AB:
-            tile = tl.load(w_e + rows[:, None] * stride_wn + offs_k[None, :],
-                           mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            tile = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None],
-                           mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        return tile
-
-    @triton.jit
-    def _dot(a, w, SWAP_AB: tl.constexpr, acc=None):
-        """a [m, k] times the weight tile (+ acc): [n, m] with SWAP_AB (w [n, k]), else
-        [m, n]."""
-        if SWAP_AB:
-            out = tl.dot(w, tl.trans(a), acc)
-        else:
-            out = tl.dot(a, w, acc)
-        return out
-
-    @triton.jit
-    def _per_row(v, SWAP_AB: tl.constexpr):
-        """A per-row vector broadcast over the accumulator's columns of rows."""
-        if SWAP_AB:
-            out = v[None, :]
-        else:
-            out = v[:, None]
-        return out
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

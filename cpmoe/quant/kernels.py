@@ -207,10 +207,6 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
     return out.to(out_dtype)
 
 
-# K blocks whose scales `_grouped_fp8_kernel` reads before its K loop (more: in the loop)
-MAX_HOISTED_SCALES = 32
-
-
 def grouped_fp8_config(P: int, E: int) -> dict:
     """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
     scales are read per column, so tiles need not align with the scale blocks), and the
@@ -253,13 +249,11 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
                                      right=True)
     grid = (bound, triton.cdiv(N, BN))
-    kb_pow2 = triton.next_power_of_2(K // BK)
     _grouped_fp8_kernel[grid](
         a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
         P, N, K, a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
-        KB_POW2=kb_pow2 if kb_pow2 <= MAX_HOISTED_SCALES else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -271,7 +265,7 @@ if triton is not None:
                             tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
                             as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, KB_POW2: tl.constexpr, UPCAST: tl.constexpr):
+                            BK: tl.constexpr, UPCAST: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + t)
@@ -292,14 +286,6 @@ if triton is not None:
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * N * K
-        if KB_POW2 > 0:  # the scales of every K block up front (a load in the loop stalls)
-            kbs = tl.arange(0, KB_POW2)
-            kb_ok = kbs < K // BK
-            a_s_all = tl.load(as_ptr + rows[:, None] * as_s0 + kbs[None, :] * as_s1,
-                              mask=row_ok[:, None] & kb_ok[None, :], other=0.0)
-            w_s_all = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q)[None, :] * ws_s1
-                              + kbs[:, None] * ws_s2, mask=kb_ok[:, None] & col_ok[None, :],
-                              other=0.0)  # [KB_POW2, BN]
         for kb in range(0, K // BK):
             k = kb * BK + ks
             a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
@@ -310,13 +296,9 @@ if triton is not None:
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32))
             else:
                 part = tl.dot(a, b)
-            if KB_POW2 > 0:
-                a_s = tl.sum(tl.where(kbs[None, :] == kb, a_s_all, 0.0), axis=1)
-                w_s = tl.sum(tl.where(kbs[:, None] == kb, w_s_all, 0.0), axis=0)
-            else:
-                a_s = tl.load(as_ptr + rows * as_s0 + kb * as_s1, mask=row_ok, other=0.0)
-                w_s = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1 + kb * ws_s2,
-                              mask=col_ok, other=0.0)
+            a_s = tl.load(as_ptr + rows * as_s0 + kb * as_s1, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1 + kb * ws_s2,
+                          mask=col_ok, other=0.0)
             acc += part * a_s[:, None] * w_s[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -346,27 +328,11 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: 64 columns, 128 inputs a step, 4
     warps, 3 stages, K split in 4 ranges (fewer when K has fewer 128-input groups): the
     fastest of bench/fp8_linear.py's sweep at 9b4f34c for qkv and o_proj from 1 to 64 rows,
-    within 5% of each column's best. LAST_SUMS: a split K's partial sums are added by the
-    last program of each column block to finish (`_skinny_fp8_kernel`), not by a second
-    launch."""
+    within 5% of each column's best."""
     split = 1
     while split < 4 and split * 2 <= k // 128:
         split *= 2
-    return {"BLOCK_N": 64, "SPLIT_K": split, "LAST_SUMS": False, "num_warps": 4,
-            "num_stages": 3}
-
-
-# arrival counters of `_skinny_fp8_kernel`'s column blocks (LAST_SUMS), per device: zeros
-# between launches (the last program of a block puts its counter back), made once, outside
-# any CUDA graph capture, so captured launches keep using them
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-MAX_COLUMN_BLOCKS = 4096
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
+    return {"BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
 def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -377,9 +343,8 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     [M <= SKINNY_ROWS, K] with x_scale [M, K/128] (any strides), w fp8 [N, K], w_scale
     float32 [ceil(N/128), K/128] -> [M, N] in out_dtype: `F.scaled_mm`'s product up to
     float32 summation order; the bias is added in float32, before the one rounding.
-    SPLIT_K > 1: float32 partial sums, added in split order (the same sums every run) by a
-    second launch, or with LAST_SUMS by the column block's last program to finish.
-    config: `skinny_config`'s."""
+    SPLIT_K > 1: float32 partial sums, added by a second launch (no atomics: the same sums
+    every run). config: `skinny_config`'s."""
     M, K = xq.shape
     N = w.shape[0]
     if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1 or xq.dtype != FP8:
@@ -393,17 +358,12 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
                                               device=xq.device)
     b = bias if bias is not None else out  # any pointer when there is no bias
-    column_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    last_sums = cfg.get("LAST_SUMS", False) and split > 1 and column_blocks <= MAX_COLUMN_BLOCKS
-    arrivals = _arrivals(xq.device) if last_sums else out  # any pointer when unused
-    _skinny_fp8_kernel[(column_blocks, split)](
-        xq, x_scale, w, w_scale, b, part, out, arrivals, M, N, K, xq.stride(0),
-        x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale.stride(0),
-        w_scale.stride(1), HAS_BIAS=bias is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET,
-        GROUPS_POW2=triton.next_power_of_2(triton.cdiv(K // 128, split)),
-        **dict(cfg, LAST_SUMS=last_sums))
-    if split > 1 and not last_sums:
+    _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        xq, x_scale, w, w_scale, b, part, M, N, K, xq.stride(0), x_scale.stride(0),
+        x_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        UPCAST=_INTERPRET, **cfg)
+    if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block)
@@ -413,17 +373,13 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 if triton is not None:
     # M: the batch, which changes every step (no variant per residue mod 16; see above)
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, out_ptr,
-                           arrivals_ptr, M, N, K, stride_x, stride_xs_m, stride_xs_g, stride_w,
-                           stride_ws_n, stride_ws_k, HAS_BIAS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr,
-                           GROUPS_POW2: tl.constexpr, UPCAST: tl.constexpr):
+    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x,
+                           stride_xs_m, stride_xs_g, stride_w, stride_ws_n, stride_ws_k,
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                           UPCAST: tl.constexpr):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
-        groups -> out (SPLIT_K 1: y with bias) or part[s] (float32 partials). LAST_SUMS:
-        each program of column block n counts itself in arrivals[n] once its partials are
-        stored; the last to arrive adds part[0..SPLIT_K) in order (+ bias) into out and
-        puts the counter back to 0 for the next launch."""
+        groups -> out (SPLIT_K 1: y with bias) or out[s] (float32 partials)."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -432,25 +388,17 @@ if triton is not None:
         groups = K // 128
         per = tl.cdiv(groups, SPLIT_K)
         g0 = tl.program_id(1) * per
-        g_end = tl.minimum(g0 + per, groups)
-        # the range's scales read up front, then picked per group: a load in the loop is
-        # not pipelined, and its latency would stall every step
-        gs = g0 + tl.arange(0, GROUPS_POW2)
-        g_ok = gs < g_end
-        a_s_all = tl.load(xs_ptr + rows[:, None] * stride_xs_m + gs[None, :] * stride_xs_g,
-                          mask=row_ok[:, None] & g_ok[None, :], other=0.0)
-        w_s_all = tl.load(ws_ptr + (cols // 128)[None, :] * stride_ws_n
-                          + gs[:, None] * stride_ws_k, mask=g_ok[:, None] & col_ok[None, :],
-                          other=0.0)  # [GROUPS_POW2, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(g0, g_end):
+        for g in range(g0, tl.minimum(g0 + per, groups)):
             k = g * 128 + ks
             a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
                         other=0.0)
+            a_s = tl.load(xs_ptr + rows * stride_xs_m + g * stride_xs_g, mask=row_ok,
+                          other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
                         mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
-            a_s = tl.sum(tl.where(gs[None, :] == g, a_s_all, 0.0), axis=1)
-            w_s = tl.sum(tl.where(gs[:, None] == g, w_s_all, 0.0), axis=0)
+            w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
+                          other=0.0)
             if UPCAST:  # the interpreter has no FP8 dot
                 part = tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
@@ -463,23 +411,8 @@ if triton is not None:
             tl.store(out_ptr + rows[:, None] * N + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            parts = part_ptr + rows[:, None] * N + cols[None, :]
-            tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
-            if LAST_SUMS:
-                tl.debug_barrier()  # every thread's partials stored before the count
-                # acq_rel at GPU scope: the other programs' partials are visible to the last
-                arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
-                if arrived == SPLIT_K - 1:
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):  # from L2: other SMs wrote them
-                        acc += tl.load(parts + s * M * N, mask=mask, other=0.0,
-                                       cache_modifier=".cg")
-                    if HAS_BIAS:
-                        acc += tl.load(b_ptr + cols, mask=col_ok,
-                                       other=0.0).to(tl.float32)[None, :]
-                    tl.store(out_ptr + rows[:, None] * N + cols[None, :],
-                             acc.to(out_ptr.dtype.element_ty), mask=mask)
-                    tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0)
+            tl.store(out_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc,
+                     mask=mask)
 
     @triton.jit(do_not_specialize=["M"])
     def _split_k_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,

@@ -88,7 +88,6 @@ def experts_weights(E, N, K, block):
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 # grouped GEMM: empty experts, an expert over several row tiles, rows past the last group
-# (more K blocks than the kernel reads the scales of up front: at the end)
 for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
                                 (40, 4, 48, 128, (16, 16), [0, 35, 35, 38])):
     wq, ws = experts_weights(E, N, K, block)
@@ -147,16 +146,6 @@ got = m(x, ids, w)
 assert ((got - want).norm() / want.norm()).item() < 3e-2
 none = torch.full_like(ids, -1)
 assert torch.equal(m(x, none, w), torch.zeros_like(x))
-# the grouped GEMM over more K blocks than it reads the scales of before its K loop (33 >
-# MAX_HOISTED_SCALES: read in the loop)
-torch.manual_seed(1)
-assert 528 // 16 > k.MAX_HOISTED_SCALES
-wq, ws = experts_weights(2, 32, 528, (16, 16))
-aq, a_s = k.quantize_act_ref(torch.randn(20, 528), 16)
-offs = torch.tensor([9, 17])
-torch.testing.assert_close(k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (16, 16), torch.float32),
-                           k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, (16, 16),
-                                                  torch.float32), rtol=1e-5, atol=1e-4)
 print("fp8 kernels ok")
 """
 
@@ -202,12 +191,9 @@ def reference(x, w, w_scale, bias):
 
 # (N, K): fewer inputs than outputs, and the other way with N not whole 128-row blocks
 # (fp8_linear takes those too); every row count class; bias or not; the default tiles and
-# split K over 1, 2 and 4 ranges (4 ranges of 3 groups: the last one empty), 32 or 64 columns,
-# partial sums added by a second launch or by each column block's last program (LAST_SUMS;
-# its arrival counters back at 0 after every launch)
+# split K over 1, 2 and 4 ranges (4 ranges of 3 groups: the last one empty), 32 or 64 columns
 configs = [None, dict(BLOCK_N=64, SPLIT_K=2, num_warps=4, num_stages=3),
-           dict(BLOCK_N=32, SPLIT_K=4, num_warps=4, num_stages=3),
-           dict(BLOCK_N=32, SPLIT_K=2, LAST_SUMS=True, num_warps=4, num_stages=3)]
+           dict(BLOCK_N=32, SPLIT_K=4, num_warps=4, num_stages=3)]
 case = 0
 for N, K in ((384, 256), (200, 384)):
     w = (torch.randn(N, K) * 100).clamp(-448, 448).to(FP8)
@@ -219,7 +205,6 @@ for N, K in ((384, 256), (200, 384)):
             case += 1
             xq, xs = k.quantize_act(x, 128)
             got = k.fp8_linear_skinny(xq, xs, w, w_scale, bias, torch.float32, config=cfg)
-            assert not k._ARRIVALS or not k._ARRIVALS[x.device].any()
             want = reference(x, w, w_scale, bias)
             assert got.shape == (M, N) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=1e-5,
@@ -228,7 +213,7 @@ for N, K in ((384, 256), (200, 384)):
             if cfg is None:  # fp8_linear takes it for these rows, over any leading dims
                 lin = k.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
                 assert torch.equal(lin.view(M, N), got)
-assert case == 16 and k._ARRIVALS  # every config ran, LAST_SUMS among them
+assert case == 16
 # bf16 out (the default): the interpreter's float32 -> bf16 cast truncates (the GPU's
 # rounds), so within one bf16 step of the float32 result
 x = exact_rows(5, 256)
