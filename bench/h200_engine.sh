@@ -128,6 +128,8 @@ PY
     step fp8-quantize python3 -m bench.fp8_quantize --out "$out/fp8-quantize.json"
     step fp8-experts python3 -m bench.decode_kernels --fp8 --rows 64 \
       --out "$out/decode-kernels-fp8.json"
+    # what one memory-bound kernel's read of the gate/up GEMM's bytes takes, beside it
+    step fp8-read-floor python3 -m bench.read_floor
     for q in bf16 fp8; do
       quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
       step "fp8-decode-$q" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 1,64 \
