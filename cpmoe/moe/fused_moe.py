@@ -33,22 +33,11 @@ import os
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.quant.kernels import HAS_PDL, pdl_launch, quantize_act
+from cpmoe.quant.kernels import quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 MAX_SLOTS = 4096  # the decode path serves up to this many (row, slot) pairs per layer
-# Programmatic dependent launches of the expert GEMMs (and the activation quantization between
-# them) on Hopper and later: each starts while the previous kernel drains, warms the L2 with
-# its first weight lines, then waits for the previous kernel's results ($CPMOE_DECODE_PDL=0:
-# off, for a side-by-side measurement)
-DECODE_PDL = os.environ.get("CPMOE_DECODE_PDL", "1") != "0"
-PREFETCH_LINES = 4  # 128-byte lines of each weight row warmed before the wait
-
-
-def _pdl(x: torch.Tensor) -> bool:
-    return (DECODE_PDL and HAS_PDL and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def usable(x_MH: torch.Tensor, slots: int) -> bool:
@@ -173,10 +162,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
         assert 128 % cfg["BLOCK_K"] == 0 or k_dim % cfg["BLOCK_K"] == 0  # whole pieces
     assert scaled or not cfg["ACT_FP8"], "FP8 activations need FP8 weights"
-    pdl = _pdl(a)
     a_scale = a  # any pointer when the kernel reads no activation scales
     if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
-        a, a_scale = quantize_act(a, 128, pdl=pdl)
+        a, a_scale = quantize_act(a, 128)
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
@@ -187,20 +175,11 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
         0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
         SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
-        PDL=pdl, PREFETCH=PREFETCH_LINES if k_dim * w.element_size() >= PREFETCH_LINES * 128
-        else 0, LINE=128 // w.element_size(), **cfg, **pdl_launch(pdl))
+        **cfg)
 
 
 if triton is not None:
     from cpmoe.quant.kernels import quantize_rows  # the in-kernel row quantization
-    if HAS_PDL:
-        from cpmoe.quant.kernels import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """Ask the L2 for the 128-byte line of each pointer (nothing comes back)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
@@ -241,8 +220,7 @@ if triton is not None:
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -257,17 +235,6 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up."""
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
-        if PDL:  # launched while the previous kernel drains: warm the L2, then wait for it
-            gdc_launch_dependents()
-            if not COMPACT and PREFETCH > 0:  # (the compact grid's expert is read from counts)
-                n_pf = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-                rows_pf = tl.where(n_pf < N, n_pf, 0)
-                w_pf = w_ptr + tl.program_id(0).to(tl.int64) * stride_we
-                lines = tl.arange(0, PREFETCH) * LINE  # LINE elements: 128 bytes
-                _prefetch_l2(w_pf + rows_pf[:, None] * stride_wn + lines[None, :])
-                if GATED:
-                    _prefetch_l2(w_pf + (N + rows_pf)[:, None] * stride_wn + lines[None, :])
-            gdc_wait()
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)

@@ -34,11 +34,6 @@ from cpmoe._triton import import_triton
 from cpmoe.quant.formats import FP8, FP8_MAX, dequantize
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
-try:  # grid dependency control (Triton >= 3.3): programmatic dependent launches
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_PDL = triton is not None and os.environ.get("TRITON_INTERPRET") != "1"
-except ImportError:
-    HAS_PDL = False
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 1 / 448 rounded to float32 (a Python float holding that value): activation scales are
@@ -79,20 +74,12 @@ def quantize_config(M: int) -> dict:
     return {"BLOCK_M": block_m, "num_warps": 1 if block_m == 1 else 4}
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """The launch keyword of a programmatic dependent launch (Hopper): the kernel may start
-    while the previous one in the stream drains, and waits for its results in `gdc_wait`."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
-                 config: dict | None = None, pdl: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
     scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
     both padded to that many rows with zeros (values and scales). config:
-    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them). pdl: a programmatic
-    dependent launch (between the decode experts' GEMMs, `fused_moe`)."""
+    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
@@ -109,8 +96,7 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     cfg = config or quantize_config(M)
     groups = K // group
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
-    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, PDL=pdl, **cfg,
-                               **pdl_launch(pdl))
+    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
     return q, s_t.t()
 
 
@@ -119,7 +105,7 @@ if triton is not None:
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["M", "R"])
     def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, R, K, GROUP: tl.constexpr,
-                             BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_M: tl.constexpr):
         """Program p: rows [BLOCK_M * (p // groups), ..) x group p % groups (neighbouring
         programs read neighbouring groups of the same rows). Rows in [M, R) are padding:
         values and scales 0 (their inputs read as 0, so x / s is 0)."""
@@ -129,9 +115,6 @@ if triton is not None:
         rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = g * GROUP + tl.arange(0, GROUP)
         offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        if PDL:  # the next kernel may launch now; x is the previous kernel's output
-            gdc_launch_dependents()
-            gdc_wait()
         x = tl.load(x_ptr + offs, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
         q, s = quantize_rows(x)
         tl.store(q_ptr + offs, q, mask=(rows < R)[:, None])

@@ -156,7 +156,7 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
 # Its quantize_act is the torch one here (the interpreter's cast, see exact_rows); the
 # activations are random, so the kernel's and the reference's float32 sums may put one
 # gated output on either side of an FP8 rounding step: a relative error bound, not exact.
-fused_moe.quantize_act = lambda a, group, **kw: (lambda q, s: (q, s.t().contiguous().t()))(
+fused_moe.quantize_act = lambda a, group: (lambda q, s: (q, s.t().contiguous().t()))(
     *quantize_act_ref(a, group))
 for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5)):
     q_gu, s_gu, gu = fp8_weights(E, 2 * I, H)
