@@ -6,7 +6,7 @@ The W8A8 gate/up GEMM of a decode step at batch 64 (Qwen3-30B-A3B, uniform routi
 126 experts x 1536 x 2048 FP8 weights, 396 MB. This times `torch.sum` over as many bytes of
 float32 (a memory-bound reduction: one read of every byte, nothing written), rotated over 6
 copies so no call finds its input in the 50 MB L2, per call from a CUDA graph of 48 calls
-(as `bench.decode_kernels` times the GEMM). The same size read by the GEMM and by the
+(`bench.decode_kernels.time_us`, which times the GEMM). The same size read by the GEMM and by the
 reduction tells whether the GEMM is short of what one kernel's read of those bytes gets,
 or at it.
 """
@@ -17,6 +17,8 @@ import argparse
 import sys
 
 import torch
+
+from bench.decode_kernels import time_us
 
 EXPERT_BYTES = 126 * 1536 * 2048  # gate/up FP8 weights of the experts 64 rows x top-8 use
 
@@ -31,25 +33,7 @@ def main() -> None:
         sys.exit(f"--bytes: expected at least 4, got {args.bytes}")
     n = args.bytes
     xs = [torch.randn(n // 4, device="cuda") for _ in range(6)]
-
-    def run():
-        for x in xs:
-            x.sum()
-
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(8):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(stop) * 1000 / 48
+    us = time_us(lambda i: xs[i % len(xs)].sum())
     print(f"torch.sum over {n / 1e6:.0f} MB: {us:.1f} us, {n / us / 1e6:.2f} TB/s "
           f"({n / us / 1e6 / 4.8:.0%} of 4.8)")
 

@@ -80,7 +80,7 @@ ptx = compile_sm90(
      "out_ptr": "*bf16", "starts_ptr": "*i64", "ends_ptr": "*i64", "tile_end_ptr": "*i64",
      "tiles_ptr": "*i64", "tile_expert_ptr": "*i64"},
     {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False},
-    ("P", "as_s0", "ws_s2"), {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    ("P", "as_s0", "ws_s2"), launch_options(cfg))
 assert "cp.async" in ptx and "wgmma" in ptx
 print("compiled")
 """
