@@ -33,13 +33,12 @@ def test_grouped_experts_match_loop(dtype, tol):
 
 @cuda
 @pytest.mark.parametrize("rows", [1, 16, 64])
-@pytest.mark.parametrize("kernel,split", [("gemms", None), ("layer", None), ("layer", 1),
-                                          ("layer", 6)])
-def test_decode_experts_match_loop_in_bf16(rows, kernel, split, monkeypatch):
-    """The decode experts (moe/fused_moe.py) in bf16, both kernels (the whole-layer one with
-    its chosen split and forced ones), against the loop in float32 at Qwen3-30B-A3B's expert
-    widths. The bound is bf16's: inputs, weights and the gated output each rounded to 8
-    mantissa bits (2^-9 relative), compounding to well under 1e-2 over these sums."""
+def test_decode_experts_match_loop_in_bf16(rows):
+    """The decode experts (moe/fused_moe.py) in bf16 against the loop in float32 at
+    Qwen3-30B-A3B's expert widths (the compact grid of batch 1 included). The bound is
+    bf16's: inputs, weights and the gated output each rounded to 8 mantissa bits (2^-9
+    relative), compounding to well under 1e-2 over these sums; a wrong slot, expert or
+    weight is of order 1."""
     from cpmoe.moe import fused_moe
     torch.manual_seed(2)
     E, H, inter, K = 64, 2048, 768, 8
@@ -51,10 +50,6 @@ def test_decode_experts_match_loop_in_bf16(rows, kernel, split, monkeypatch):
     ids[0, 0] = -1  # another rank's expert
     w = torch.rand(rows, K, device="cuda")
     want = m._forward_loop(x, ids, w)
-    base = fused_moe.layer_config
-    monkeypatch.setattr(fused_moe, "layer_config", lambda *a, **kw: (
-        lambda cfg: cfg if cfg is None or split is None else dict(cfg, SPLIT=split))(
-            base(*a, **dict(kw, kernel=kernel))))
     got = fused_moe.fused_experts(x.bfloat16(), ids, w.bfloat16(), m.gate_up_proj.bfloat16(),
                                   m.down_proj.bfloat16())
     assert got.dtype == torch.bfloat16

@@ -35,26 +35,6 @@ for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16),
     none = torch.full_like(ids, -1)  # no slot on this rank: zeros, nothing read
     assert torch.equal(fused_moe.fused_experts(x, none, w, m.gate_up_proj, m.down_proj),
                        torch.zeros_like(x))
-# Both decode kernels, and the whole-layer kernel's launch choices forced: chunks of 32
-# intermediate columns (200 = 6.25 chunks: a masked one), split in 1 or 7 programs an expert,
-# 16-row tiles (an expert with more slots takes several), hidden 160 in steps of 64 (masked)
-layer_config = fused_moe.layer_config
-M, K, E, H, I = 24, 3, 3, 160, 200
-m = LocalExperts(E, H, I, torch.float32)
-torch.nn.init.normal_(m.gate_up_proj, std=0.2)
-torch.nn.init.normal_(m.down_proj, std=0.2)
-x, ids, w = torch.randn(M, H), torch.randint(-1, E, (M, K)), torch.rand(M, K)
-want = m._forward_loop(x, ids, w)
-for kernel, split in (("gemms", None), ("layer", 1), ("layer", 7)):
-    def forced(*args, **kw):
-        cfg = layer_config(*args, **kw, kernel=kernel)
-        return cfg and dict(cfg, BLOCK_I=32, BLOCK_K=64, BLOCK_M=16, SPLIT=split)
-    fused_moe.layer_config = forced
-    got = fused_moe.fused_experts(x, ids, w, m.gate_up_proj, m.down_proj)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-fused_moe.layer_config = layer_config
-assert layer_config(512, 128, 2048, 768, True, "w8a8")["SPLIT"] == 2  # 256 programs
-assert layer_config(512, 128, 2048, 768, kernel="gemms") is None
 # FP8 weights with 128 x 128 block scales (weights-only: x stays float32 here) against the
 # loop over the dequantized weights; 2 x 2 blocks of gate, of up and of down
 from cpmoe.quant.formats import dequantize, quantize_block_fp8
@@ -176,23 +156,6 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
 # Its quantize_act is the torch one here (the interpreter's cast, see exact_rows); the
 # activations are random, so the kernel's and the reference's float32 sums may put one
 # gated output on either side of an FP8 rounding step: a relative error bound, not exact.
-# The whole-layer kernel quantizes the gated output itself: the interpreter's float32 -> FP8
-# cast is replaced by torch's (round to nearest even, as the GPU's cvt; the interpreter's
-# drops the carry, see exact_rows) for this script.
-import numpy as np
-import triton.runtime.interpreter as interpreter
-import triton.language as tl
-_convert_float = interpreter._convert_float
-
-
-def convert_float(data, src, dst, rounding):
-    if src == tl.float32 and dst == tl.float8e4nv:
-        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(FP8).view(
-            torch.uint8).numpy()
-    return _convert_float(data, src, dst, rounding)
-
-
-interpreter._convert_float = convert_float
 fused_moe.quantize_act = lambda a, group: (lambda q, s: (q, s.t().contiguous().t()))(
     *quantize_act_ref(a, group))
 for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5)):
@@ -206,12 +169,9 @@ for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5
         e = ids[m, k]
         want[m] += w[m, k] * (fake_quant(gate_up_ref(x[m:m + 1], gu, e, limit))
                               @ dn[e].t())[0]
-    for kernel in fused_moe.DECODE_KERNELS:
-        fused_moe.DECODE_KERNEL = kernel
-        got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit,
-                                      fp8_act="w8a8")
-        err = ((got - want).norm() / want.norm()).item()
-        assert err < 1e-3, (kernel, err)
+    got = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-3, err
     weights_only = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit,
                                            fp8_act="weights")
     assert ((weights_only - want).norm() / want.norm()).item() > 1e-2  # FP8 rows mattered

@@ -5,11 +5,11 @@ which refuses programs the interpreter runs (a jit function returning differentl
 values from two constexpr branches did, in a change tried in session 14). Here Triton
 compiles ahead of time, for an sm_90 target (ptxas ships with Triton), the variants the
 engine launches: the decode experts' W8A8 GEMM (gate/up and down, the grid of one program
-row per expert and the compact one of batch 1) and their whole-layer kernel (FP8 and bf16),
-the skinny dense GEMM with and without a split K, and the prefill's grouped GEMM. Arguments
-carry the 16-byte alignment real launches specialize on, so the compiled program is the one
-a launch gets: the tests check that its weight tiles are loaded through the asynchronous
-pipeline (cp.async), and that the prefill GEMM uses Hopper's warp-group MMA.
+row per expert and the compact one of batch 1), the skinny dense GEMM with and without a
+split K, and the prefill's grouped GEMM. Arguments carry the 16-byte alignment real launches
+specialize on, so the compiled program is the one a launch gets: the tests check that its
+weight tiles are loaded through the asynchronous pipeline (cp.async), and that the prefill
+GEMM uses Hopper's warp-group MMA.
 In a subprocess: cpmoe imports Triton only for a CUDA build of torch, which it is told it is.
 """
 
@@ -63,22 +63,6 @@ for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
                  K_PIECES=1), ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         assert "cp.async" in ptx, (slots, gated)
-# the whole-layer decode kernel, FP8 (x quantized ahead and by the kernel) and bf16: both
-# phases' weight tiles stream through a pipeline (two waits each: prologue and loop), and
-# the barrier between the phases is there
-for slots, fp8, mode in ((512, True, "w8a8"), (512, True, "w8a8-fused"), (8, True, "w8a8"),
-                         (512, False, None)):
-    cfg = fused_moe.layer_config(slots, E, H, I, fp8, mode, kernel="layer")
-    options = launch_options(cfg)
-    w, act = ("*fp8e4nv", "*fp8e4nv") if fp8 else ("*bf16", "*bf16")
-    ptx = compile_sm90(
-        fused_moe._expert_layer_kernel,
-        {"x_ptr": "*bf16", "xq_ptr": act, "xs_ptr": "*fp32", "w1_ptr": w, "s1_ptr": "*fp32",
-         "w2_ptr": w, "s2_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32",
-         "act_ptr": act, "acts_ptr": "*fp32", "y_ptr": "*fp32"},
-        dict(cfg, E_POW2=E, SCALED=fp8, UPCAST=False, CLAMP=False),
-        ("cap", "limit", "top_k", "stride_xs_k", "E"), options)
-    assert ptx.count("cp.async.wait_group") >= 4 and "bar.sync" in ptx, (slots, fp8, mode)
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096)):  # qkv and o_proj
     cfg = kernels.skinny_config(m, n, k)
     options = launch_options(cfg)
