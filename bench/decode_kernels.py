@@ -112,7 +112,8 @@ def main() -> None:
         x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
         slots = torch.empty(E, P, dtype=torch.int32, device="cuda")
         counts = torch.empty(E, dtype=torch.int32, device="cuda")
-        fused_moe.align(x, ids.reshape(-1), slots, counts, quantize=False)
+        fused_moe._align_kernel[(E,)](ids.reshape(-1), slots, counts, P, P,
+                                      BLOCK_P=min(1024, fused_moe._pow2(P)))
         act = torch.randn(P, I, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(P, H, device="cuda", dtype=torch.bfloat16)
         out_act = torch.empty(P, I, device="cuda", dtype=torch.bfloat16)

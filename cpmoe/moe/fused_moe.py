@@ -33,7 +33,6 @@ import os
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.quant.formats import FP8
 from cpmoe.quant.kernels import quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
@@ -78,47 +77,20 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     ids_P = local_ids_MK.reshape(P)
     slots = torch.empty(E, P, dtype=torch.int32, device=dev)  # room for any routing
     counts = torch.empty(E, dtype=torch.int32, device=dev)
+    _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)))
+    act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     gate_up_s, down_s = scales or (None, None)
     fp8 = scales is not None
-    up_cfg = gemm_config(P, E, H, fp8, fp8_act, gated=True)
-    down_cfg = gemm_config(P, E, I, fp8, fp8_act)
-    x, x_s = align(x_MH, ids_P, slots, counts,
-                   FUSE_QUANT and up_cfg["ACT_FP8"] and not up_cfg["QUANT_A"])
-    if up_cfg["QUANT_OUT"]:  # the gate/up GEMM writes the down GEMM's FP8 rows
-        act = torch.empty(P, I, dtype=FP8, device=dev)
-        act_s = torch.empty(I // 128, P, dtype=torch.float32, device=dev).t()
-    else:
-        act, act_s = torch.empty(P, I, dtype=x_MH.dtype, device=dev), None
-    _gemm(x, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
-          config=up_cfg, scale=gate_up_s, limit=swiglu_limit, a_scale=x_s, out_scale=act_s,
-          act_dtype=x_MH.dtype)
+    _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
+          config=gemm_config(P, E, H, fp8, fp8_act), scale=gate_up_s, limit=swiglu_limit)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
-          config=down_cfg, scale=down_s, a_scale=act_s)
+          config=gemm_config(P, E, I, fp8, fp8_act), scale=down_s)
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
                                                   K=K, BLOCK=block)
     return out
-
-
-def align(x_MH: torch.Tensor, ids_P: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-          quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Step 1 (`_align_kernel`): slots[e, :counts[e]] = the slots routed to expert e. With
-    `quantize`, the same launch also quantizes x's rows as `quantize_act(x, 128)` does (each
-    program a share of the (row, group) pairs) -> (x's FP8 rows [M, H], their scales [M, H /
-    128] with strides (1, M)); else (x, None)."""
-    E, P = slots.shape
-    M, H = x_MH.shape
-    if quantize:
-        x_MH = x_MH if x_MH.stride(1) == 1 else x_MH.contiguous()
-        xq = torch.empty(M, H, dtype=FP8, device=x_MH.device)
-        xs = torch.empty(H // 128, M, dtype=torch.float32, device=x_MH.device)
-    else:
-        xq = xs = x_MH  # any pointers: nothing is quantized
-    _align_kernel[(E,)](ids_P, slots, counts, P, P, x_MH, xq, xs, M, H,
-                        x_MH.stride(0), BLOCK_P=min(1024, _pow2(P)), QUANT_X=quantize)
-    return (xq, xs.t()) if quantize else (x_MH, None)
 
 
 def _pow2(n: int) -> int:
@@ -146,14 +118,10 @@ def _block_m(slots: int, experts: int) -> int:
 # $CPMOE_FP8_DECODE_ACTIVATIONS picks the mode for a process (its ranks inherit it).
 FP8_ACT_MODES = ("weights", "w8a8", "w8a8-fused")
 FP8_ACTIVATIONS = os.environ.get("CPMOE_FP8_DECODE_ACTIVATIONS", "w8a8")
-# "w8a8" quantizes in the launches next to the GEMMs: x in the slot alignment (`align`), the
-# gated output in the gate/up GEMM's epilogue (QUANT_OUT, 128-column tiles: one group each),
-# two launches a layer fewer. $CPMOE_FP8_DECODE_FUSE_QUANT=0: their own launches instead.
-FUSE_QUANT = os.environ.get("CPMOE_FP8_DECODE_FUSE_QUANT", "1") != "0"
 
 
 def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
-                fp8_act: str | None = None, gated: bool = False) -> dict:
+                fp8_act: str | None = None) -> dict:
     """Tile sizes and launch shape of one expert GEMM of `slots` (row, slot) pairs: BLOCK_M
     rows (`_block_m`), 64 columns and 128 of K per tile, and COMPACT when fewer slots than
     experts: the grid then has one row of programs per slot, each finding the expert it
@@ -166,34 +134,25 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     16 and 64 rows (5-20% under the bf16 tiles at batch 1, 7% for gate/up at 64). W8A8
     ("w8a8") with at least as many slots as experts takes 64 columns: its sweep at 64 rows
     (9b4f34c) timed down 58.5 against 63.1 us with 32, gate/up 106.3 against 106.5 (the
-    best, 104.3 with 256 of K, is within 2%); the compact case was not swept. The gated
-    GEMM (`gated`) of "w8a8" with FUSE_QUANT (and not COMPACT) quantizes its output
-    (QUANT_OUT) on 128 columns, one group a tile: 105.6-107.1 us against 105.5 with 64
-    columns (decode-kernels-fp8-{swap-bec18aa,tiles-4f517aa}.json)."""
+    best, 104.3 with 256 of K, is within 2%); the compact case was not swept."""
     compact = slots < experts
     mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
     if mode not in FP8_ACT_MODES:
         raise ValueError(f"FP8 decode activations (CPMOE_FP8_DECODE_ACTIVATIONS or fp8_act): "
                          f"expected one of {FP8_ACT_MODES}, got {mode!r}")
     block_n = 32 if fp8 and not (mode == "w8a8" and not compact) else 64
-    quant_out = gated and mode == "w8a8" and not compact and FUSE_QUANT
-    return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": 128 if quant_out else block_n,
+    return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
             "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
-            "QUANT_OUT": quant_out, "num_warps": 4,
-            "num_stages": 5 if compact and not fp8 else 3}
+            "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
           config: dict | None = None, scale: torch.Tensor | None = None,
-          limit: float | None = None, a_scale: torch.Tensor | None = None,
-          out_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
-          ) -> None:
+          limit: float | None = None) -> None:
     """One expert GEMM (`_expert_gemm_kernel`) of `config` (default `gemm_config`'s); with
-    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it unless a comes
-    quantized (FP8, with its scales `a_scale`). QUANT_OUT: out gets FP8 values and
-    out_scale [P, N / 128] their scales, of the gated output rounded to act_dtype first."""
+    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it."""
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
@@ -203,12 +162,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
         assert 128 % cfg["BLOCK_K"] == 0 or k_dim % cfg["BLOCK_K"] == 0  # whole pieces
     assert scaled or not cfg["ACT_FP8"], "FP8 activations need FP8 weights"
-    if cfg["ACT_FP8"] and not cfg["QUANT_A"] and a.dtype != FP8:
+    a_scale = a  # any pointer when the kernel reads no activation scales
+    if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
         a, a_scale = quantize_act(a, 128)
-    a_scale = a if a_scale is None else a_scale  # any pointer when none is read
-    quant_out = cfg.get("QUANT_OUT", False)
-    assert not quant_out or (gated and cfg["BLOCK_N"] == 128 and out.dtype == FP8)
-    out_scale = out if out_scale is None else out_scale
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
@@ -217,38 +173,19 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
         out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
-        0.0 if limit is None else float(limit), out_scale, out_scale.stride(-1),
-        GATED=gated, E_POW2=_pow2(E), SCALED=scaled, UPCAST=not a.is_cuda,
-        CLAMP=limit is not None, K_PIECES=pieces,
-        ACT_DTYPE=_TL_DTYPES[act_dtype or out.dtype] if quant_out else None,
-        **dict(cfg, QUANT_OUT=quant_out))
+        0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
+        SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
+        **cfg)
 
 
 if triton is not None:
     from cpmoe.quant.kernels import quantize_rows  # the in-kernel row quantization
 
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
-
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["P", "cap", "M"])
-    def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, x_ptr, xq_ptr, xs_ptr, M, H,
-                      stride_x, BLOCK_P: tl.constexpr, QUANT_X: tl.constexpr):
-        """Program e: the slots routed to expert e, in slot order, and their count; QUANT_X:
-        also (row, 128-input group) pairs e, e + E, ... of x quantized as `quantize_act`
-        (values [M, H], scales [H / 128, M])."""
+    @triton.jit(do_not_specialize=["P", "cap"])
+    def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, BLOCK_P: tl.constexpr):
         e = tl.program_id(0)
-        if QUANT_X:
-            groups = H // 128
-            cols = tl.arange(0, 128)
-            for pair in range(e, M * groups, tl.num_programs(0)):
-                row = pair // groups
-                g = pair % groups
-                v = tl.load(x_ptr + row.to(tl.int64) * stride_x + g * 128 + cols[None, :])
-                q, q_s = quantize_rows(v.to(tl.float32))
-                tl.store(xq_ptr + row.to(tl.int64) * H + g * 128 + cols[None, :], q)
-                tl.store(xs_ptr + g * M + row + tl.arange(0, 1), q_s)
         base = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
@@ -279,13 +216,11 @@ if triton is not None:
     def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N,
                             K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
                             stride_we, stride_wn, stride_out, E, stride_se, stride_sn, limit,
-                            outs_ptr, stride_outs_n, GATED: tl.constexpr,
-                            E_POW2: tl.constexpr, SCALED: tl.constexpr,
+                            GATED: tl.constexpr, E_POW2: tl.constexpr, SCALED: tl.constexpr,
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            QUANT_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr):
+                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -298,9 +233,7 @@ if triton is not None:
         quantizes its 16-bit rows so itself (as unused; a piece is then one 128-input group).
         Else the weight tile is widened to a's dtype (weights-only FP8). UPCAST: FP8 dots in
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
-        [-limit, limit] before SiLU(gate) * up. QUANT_OUT (GATED, BLOCK_N = 128): that output
-        is rounded to ACT_DTYPE and quantized as `quantize_act` would (a tile is one group):
-        FP8 values to out, scales to outs[n-block * stride_outs_n + p]."""
+        [-limit, limit] before SiLU(gate) * up."""
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
             t = tl.program_id(0)
@@ -372,8 +305,5 @@ if triton is not None:
                     acc = tl.minimum(acc, limit)
                     acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            if QUANT_OUT:  # rounded as stored unquantized, then quantize_act's arithmetic
-                acc, q_s = quantize_rows(acc.to(ACT_DTYPE).to(tl.float32))
-                tl.store(outs_ptr + tl.program_id(1) * stride_outs_n + p, q_s, mask=m_ok)
             tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
