@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,16384")
     args = ap.parse_args()
     torch.manual_seed(0)
+    launches = ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))
     grid = [dict(BM=bm, BN=bn, num_warps=w, num_stages=s) for bm, bn, (w, s) in
-            itertools.product((64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 3), (8, 4)))]
+            itertools.product((64, 128), (64, 128, 256), launches)]
     results = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         P = tokens * TOP_K

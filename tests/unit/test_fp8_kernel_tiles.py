@@ -10,7 +10,8 @@
   tests/gpu/test_fp8_cuda.py checks bit equality on random bf16 rows on the GPU.
 - `grouped_fp8_gemm`'s output is allocated uninitialized: rows past offs[-1] (other EP
   ranks' slots) are written as zeros by the kernel's spare tile slots, even when the fresh
-  memory held NaN, and the rest equals `grouped_fp8_gemm_ref`.
+  memory held NaN, and the rest equals `grouped_fp8_gemm_ref`, for tiles that span two
+  weight scale blocks and for tiles inside one.
 """
 
 import importlib.util
@@ -101,8 +102,10 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
     wq, ws = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     aq, a_s = k.quantize_act_ref(torch.randn(P, K), block[1])
     offs = torch.tensor(offs)
-    cfg = {"BM": BM, "BN": 32, "num_warps": 4, "num_stages": 1}
-    for dtype in (torch.float32, torch.bfloat16):
+    # 32-column tiles read a weight scale per column (two scale blocks a tile), 16-column
+    # tiles one scale a tile (the path of 128 x 128 blocks)
+    for dtype, BN in ((torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 16)):
+        cfg = {"BM": BM, "BN": BN, "num_warps": 4, "num_stages": 1}
         got = k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, dtype, config=cfg)
         want = k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, dtype)
         L = int(offs[-1])
