@@ -210,10 +210,11 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
 def grouped_fp8_config(P: int, E: int) -> dict:
     """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
     scales are read per column, so tiles need not align with the scale blocks), and the
-    launch's warps and pipeline stages. Swept on the H200 at Qwen3-30B-A3B's expert shape
-    (bench/fp8_grouped.py, 4K and 16K tokens x top-8): 64 x 128 with 4 stages is the
-    fastest over the four GEMMs and within 12% of each one's best; the former 16 x 64 /
-    64 x 64 tiles took 1.3-1.7x as long. Experts of a few rows each keep 16-row tiles."""
+    launch's warps and pipeline stages; 128-column tiles of 128 x 128 blocks read one weight
+    scale. Swept on the H200 at Qwen3-30B-A3B's expert shape (bench/fp8_grouped.py, 4K and
+    16K tokens x top-8, 30 tiles, at 1db9310): 64 x 128 with 4 stages is the fastest at 16K
+    over gate/up and down together (3 stages: 0.8% faster, within noise). Experts of a few
+    rows each keep 16-row tiles."""
     return {"BM": 16 if P <= 16 * E else 64, "BN": 128, "num_warps": 4, "num_stages": 4}
 
 
