@@ -295,18 +295,19 @@ if triton is not None:
         # The scales of K block kb are loaded one block ahead, before the dot: loaded after
         # it, their latency followed every MMA's wait (Triton pipelines the tile loads
         # only). A tile inside one weight scale block (BN divides BN_Q) reads one scale.
+        ONE_WS: tl.constexpr = BN_Q % BN == 0
         as_rows = as_ptr + rows * as_s0
-        if BN_Q % BN == 0:
+        if ONE_WS:
             ws_at = ws_ptr + e * ws_s0 + (pid_n * BN // BN_Q) * ws_s1
         else:
             ws_at = ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1
         a_s = tl.load(as_rows, mask=row_ok, other=0.0)
-        w_s = tl.load(ws_at, mask=col_ok, other=0.0) if BN_Q % BN else tl.load(ws_at)
+        w_s = tl.load(ws_at) if ONE_WS else tl.load(ws_at, mask=col_ok, other=0.0)
         last = K // BK - 1
         for kb in range(0, K // BK):
             nxt = tl.minimum(kb + 1, last)
             a_s_next = tl.load(as_rows + nxt * as_s1, mask=row_ok, other=0.0)
-            if BN_Q % BN == 0:
+            if ONE_WS:
                 w_s_next = tl.load(ws_at + nxt * ws_s2)
             else:
                 w_s_next = tl.load(ws_at + nxt * ws_s2, mask=col_ok, other=0.0)
@@ -319,7 +320,7 @@ if triton is not None:
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32))
             else:
                 part = tl.dot(a, b)
-            if BN_Q % BN == 0:
+            if ONE_WS:
                 acc += part * (a_s * w_s)[:, None]
             else:
                 acc += part * a_s[:, None] * w_s[None, :]
