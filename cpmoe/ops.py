@@ -13,7 +13,10 @@ expression (the reference the kernels are tested against) everywhere else.
   projection's rows: q and k through `norm_rope`, k and v written into the paged cache at
   their slots -> q.
 - `add_rms_norm(x, residual, weight, eps)`: the residual add and the RMSNorm after it
-  -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops).
+  -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops);
+  optionally also the normed rows in FP8 for the GEMM after it (`quant_group`).
+- `quantize_rows(x)` (in kernels): a float32 tile's rows -> FP8 per row and their scales,
+  the arithmetic of `quant.kernels.quantize_act`, for every kernel that quantizes.
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
   renormalised -> (ids int64, weights in dtype).
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe._triton import import_triton
+from cpmoe.quant.formats import INV_FP8_MAX
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -204,16 +208,30 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA."""
+                 eps: float, quant_group: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA. quant_group: the
+    pass also quantizes the normed rows to FP8 per 1 x quant_group, as `quantize_act` does,
+    and offers them to it (`quant.kernels.offer_quantized`: the FP8 GEMM reading these rows
+    next launches no quantization of its own)."""
     if not _use_triton(x) or x.shape[0] == 0 or x.dim() != 2:
         return add_rms_norm_ref(x, residual, weight, eps)
     x, residual = x.contiguous(), residual.contiguous()
     n, hidden = x.shape
     out = torch.empty_like(x)
     summed = torch.empty_like(x)
-    _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, hidden, eps,
-                               BLOCK=triton.next_power_of_2(hidden))
+    quant = quant_group is not None and hidden % quant_group == 0
+    q = s_t = out  # any pointer when not quantizing
+    if quant:
+        q = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+        s_t = torch.empty(hidden // quant_group, n, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, q, s_t, n, hidden, eps,
+                               BLOCK=block, QUANT=quant,
+                               GROUP=quant_group if quant else block)
+    if quant:
+        from cpmoe.quant.kernels import offer_quantized
+        offer_quantized(out, q, s_t.t(), quant_group)
     return out, summed
 
 
@@ -293,6 +311,23 @@ def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 
 
 if triton is not None:
+    _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
+
+    @triton.jit
+    def quantize_rows(x):
+        """A tile's rows [R, group] (float32) -> (e4m3 values, float32 scales [R]) with
+        `quantize_act`'s arithmetic: amax / 448 per row, rounded to nearest even. For GEMM
+        kernels that quantize the rows they read (no launch of their own). The scale is
+        amax times the float32 reciprocal of 448, as `quantize_act_ref` computes it; the
+        values divide with `div_rn`, IEEE-rounded as torch's tensor division is: Triton's
+        `/` on fp32 is the GPU's approximate division, off by an ulp at times, which moved
+        values across FP8 rounding boundaries (tests/gpu/test_fp8_cuda.py, bit for bit,
+        failed at 6127e2f)."""
+        s = tl.maximum(tl.max(tl.abs(x), axis=1) * _INV_FP8_MAX, 1e-12)
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0).to(
+            tl.float8e4nv, fp_downcast_rounding="rtne")
+        return q, s
+
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["T", "l1_st", "l1_sh", "l2_st", "l2_sh"])
@@ -462,9 +497,12 @@ if triton is not None:
         tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(
             v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
-    @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, eps,
-                             BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows,
+                             hidden, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                             GROUP: tl.constexpr):
+        """QUANT: the normed row, rounded to out's dtype, also quantized per GROUP inputs
+        (`quantize_rows`) into q [n_rows, hidden] and its scales s [hidden / GROUP, n_rows]."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -476,5 +514,10 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
         y = (sf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        out = (w * y).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * hidden + cols, out, mask=mask)
+        if QUANT:
+            q, s = quantize_rows(tl.reshape(out.to(tl.float32), [BLOCK // GROUP, GROUP]))
+            tl.store(q_ptr + row * hidden + cols, tl.reshape(q, [BLOCK]), mask=mask)
+            g = tl.arange(0, BLOCK // GROUP)
+            tl.store(s_ptr + g * n_rows + row, s, mask=g < hidden // GROUP)

@@ -62,6 +62,8 @@ from cpmoe.ops import _use_triton, triton
 if triton is not None:
     import triton.language as tl
 
+    from cpmoe.ops import quantize_rows  # stage 2's FP8 output
+
 _MIN_SPLIT_TOKENS = 128
 _MAX_DEFAULT_SPLITS = 64
 _PROGRAMS_PER_SM = 4
@@ -105,17 +107,21 @@ def _check_inputs(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                            num_splits: int | None = None, out_dtype: torch.dtype | None = None,
-                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32)."""
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           quant_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
+    quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
+    1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
+    launches no quantization: `quant.kernels.offer_quantized`)."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
     out_dtype = out_dtype or q_BHD.dtype
     if not _use_triton(q_BHD):
         o_BHD, lse_BH = paged_decode_attention_ref(q_BHD, k_cache, v_cache, block_table_BP,
                                                    kv_lens_B, scale)
         return o_BHD.to(out_dtype), lse_BH
+    quant = quant_group == q_BHD.shape[2] and out_dtype in (torch.bfloat16, torch.float16)
     return _paged_decode_triton(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
-                                num_splits, out_dtype, workspace)
+                                num_splits, out_dtype, workspace, quant)
 
 
 @functools.cache
@@ -190,7 +196,7 @@ def _ref_rows(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                          num_splits: int | None, out_dtype: torch.dtype,
-                         workspace: tuple[torch.Tensor, torch.Tensor] | None
+                         workspace: tuple[torch.Tensor, torch.Tensor] | None, quant: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = q_BHD.shape
     _, page, Hkv, _ = k_cache.shape
@@ -223,11 +229,18 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         G, D, num_splits, PAGE=page, BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(G)),
         D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype))
     if num_splits > 1:
+        q8 = s_t = o_BHD  # any pointer when not quantizing
+        if quant:
+            q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn, device=q_BHD.device)
+            s_t = torch.empty(H, B, dtype=torch.float32, device=q_BHD.device)
         _paged_decode_stage2[(B, H)](
-            o_part, lse_part, o_BHD, lse_BH, o_part.stride(0), o_part.stride(1),
+            o_part, lse_part, o_BHD, lse_BH, q8, s_t, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
-            o_BHD.stride(1), lse_BH.stride(0), D, num_splits,
-            BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad)
+            o_BHD.stride(1), lse_BH.stride(0), B, D, num_splits,
+            BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant)
+        if quant:
+            from cpmoe.quant.kernels import offer_quantized
+            offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
 
 
@@ -322,10 +335,12 @@ if triton is not None:
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
 
     # likewise: no specialization on the sizes that change every step
-    @triton.jit(do_not_specialize=["NUM_SPLITS"])
-    def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, op_sb, op_sh, op_ss, lp_sb, lp_sh,
-                             o_sb, o_sh, lse_sb, HEAD_DIM, NUM_SPLITS, BLOCK_S: tl.constexpr,
-                             D_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["B", "NUM_SPLITS"])
+    def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, q_ptr, s_ptr, op_sb, op_sh, op_ss,
+                             lp_sb, lp_sh, o_sb, o_sh, lse_sb, B, HEAD_DIM, NUM_SPLITS,
+                             BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr):
+        """QUANT (D_PAD == HEAD_DIM): the head's output, rounded to o's dtype, also goes to
+        q [B, H * D] in FP8 with its scale at s [H, B] (`quantize_rows`, one group)."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
@@ -350,6 +365,11 @@ if triton is not None:
         total = tl.sum(w_vec, axis=0)
         empty = total == 0.0
         total = tl.where(empty, 1.0, total)
-        o = acc / total
-        tl.store(o_ptr + b * o_sb + h * o_sh + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
+        o = (acc / total).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + b * o_sb + h * o_sh + d, o, mask=d_ok)
+        if QUANT:
+            q8, s8 = quantize_rows(tl.reshape(o.to(tl.float32), [1, D_PAD]))
+            tl.store(q_ptr + (b * tl.num_programs(1) + h) * HEAD_DIM + d,
+                     tl.reshape(q8, [D_PAD]))
+            tl.store(s_ptr + h * B + b + tl.arange(0, 1), s8)
         tl.store(lse_ptr + b * lse_sb + h, tl.where(empty, float("-inf"), m + tl.log(total)))

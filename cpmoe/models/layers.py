@@ -37,6 +37,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = param(dim, dtype=dtype)
         self.eps = eps
+        # set when an FP8 GEMM reads the output: `add_forward` then quantizes it per
+        # 1 x quant_group in the same kernel on the GPU (ops.add_rms_norm)
+        self.quant_group: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         same = self.weight.dtype == x.dtype
@@ -53,7 +56,7 @@ class RMSNorm(nn.Module):
         """-> (self(x + residual), x + residual): one fused kernel on the GPU."""
         if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
                 and self.weight.dtype == x.dtype):
-            return add_rms_norm(x, residual, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps, self.quant_group)
         r = residual + x
         return self(r), r
 

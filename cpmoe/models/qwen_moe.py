@@ -32,6 +32,7 @@ from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
 from cpmoe.ops import merge_two_attention, norm_rope, qkv_norm_rope_store
 from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.quant.modules import fp8_input_group
 
 
 class QwenMoeAttention(nn.Module):
@@ -56,6 +57,7 @@ class QwenMoeAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = None  # see fuse_qkv
+        self.o_quant_group: int | None = None  # an FP8 o_proj's: decode attention quantizes
 
     def fuse_qkv(self) -> None:
         """One GEMM for q, k and v (their weights become views into the fused one)."""
@@ -125,7 +127,8 @@ class QwenMoeAttention(nn.Module):
         cp = self.groups.attn_cp.size
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,
-                                        out_dtype=torch.float32 if cp > 1 else q.dtype)
+                                        out_dtype=torch.float32 if cp > 1 else q.dtype,
+                                        quant_group=self.o_quant_group if cp == 1 else None)
         return communicator.merge_decode_attention(o, lse, self.groups).to(q.dtype)
 
 
@@ -246,6 +249,12 @@ class QwenMoeForCausalLM(CausalLMHead):
     def fuse_weights(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
+            # the kernels before FP8 GEMMs write their FP8 rows too (no quantization launch)
+            mlp = layer.mlp
+            first = mlp.experts if isinstance(mlp, QwenMoeSparseBlock) else mlp.gate_proj
+            layer.input_layernorm.quant_group = fp8_input_group(layer.self_attn.q_proj)
+            layer.post_attention_layernorm.quant_group = fp8_input_group(first)
+            layer.self_attn.o_quant_group = fp8_input_group(layer.self_attn.o_proj)
 
 
 

@@ -179,7 +179,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
 
 
 if triton is not None:
-    from cpmoe.quant.kernels import quantize_rows  # the in-kernel row quantization
+    from cpmoe.ops import quantize_rows  # the in-kernel row quantization
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)

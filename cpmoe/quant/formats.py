@@ -17,6 +17,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# 1 / 448 rounded to float32 (a Python float holding that value): activation scales are
+# amax times it, in `quantize_act_ref` and in the kernels alike
+INV_FP8_MAX = float(torch.tensor(1.0) / torch.tensor(FP8_MAX))
 MXFP4_BLOCK = (1, 32)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _FP4_DTYPES = {torch.int8, torch.uint8} | ({torch.float4_e2m1fn_x2}

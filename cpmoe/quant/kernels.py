@@ -4,6 +4,9 @@
   s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
 - `swiglu_quantize(h, group, limit)`: `quantize_act(silu_and_mul(h), group)` (or of the
   clamped SwiGLU) in one pass, for the FP8 experts' down GEMM.
+- `offer_quantized(x, q, s, group)`: a kernel that wrote x (the RMSNorm before q/k/v or the
+  experts, decode attention before o_proj) quantized it in the same pass; quantize_act(x)
+  then returns (q, s) and launches nothing.
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
@@ -27,20 +30,18 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.quant.formats import FP8, FP8_MAX, dequantize
+from cpmoe.quant.formats import FP8, FP8_MAX, INV_FP8_MAX, dequantize
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# 1 / 448 rounded to float32 (a Python float holding that value): activation scales are
-# amax times it, in `quantize_act_ref` and in the kernels alike
-_INV_FP8_MAX = float(torch.tensor(1.0) / torch.tensor(FP8_MAX))
 if triton is not None:
-    INV_FP8_MAX = tl.constexpr(_INV_FP8_MAX)
+    from cpmoe.ops import quantize_rows  # the kernels' row quantization (1 x group)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -54,7 +55,7 @@ def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     g = x.float().view(M, K // group, group)
     # times the float32 reciprocal, not "/ 448": what the kernels compute, exactly, on any
     # device (torch's CUDA division by a scalar multiplies by its reciprocal anyway)
-    s = (g.abs().amax(dim=-1) * _INV_FP8_MAX).clamp(min=1e-12)
+    s = (g.abs().amax(dim=-1) * INV_FP8_MAX).clamp(min=1e-12)
     q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # IEEE division
     return q.view(M, K), s
 
@@ -84,6 +85,9 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
     rows = M if rows is None else rows
+    offered = _offered(x, group) if rows == M else None
+    if offered is not None:
+        return offered
     if not _use_triton(x) or M == 0:
         q, s = quantize_act_ref(x, group)
         pad = rows - M
@@ -98,6 +102,38 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
     _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
     return q, s_t.t()
+
+
+# ---- rows quantized by the kernel that wrote them ---------------------------------------
+# A kernel that writes activations an FP8 GEMM reads next (the RMSNorm before q/k/v and
+# before the experts) can quantize them in the same pass and offer the result; quantize_act
+# of those rows then returns it instead of launching. One offer is held at a time: each
+# producer's rows are consumed before the next producer runs.
+_OFFER: list[tuple] = []  # [(weakref to the tensor owning the rows, key of the rows, q, s)]
+
+
+def offer_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> None:
+    """x [M, K] quantized per 1 x `group` as quantize_act would (q, s [M, K/group] with
+    strides (1, M)). The offer holds while x's memory is alive and unwritten by torch (a
+    kernel writing through a raw pointer bumps no version: offer fresh outputs only)."""
+    owner = x if x._base is None else x._base
+    _OFFER[:] = [(weakref.ref(owner), _rows_key(x, group), q, s)]
+
+
+def _rows_key(x: torch.Tensor, group: int) -> tuple:
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version, group)
+
+
+def _offered(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The offer for these rows, if any: the same memory (its owner alive, so not reused),
+    viewed the same way, not written since (views share one version counter)."""
+    if not _OFFER:
+        return None
+    owner, key, q, s = _OFFER[0]
+    if owner() is None:
+        _OFFER.clear()
+        return None
+    return (q, s) if _rows_key(x, group) == key else None
 
 
 if triton is not None:
@@ -120,21 +156,6 @@ if triton is not None:
         tl.store(q_ptr + offs, q, mask=(rows < R)[:, None])
         # scales stored [K/group, R]: column-major [R, K/group]
         tl.store(s_ptr + g * R + rows, tl.where(rows < M, s, 0.0), mask=rows < R)
-
-    @triton.jit
-    def quantize_rows(x):
-        """A tile's rows [R, group] (float32) -> (e4m3 values, float32 scales [R]) with
-        `quantize_act`'s arithmetic: amax / 448 per row, rounded to nearest even. For GEMM
-        kernels that quantize the rows they read (no launch of their own). The scale is
-        amax times the float32 reciprocal of 448, as `quantize_act_ref` computes it; the
-        values divide with `div_rn`, IEEE-rounded as torch's tensor division is: Triton's
-        `/` on fp32 is the GPU's approximate division, off by an ulp at times, which moved
-        values across FP8 rounding boundaries (tests/gpu/test_fp8_cuda.py, bit for bit,
-        failed at 6127e2f)."""
-        s = tl.maximum(tl.max(tl.abs(x), axis=1) * INV_FP8_MAX, 1e-12)
-        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0).to(
-            tl.float8e4nv, fp_downcast_rounding="rtne")
-        return q, s
 
 
 def swiglu_quantize_fits(h: torch.Tensor, group: int) -> bool:

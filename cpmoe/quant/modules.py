@@ -146,6 +146,15 @@ def quantize_loaded(model: nn.Module, quant: Fp8Config, keep_fp8: bool) -> int:
     return count
 
 
+def fp8_input_group(module: nn.Module) -> int | None:
+    """The group an FP8 module quantizes its input rows by (`quantize_act`, 1 x bk), or None
+    for a module that reads them in 16 bits."""
+    if isinstance(module, Fp8Linear):
+        return module.block[1]
+    block = getattr(module, "fp8_block", None) if isinstance(module, LocalExperts) else None
+    return None if block is None else block[1]
+
+
 def block_scales_of(model: nn.Module, param_name: str) -> torch.Tensor:
     """The scale grid of an FP8 weight parameter (scaling it scales the weight)."""
     prefix, _, attr = param_name.rpartition(".")

@@ -73,6 +73,50 @@ def test_quantize_act_matches_quantize_act_ref_bit_for_bit(block_m, m, rows):
 
 
 @cuda
+@pytest.mark.parametrize("m", [1, 64, 4099])
+@pytest.mark.parametrize("hidden", [2048, 3584])  # Qwen3-30B-A3B's; one not a power of two
+def test_add_rms_norm_fp8_rows_match_quantize_act_ref_bit_for_bit(m, hidden):
+    """The norm's own FP8 rows are `quantize_act_ref` of its bf16 output, exactly, and are
+    what quantize_act of that output returns (no launch)."""
+    from cpmoe import ops
+    torch.manual_seed(0)
+    x, r = (torch.randn(2, m, hidden, device="cuda", dtype=torch.bfloat16) * torch.logspace(
+        -3, 3, m, device="cuda")[:, None].to(torch.bfloat16)).unbind(0)
+    w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    out, summed = ops.add_rms_norm(x, r, w, 1e-6, quant_group=128)
+    out0, summed0 = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(out, out0) and torch.equal(summed, summed0)
+    q, s = kernels.quantize_act(out, 128)
+    qr, sr = kernels.quantize_act_ref(out, 128)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr) and s.stride() == (1, m)
+    assert kernels.quantize_act(out, 128)[0] is q
+
+
+@cuda
+@pytest.mark.parametrize("splits", [2, 8])
+def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits):
+    """Decode attention's FP8 output (stage 2, one group a head) is `quantize_act_ref` of
+    its bf16 output exactly, at Qwen3-30B-A3B's heads, and what quantize_act returns."""
+    from cpmoe.cp.paged_attention import paged_decode_attention
+    torch.manual_seed(0)
+    B, H, Hkv, D, page, pages = 64, 32, 4, 128, 16, 64
+    kc, vc = torch.randn(2, B * pages, page, Hkv, D, device="cuda",
+                         dtype=torch.bfloat16).unbind(0)
+    table = torch.randperm(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+    lens = torch.randint(1, pages * page, (B,), device="cuda", dtype=torch.int32)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    o, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits,
+                                  quant_group=128)
+    o0, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits)
+    assert torch.equal(o, o0)
+    q8, s8 = kernels.quantize_act(o.view(B, H * D), 128)
+    qr, sr = kernels.quantize_act_ref(o.view(B, H * D), 128)
+    assert torch.equal(q8.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s8, sr) and s8.stride() == (1, B)
+
+
+@cuda
 @pytest.mark.parametrize("limit", [None, 7.0])
 @pytest.mark.parametrize("rows", [1, 37, 5000])
 def test_swiglu_quantize_matches_swiglu_kernel_then_quantize_act_ref(limit, rows):
@@ -276,3 +320,51 @@ def test_fp8_engine_vs_dequantized_bf16_engine(tmp_path):
     # logits: mean |diff| of order 1, matches by chance, ~1/4096)
     assert matches >= 0.6 * len(prompts)
     assert (got - want).abs().mean().item() < 0.1
+
+
+@cuda
+def test_fp8_decode_takes_the_norms_fp8_rows(tmp_path, monkeypatch):
+    """In FP8 decode the norms before q/k/v and before the experts, and decode attention
+    before o_proj, quantize their rows; the GEMMs after them launch no quantization of their
+    own (three launches a layer fewer), with logits bit for bit those of quantizing
+    separately."""
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+    d = _fp8_qwen3_checkpoint(tmp_path)
+    r = ModelRunner(d, ProcessGroups.single(torch.device("cuda")), torch.bfloat16,
+                    show_progress=False)
+    layers = r.model.model.layers
+    assert all(l.input_layernorm.quant_group == 128 == l.post_attention_layernorm.quant_group
+               == l.self_attn.o_quant_group for l in layers)
+    launches = []
+    real = kernels._quantize_act_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernels, "_quantize_act_kernel", Counted())
+    gen = torch.Generator().manual_seed(0)
+    # 520 keys: decode attention splits the rows (stage 2 runs, and quantizes)
+    seqs = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 77, 300, 520)]
+    steps = torch.randint(0, 4096, (4, 3), generator=gen).tolist()
+    keys = list(range(len(seqs)))
+    out = {}
+    for fused in (True, False):
+        for l in layers:
+            l.input_layernorm.quant_group = l.post_attention_layernorm.quant_group = (
+                l.self_attn.o_quant_group) = 128 if fused else None
+        r.allocate_kv(4096)
+        r.prefill(seqs, keys)
+        launches.clear()
+        out[fused] = torch.stack([r.decode(keys, [t[i] for t in steps]).clone()
+                                  for i in range(3)])
+        out[fused, "launches"] = len(launches)
+    # per layer unfused: q/k/v, o_proj, gate/up and down; fused: down, and the first
+    # layer's q/k/v (its input norm has no residual to add: F.rms_norm)
+    print(f"\nquantize_act launches in 3 decode steps: {out[False, 'launches']} separate, "
+          f"{out[True, 'launches']} fused")
+    assert out[False, "launches"] == 3 * 4 * len(layers)
+    assert out[True, "launches"] == 3 * (len(layers) + 1)
+    assert torch.equal(out[True], out[False])

@@ -174,3 +174,37 @@ def test_swiglu_quantize_matches_swiglu_then_quantize_act_in_the_interpreter() -
     out = run_interpreted(_SWIGLU, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "swiglu quantize ok" in out.stdout
+
+
+_NORM_QUANT = r"""
+import torch
+from cpmoe import ops
+from cpmoe.quant import kernels as k
+torch.manual_seed(0)
+
+cases = 0
+# hidden a power of two and not (the row tile then holds groups past the row: not written)
+for n, hidden, group in ((5, 256, 128), (3, 384, 128), (1, 96, 32)):
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(n, hidden).to(dtype)
+        r = (torch.randn(n, hidden) * 4).to(dtype)
+        w = (torch.rand(hidden) + 0.5).to(dtype)
+        out, summed = ops.add_rms_norm(x, r, w, 1e-6, quant_group=group)
+        out0, summed0 = ops.add_rms_norm(x, r, w, 1e-6)  # the pass without quantization
+        assert torch.equal(out, out0) and torch.equal(summed, summed0)
+        q, s = k.quantize_act(out, group)  # the offer, taken as is
+        # quantize_act's own kernel on a copy (not the offered memory): bit for bit, the
+        # same interpreter casts
+        qu, su = k.quantize_act(out.clone(), group)
+        assert q is not qu and s.stride() == (1, n) and torch.equal(s, su), (n, hidden)
+        assert torch.equal(q.view(torch.uint8), qu.view(torch.uint8)), (n, hidden, dtype)
+        cases += 1
+print("norm quantize ok", cases)
+"""
+
+
+@needs_triton
+def test_add_rms_norm_quantizes_its_rows_as_quantize_act_in_the_interpreter() -> None:
+    out = run_interpreted(_NORM_QUANT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "norm quantize ok" in out.stdout

@@ -65,6 +65,35 @@ def test_quantize_block_fp8_round_trip():
     assert torch.equal(formats.quantize_block_fp8(torch.zeros(3, 3))[1], torch.ones(1, 1))
 
 
+def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
+    """`offer_quantized`: quantize_act returns the offered (q, s) for the offered rows, and
+    computes afresh for other memory, a different view, rows written since, padding, another
+    group, or once the rows are freed."""
+    import gc
+
+    from cpmoe.quant import kernels as k
+    torch.manual_seed(0)
+    x = torch.randn(4, 256)
+    q, s = k.quantize_act_ref(x, 128)
+    q, s = q.clone(), s.t().contiguous().t()
+    k.offer_quantized(x, q, s, 128)
+    got = k.quantize_act(x, 128)
+    assert got[0] is q and got[1] is s
+    assert k.quantize_act(x.view(4, 256), 128)[0] is q  # another view of the same rows
+    for other in (x.clone(), x[1:], x.view(8, 128)):
+        assert k.quantize_act(other, 128)[0] is not q
+    assert k.quantize_act(x, 64)[0] is not q and k.quantize_act(x, 128, rows=8)[0] is not q
+    x.mul_(2)  # written since the offer: the old values must not come back
+    q2, s2 = k.quantize_act(x, 128)
+    assert q2 is not q and torch.equal(s2, 2 * s)
+    y = torch.randn(2, 128)
+    k.offer_quantized(y, *k.quantize_act_ref(y, 128), 128)
+    del y
+    gc.collect()
+    z = torch.randn(2, 128)  # may reuse the freed memory: z's own scales come back
+    assert torch.equal(k.quantize_act(z, 128)[1], k.quantize_act_ref(z, 128)[1])
+
+
 _CASES = r"""
 import torch
 from cpmoe.quant import kernels as k

@@ -1,4 +1,4 @@
-"""The FP8 GEMM kernels' CUDA variants compile for the H200 (sm_90), without a GPU.
+"""The FP8 kernels' CUDA variants compile for the H200 (sm_90), without a GPU.
 
 The interpreter tests run every kernel's arithmetic on CPU, but not Triton's CUDA compiler,
 which refuses programs the interpreter runs (a jit function returning differently shaped
@@ -9,7 +9,8 @@ row per expert and the compact one of batch 1), the skinny dense GEMM with and w
 split K, and the prefill's grouped GEMM. Arguments carry the 16-byte alignment real launches
 specialize on, so the compiled program is the one a launch gets: the tests check that its
 weight tiles are loaded through the asynchronous pipeline (cp.async), and that the prefill
-GEMM uses Hopper's warp-group MMA.
+GEMM uses Hopper's warp-group MMA. Also the two kernels that quantize the rows they write
+for the FP8 GEMM after them (the residual add + RMSNorm, decode attention's split merge).
 In a subprocess: cpmoe imports Triton only for a CUDA build of torch, which it is told it is.
 """
 
@@ -39,8 +40,8 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
     # pointers {name: Triton type}; other non-constexpr arguments int32, `limit` float32;
     # every argument not in `unaligned` 16-divisible, as launches specialize them
     params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else pointers.get(p, "fp32" if p == "limit"
-                                                              else "i32") for p in params}
+    sig = {p: "constexpr" if p in constexprs else pointers.get(
+        p, "fp32" if p in ("limit", "eps") else "i32") for p in params}
     aligned = [i for i, p in enumerate(params) if sig[p] != "constexpr" and p not in unaligned]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -82,6 +83,23 @@ ptx = compile_sm90(
     {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False},
     ("P", "as_s0", "ws_s2"), launch_options(cfg))
 assert "cp.async" in ptx and "wgmma" in ptx
+# the kernels that quantize the rows they write for the FP8 GEMM after them: decode's
+# residual add + RMSNorm (Qwen3-30B-A3B's hidden) and attention's split merge (one head a
+# group); both convert to e4m3 (cvt ... e4m3x2)
+from cpmoe import ops
+from cpmoe.cp import paged_attention
+ptx = compile_sm90(
+    ops._add_rms_norm_kernel,
+    {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+     "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+    {"BLOCK": H, "QUANT": True, "GROUP": 128}, ("n_rows",), {"num_warps": 4})
+assert "e4m3x2" in ptx
+ptx = compile_sm90(
+    paged_attention._paged_decode_stage2,
+    {"op_ptr": "*fp32", "lp_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
+     "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+    {"BLOCK_S": 2, "D_PAD": 128, "QUANT": True}, ("B", "NUM_SPLITS"), {"num_warps": 4})
+assert "e4m3x2" in ptx
 print("compiled")
 """
 
