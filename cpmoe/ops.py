@@ -501,8 +501,11 @@ if triton is not None:
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows,
                              hidden, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
                              GROUP: tl.constexpr):
-        """QUANT: the normed row, rounded to out's dtype, also quantized per GROUP inputs
-        (`quantize_rows`) into q [n_rows, hidden] and its scales s [hidden / GROUP, n_rows]."""
+        """QUANT: the normed row, once written, read back as [BLOCK / GROUP, GROUP] groups
+        and quantized (`quantize_rows`) into q [n_rows, hidden] and its scales
+        s [hidden / GROUP, n_rows]. Read back, not reshaped: a reshape lets the compiler
+        lay out the whole row anew, which reorders the sum of squares (at c6507ec the
+        normed values then differed from the plain pass's by a bf16 step at times)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -514,10 +517,14 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
         y = (sf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = (w * y).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * hidden + cols, out, mask=mask)
+        tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty),
+                 mask=mask)
         if QUANT:
-            q, s = quantize_rows(tl.reshape(out.to(tl.float32), [BLOCK // GROUP, GROUP]))
-            tl.store(q_ptr + row * hidden + cols, tl.reshape(q, [BLOCK]), mask=mask)
+            tl.debug_barrier()  # the row's stores, by every thread, before any reads it
             g = tl.arange(0, BLOCK // GROUP)
-            tl.store(s_ptr + g * n_rows + row, s, mask=g < hidden // GROUP)
+            at = row * hidden + g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            in_row = (g < hidden // GROUP)[:, None]
+            q, scale = quantize_rows(tl.load(out_ptr + at, mask=in_row, other=0.0).to(
+                tl.float32))
+            tl.store(q_ptr + at, q, mask=in_row)
+            tl.store(s_ptr + g * n_rows + row, scale, mask=g < hidden // GROUP)

@@ -361,10 +361,13 @@ def test_fp8_decode_takes_the_norms_fp8_rows(tmp_path, monkeypatch):
         out[fused] = torch.stack([r.decode(keys, [t[i] for t in steps]).clone()
                                   for i in range(3)])
         out[fused, "launches"] = len(launches)
-    # per layer unfused: q/k/v, o_proj, gate/up and down; fused: down, and the first
+    # a step, separately: q/k/v and o_proj a layer, gate/up (the experts'; a dense MLP's gate
+    # and up, two) and down (the LM head stays bf16); fused: down a layer, and the first
     # layer's q/k/v (its input norm has no residual to add: F.rms_norm)
     print(f"\nquantize_act launches in 3 decode steps: {out[False, 'launches']} separate, "
           f"{out[True, 'launches']} fused")
-    assert out[False, "launches"] == 3 * 4 * len(layers)
+    from cpmoe.models.qwen_moe import QwenMoeSparseBlock
+    dense = sum(not isinstance(l.mlp, QwenMoeSparseBlock) for l in layers)
+    assert out[False, "launches"] == 3 * (4 * len(layers) + dense)
     assert out[True, "launches"] == 3 * (len(layers) + 1)
     assert torch.equal(out[True], out[False])
