@@ -371,3 +371,19 @@ def test_fp8_decode_takes_the_norms_fp8_rows(tmp_path, monkeypatch):
     assert out[False, "launches"] == 3 * (4 * len(layers) + dense)
     assert out[True, "launches"] == 3 * (len(layers) + 1)
     assert torch.equal(out[True], out[False])
+    # the same in captured decode graphs (what serving replays): an offer that went stale
+    # across captures would change the values
+    graphs = {}
+    for fused in (True, False):
+        for l in layers:
+            l.input_layernorm.quant_group = l.post_attention_layernorm.quant_group = (
+                l.self_attn.o_quant_group) = 128 if fused else None
+        r.allocate_kv(4096)
+        r.capture_decode_graphs(4, max_context=1024)
+        r.prefill(seqs, keys)
+        graphs[fused] = torch.stack([r.decode(keys, [t[i] for t in steps]).clone()
+                                     for i in range(3)])
+        r.graphs = None
+    assert torch.equal(graphs[True], graphs[False])
+    print(f"graph vs eager replay, fused: max |logit diff| "
+          f"{(graphs[True] - out[True]).abs().max().item():.3e}")
