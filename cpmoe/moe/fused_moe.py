@@ -107,8 +107,9 @@ def _block_m(slots: int, experts: int) -> int:
 # - "weights": weights-only FP8, each weight tile widened to the activations' 16-bit dtype (a
 #   decode step reads half the bytes; the activations keep their precision);
 # - "w8a8": FP8 x FP8 dots, the rows quantized per 1 x 128 group first (`quantize_act`,
-#   one more launch per GEMM), as the checkpoints' `activation_scheme: dynamic` and the
-#   prefill path (cpmoe/quant/experts.py) do;
+#   one more launch per GEMM, unless the kernel that wrote the rows quantized them too: the
+#   Qwen RMSNorm before the experts does), as the checkpoints' `activation_scheme: dynamic`
+#   and the prefill path (cpmoe/quant/experts.py) do;
 # - "w8a8-fused": the same numbers, each GEMM program quantizing the rows it reads itself
 #   (no launch; every column tile repeats the work on its rows).
 # "w8a8" is the default: on the H200 at Qwen3-30B-A3B's shape (bench-one-batch, uniform
