@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from cpmoe._triton import import_triton
 from cpmoe.quant.formats import INV_FP8_MAX
+from cpmoe.quant.offers import offer_quantized
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -212,7 +213,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_ref in one pass (one Triton program per row) on CUDA. quant_group: the
     pass also quantizes the normed rows to FP8 per 1 x quant_group, as `quantize_act` does,
-    and offers them to it (`quant.kernels.offer_quantized`: the FP8 GEMM reading these rows
+    and offers them to it (`quant.offers.offer_quantized`: the FP8 GEMM reading these rows
     next launches no quantization of its own)."""
     if not _use_triton(x) or x.shape[0] == 0 or x.dim() != 2:
         return add_rms_norm_ref(x, residual, weight, eps)
@@ -230,7 +231,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                BLOCK=block, QUANT=quant,
                                GROUP=quant_group if quant else block)
     if quant:
-        from cpmoe.quant.kernels import offer_quantized
         offer_quantized(out, q, s_t.t(), quant_group)
     return out, summed
 

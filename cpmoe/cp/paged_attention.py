@@ -58,6 +58,7 @@ import os
 import torch
 
 from cpmoe.ops import _use_triton, triton
+from cpmoe.quant.offers import offer_quantized
 
 if triton is not None:
     import triton.language as tl
@@ -112,7 +113,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
     quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
     1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
-    launches no quantization: `quant.kernels.offer_quantized`)."""
+    launches no quantization: `quant.offers.offer_quantized`)."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
     out_dtype = out_dtype or q_BHD.dtype
     if not _use_triton(q_BHD):
@@ -239,7 +240,6 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             o_BHD.stride(1), lse_BH.stride(0), B, D, num_splits,
             BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant)
         if quant:
-            from cpmoe.quant.kernels import offer_quantized
             offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
 

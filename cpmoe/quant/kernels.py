@@ -2,11 +2,10 @@
 
 - `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
   s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
+  Rows a kernel quantized as it wrote them (`quant.offers.offer_quantized`: the RMSNorm
+  before q/k/v or the experts, decode attention before o_proj) come back as they are.
 - `swiglu_quantize(h, group, limit)`: `quantize_act(silu_and_mul(h), group)` (or of the
   clamped SwiGLU) in one pass, for the FP8 experts' down GEMM.
-- `offer_quantized(x, q, s, group)`: a kernel that wrote x (the RMSNorm before q/k/v or the
-  experts, decode attention before o_proj) quantized it in the same pass; quantize_act(x)
-  then returns (q, s) and launches nothing.
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
@@ -30,12 +29,12 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 
 import torch
 
 from cpmoe._triton import import_triton
 from cpmoe.quant.formats import FP8, FP8_MAX, INV_FP8_MAX, dequantize
+from cpmoe.quant.offers import offered
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -85,9 +84,9 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
     rows = M if rows is None else rows
-    offered = _offered(x, group) if rows == M else None
-    if offered is not None:
-        return offered
+    taken = offered(x, group) if rows == M else None
+    if taken is not None:
+        return taken
     if not _use_triton(x) or M == 0:
         q, s = quantize_act_ref(x, group)
         pad = rows - M
@@ -102,38 +101,6 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
     _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
     return q, s_t.t()
-
-
-# ---- rows quantized by the kernel that wrote them ---------------------------------------
-# A kernel that writes activations an FP8 GEMM reads next (the RMSNorm before q/k/v and
-# before the experts) can quantize them in the same pass and offer the result; quantize_act
-# of those rows then returns it instead of launching. One offer is held at a time: each
-# producer's rows are consumed before the next producer runs.
-_OFFER: list[tuple] = []  # [(weakref to the tensor owning the rows, key of the rows, q, s)]
-
-
-def offer_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> None:
-    """x [M, K] quantized per 1 x `group` as quantize_act would (q, s [M, K/group] with
-    strides (1, M)). The offer holds while x's memory is alive and unwritten by torch (a
-    kernel writing through a raw pointer bumps no version: offer fresh outputs only)."""
-    owner = x if x._base is None else x._base
-    _OFFER[:] = [(weakref.ref(owner), _rows_key(x, group), q, s)]
-
-
-def _rows_key(x: torch.Tensor, group: int) -> tuple:
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version, group)
-
-
-def _offered(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The offer for these rows, if any: the same memory (its owner alive, so not reused),
-    viewed the same way, not written since (views share one version counter)."""
-    if not _OFFER:
-        return None
-    owner, key, q, s = _OFFER[0]
-    if owner() is None:
-        _OFFER.clear()
-        return None
-    return (q, s) if _rows_key(x, group) == key else None
 
 
 if triton is not None:

@@ -72,11 +72,12 @@ def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
     import gc
 
     from cpmoe.quant import kernels as k
+    from cpmoe.quant.offers import offer_quantized
     torch.manual_seed(0)
     x = torch.randn(4, 256)
     q, s = k.quantize_act_ref(x, 128)
     q, s = q.clone(), s.t().contiguous().t()
-    k.offer_quantized(x, q, s, 128)
+    offer_quantized(x, q, s, 128)
     got = k.quantize_act(x, 128)
     assert got[0] is q and got[1] is s
     assert k.quantize_act(x.view(4, 256), 128)[0] is q  # another view of the same rows
@@ -87,7 +88,7 @@ def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
     q2, s2 = k.quantize_act(x, 128)
     assert q2 is not q and torch.equal(s2, 2 * s)
     y = torch.randn(2, 128)
-    k.offer_quantized(y, *k.quantize_act_ref(y, 128), 128)
+    offer_quantized(y, *k.quantize_act_ref(y, 128), 128)
     del y
     gc.collect()
     z = torch.randn(2, 128)  # may reuse the freed memory: z's own scales come back
