@@ -72,8 +72,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
     ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:BLOCK_K:"
-                    "warps:stages[:programs], comma-separated (e.g. 64:128:4:5,128:128:4:4; "
-                    "programs: a persistent grid of that many programs)")
+                    "warps:stages, comma-separated (e.g. 64:128:4:5,128:128:4:4)")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -103,10 +102,9 @@ def main() -> None:
             grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
         except ValueError:
             grid = []
-        if not grid or any(len(t) not in (4, 5) for t in grid):
-            sys.exit(f"--tiles: expected BLOCK_N:BLOCK_K:warps:stages[:programs][,...], got "
+        if not grid or any(len(t) != 4 for t in grid):
+            sys.exit(f"--tiles: expected BLOCK_N:BLOCK_K:warps:stages[,...], got "
                      f"{args.tiles!r}")
-        grid = [t if len(t) == 5 else t + (0,) for t in grid]
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
@@ -133,11 +131,11 @@ def main() -> None:
                 results.append({"gemm": name, "rows": rows, "mode": mode, "default": True,
                                 "us": table["default"][mode], **default})
                 for tile in grid:
-                    bn, bk, warps, stages, programs = (tile + (0,))[:5]
+                    bn, bk, warps, stages = tile
                     if bk > k_dim:
                         continue
                     cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                               num_stages=stages, **({"PROGRAMS": programs} if programs else {}))
+                               num_stages=stages)
                     try:
                         t = time_us(run(cfg))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
@@ -162,8 +160,7 @@ def print_table(title: str, table: dict, modes: list[str]) -> None:
     print(f"{'BLOCK_N BLOCK_K warps stages':>30s}" + "".join(f"{m:>12s} " for m in modes))
     for tile, us in sorted(table.items(), key=lambda kv: kv[0] == "default"):
         label = "default" if tile == "default" else " ".join(
-            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6))) + (
-            f" x{tile[4]}" if len(tile) > 4 and tile[4] else "")
+            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6)))
         print(f"{label:>30s}" + "".join(
             f"{us[m]:12.1f}{'*' if us[m] == best[m] else ' '}" if m in us else f"{'-':>12s} "
             for m in modes), flush=True)

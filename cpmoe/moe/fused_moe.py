@@ -170,8 +170,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
-    grid = (cfg["PROGRAMS"],) if cfg.get("PROGRAMS") else (rows, triton.cdiv(N, cfg["BLOCK_N"]))
-    _expert_gemm_kernel[grid](
+    _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
         out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
@@ -222,8 +221,7 @@ if triton is not None:
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            PROGRAMS: tl.constexpr = 0):
+                            BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -238,85 +236,75 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up."""
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        if PROGRAMS > 0:  # persistent: program q serves items q, q + PROGRAMS, ...
-            first = tl.program_id(0)
-            last = E * n_blocks
-        else:  # one item: (expert row, column block) of the 2-D grid
-            first = tl.program_id(0) * n_blocks + tl.program_id(1)
-            last = first + 1
-        STEP: tl.constexpr = PROGRAMS + (PROGRAMS == 0)
-        for item in range(first, last, STEP):
-            t = item // n_blocks
-            nb = item % n_blocks
-            if COMPACT:
-                ex = tl.arange(0, E_POW2)
-                cnt = tl.load(counts_ptr + ex, mask=ex < E, other=0)
-                used = (cnt > 0).to(tl.int32)
-                pick = (tl.cumsum(used, axis=0) == t + 1) & (used > 0)
-                e = tl.sum(tl.where(pick, ex, 0), axis=0)
-                count = tl.sum(tl.where(pick, cnt, 0), axis=0)  # 0 past the last used expert
-            else:
-                e = t
-                count = tl.load(counts_ptr + e)
-            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < N
-            w_e = w_ptr + e.to(tl.int64) * stride_we
-            s_gate = s_ptr + e.to(tl.int64) * stride_se + (nb * BLOCK_N // 128) * \
-                stride_sn
-            s_up = s_gate + (N // 128) * stride_sn
-            for m0 in range(0, count, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < count
-                p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
-                a_rows = a_ptr + (p // rows_per_a) * stride_a
-                as_rows = as_ptr + (p // rows_per_a) * stride_as
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, K_DIM, BLOCK_K):
-                    for j in tl.static_range(K_PIECES):
-                        offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
-                        k_ok = offs_k < K_DIM
-                        a = tl.load(a_rows[:, None] + offs_k[None, :],
-                                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                        w_mask = k_ok[:, None] & n_ok[None, :]
-                        w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
+        if COMPACT:
+            t = tl.program_id(0)
+            ex = tl.arange(0, E_POW2)
+            cnt = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+            used = (cnt > 0).to(tl.int32)
+            pick = (tl.cumsum(used, axis=0) == t + 1) & (used > 0)
+            e = tl.sum(tl.where(pick, ex, 0), axis=0)
+            count = tl.sum(tl.where(pick, cnt, 0), axis=0)  # 0 past the last used expert
+        else:
+            e = tl.program_id(0)
+            count = tl.load(counts_ptr + e)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
+            stride_sn
+        s_up = s_gate + (N // 128) * stride_sn
+        for m0 in range(0, count, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < count
+            p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
+            a_rows = a_ptr + (p // rows_per_a) * stride_a
+            as_rows = as_ptr + (p // rows_per_a) * stride_as
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K_DIM, BLOCK_K):
+                for j in tl.static_range(K_PIECES):
+                    offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
+                    k_ok = offs_k < K_DIM
+                    a = tl.load(a_rows[:, None] + offs_k[None, :],
+                                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w_mask = k_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
+                                mask=w_mask, other=0.0)
+                    if GATED:
+                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
                                     mask=w_mask, other=0.0)
+                    if SCALED:  # one weight scale per piece
+                        kb = (k0 + j * PIECE) // 128
+                        w_s = tl.load(s_gate + kb)
                         if GATED:
-                            u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
-                                        mask=w_mask, other=0.0)
-                        if SCALED:  # one weight scale per piece
-                            kb = (k0 + j * PIECE) // 128
-                            w_s = tl.load(s_gate + kb)
-                            if GATED:
-                                u_s = tl.load(s_up + kb)
-                        if ACT_FP8:
-                            if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
-                                a, a_s = quantize_rows(a.to(tl.float32))
-                            else:
-                                a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
-                            if UPCAST:
-                                a = a.to(tl.float32)
-                                w = w.to(tl.float32)
-                                if GATED:
-                                    u = u.to(tl.float32)
-                            # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
-                            # with fewer bits, here over 128 inputs at most
-                            acc += tl.dot(a, w) * (a_s[:, None] * w_s)
-                            if GATED:
-                                acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
-                        elif SCALED:
-                            acc += tl.dot(a, w.to(a.dtype)) * w_s
-                            if GATED:
-                                acc_up += tl.dot(a, u.to(a.dtype)) * u_s
+                            u_s = tl.load(s_up + kb)
+                    if ACT_FP8:
+                        if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
+                            a, a_s = quantize_rows(a.to(tl.float32))
                         else:
-                            acc = tl.dot(a, w, acc)
+                            a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
+                        if UPCAST:
+                            a = a.to(tl.float32)
+                            w = w.to(tl.float32)
                             if GATED:
-                                acc_up = tl.dot(a, u, acc_up)
-                if GATED:
-                    if CLAMP:
-                        acc = tl.minimum(acc, limit)
-                        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-                    acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-                tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
-                         acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                                u = u.to(tl.float32)
+                        # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
+                        # with fewer bits, here over 128 inputs at most
+                        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+                        if GATED:
+                            acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
+                    elif SCALED:
+                        acc += tl.dot(a, w.to(a.dtype)) * w_s
+                        if GATED:
+                            acc_up += tl.dot(a, u.to(a.dtype)) * u_s
+                    else:
+                        acc = tl.dot(a, w, acc)
+                        if GATED:
+                            acc_up = tl.dot(a, u, acc_up)
+            if GATED:
+                if CLAMP:
+                    acc = tl.minimum(acc, limit)
+                    acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
