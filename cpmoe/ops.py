@@ -211,17 +211,19 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float, quant_group: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA. quant_group: the
-    pass also quantizes the normed rows to FP8 per 1 x quant_group, as `quantize_act` does,
-    and offers them to it (`quant.offers.offer_quantized`: the FP8 GEMM reading these rows
-    next launches no quantization of its own)."""
+    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA. quant_group (a
+    power of two dividing the row): the pass also quantizes the normed rows to FP8 per
+    1 x quant_group, as `quantize_act` does, and offers them to it
+    (`quant.offers.offer_quantized`: the FP8 GEMM reading these rows next launches no
+    quantization of its own); another group quantizes nothing."""
     if not _use_triton(x) or x.shape[0] == 0 or x.dim() != 2:
         return add_rms_norm_ref(x, residual, weight, eps)
     x, residual = x.contiguous(), residual.contiguous()
     n, hidden = x.shape
     out = torch.empty_like(x)
     summed = torch.empty_like(x)
-    quant = quant_group is not None and hidden % quant_group == 0
+    quant = (quant_group is not None and hidden % quant_group == 0
+             and quant_group & (quant_group - 1) == 0)  # groups tile the row's power of two
     q = s_t = out  # any pointer when not quantizing
     if quant:
         q = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=x.device)
