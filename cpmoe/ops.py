@@ -20,6 +20,8 @@ expression (the reference the kernels are tested against) everywhere else.
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
   renormalised -> (ids int64, weights in dtype).
+- `pdl_args(x)` and `wait_for_producer(PDL)` (in kernels): programmatic dependent launch,
+  for the kernels of a decode step (see `pdl_args`).
 - `merge_partials(o, lse)`: P partial attention outputs over disjoint keys [P, T, H, D] with
   their log-sum-exps [P, T, H] -> the exact result, fp32 (o = sum_i exp(lse_i - lse) * o_i,
   lse = logsumexp_i(lse_i); a part that saw no key, lse -inf, weighs zero).
@@ -32,6 +34,7 @@ torch expressions run. Legend: T/M rows, H hidden, K top-k, I intermediate, D he
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -46,6 +49,35 @@ triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---- programmatic dependent launch ------------------------------------------------------
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """Launch arguments of a kernel that starts with `wait_for_producer`: on a Hopper or newer
+    GPU {"PDL": True, "launch_pdl": True}, else {"PDL": False}. Launched so (programmatic
+    dependent launch), the kernel's programs may be placed on the SMs while the kernel
+    before it in the stream still runs (once that one's programs have all passed their own
+    wait) and start the moment it completes: the launch and its ramp overlap the tail of the
+    kernel before, which in a decode step of ~700 short kernels is a large part of each.
+    Graph capture keeps the dependency. $CPMOE_PDL=0 turns it off (its ranks inherit it)."""
+    if not x.is_cuda or os.environ.get("CPMOE_PDL", "1") == "0":
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if _pdl_device(x.device.index) else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int | None) -> bool:
+    """Hopper or newer NVIDIA GPU, and a Triton that has grid dependency control."""
+    if getattr(torch.version, "hip", None) is not None or triton is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    major = torch.cuda.get_device_capability(index)[0]
+    return (major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
 
 
 # ---- SwiGLU ----------------------------------------------------------------------------
@@ -193,7 +225,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
         k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
         qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
         HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
-        HALF=D // 2)
+        HALF=D // 2, **pdl_args(qkv))
     return q
 
 
@@ -231,7 +263,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, q, s_t, n, hidden, eps,
                                BLOCK=block, QUANT=quant,
-                               GROUP=quant_group if quant else block)
+                               GROUP=quant_group if quant else block, **pdl_args(x))
     if quant:
         offer_quantized(out, q, s_t.t(), quant_group)
     return out, summed
@@ -281,7 +313,8 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.d
     _softmax_topk_kernel[(triton.cdiv(N, block),)](logits, ids, weights, N, E, K=k,
                                                     RENORM=renormalize, BLOCK=block,
                                                     E_POW2=triton.next_power_of_2(E),
-                                                    K_POW2=triton.next_power_of_2(k))
+                                                    K_POW2=triton.next_power_of_2(k),
+                                                    **pdl_args(logits))
     return ids, weights
 
 
@@ -314,6 +347,24 @@ def merge_two_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 
 if triton is not None:
     _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
+
+    @triton.jit
+    def wait_for_producer(PDL: tl.constexpr):
+        """The first statement of a kernel launched with `pdl_args`: with PDL, wait until the
+        kernel before it in the stream has completed and its writes are visible (nothing of
+        this kernel reads or writes global memory before), then let the kernel after it be
+        placed. Kernels that wait first in every program keep the stream's order: each
+        completes only after the one before it."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """Asks L2 for the 128-byte line of each address (a hint: nothing is read into
+        registers, and no address faults); compiled for NVIDIA GPUs only."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def quantize_rows(x):
@@ -359,7 +410,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["N"])
     def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, N, E, K: tl.constexpr,
                              RENORM: tl.constexpr, BLOCK: tl.constexpr, E_POW2: tl.constexpr,
-                             K_POW2: tl.constexpr):
+                             K_POW2: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_producer(PDL)
         rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = tl.arange(0, E_POW2)
         ok = rows < N
@@ -470,7 +522,8 @@ if triton is not None:
                                     k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
                                     heads, kv_heads, HAS_NORM: tl.constexpr,
                                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                                    HALF: tl.constexpr):
+                                    HALF: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_producer(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF)[None, :]
         row = qkv_ptr + t * row_stride
@@ -502,12 +555,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows"])
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows,
                              hidden, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                             GROUP: tl.constexpr):
+                             GROUP: tl.constexpr, PDL: tl.constexpr = False):
         """QUANT: the normed row, once written, read back as [BLOCK / GROUP, GROUP] groups
         and quantized (`quantize_rows`) into q [n_rows, hidden] and its scales
         s [hidden / GROUP, n_rows]. Read back, not reshaped: a reshape lets the compiler
         lay out the whole row anew, which reorders the sum of squares (at c6507ec the
         normed values then differed from the plain pass's by a bf16 step at times)."""
+        wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden

@@ -57,13 +57,13 @@ import os
 
 import torch
 
-from cpmoe.ops import _use_triton, triton
+from cpmoe.ops import _use_triton, pdl_args, triton
 from cpmoe.quant.offers import offer_quantized
 
 if triton is not None:
     import triton.language as tl
 
-    from cpmoe.ops import quantize_rows  # stage 2's FP8 output
+    from cpmoe.ops import quantize_rows, wait_for_producer  # FP8 output; dependent launch
 
 _MIN_SPLIT_TOKENS = 128
 _MAX_DEFAULT_SPLITS = 64
@@ -228,7 +228,8 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(G)),
-        D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype))
+        D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
+        **pdl_args(q_BHD))
     if num_splits > 1:
         q8 = s_t = o_BHD  # any pointer when not quantizing
         if quant:
@@ -238,7 +239,8 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             o_part, lse_part, o_BHD, lse_BH, q8, s_t, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
             o_BHD.stride(1), lse_BH.stride(0), B, D, num_splits,
-            BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant)
+            BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant,
+            **pdl_args(q_BHD))
         if quant:
             offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
@@ -276,7 +278,8 @@ if triton is not None:
                              o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
-                             UPCAST: tl.constexpr):
+                             UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -338,9 +341,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["B", "NUM_SPLITS"])
     def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, q_ptr, s_ptr, op_sb, op_sh, op_ss,
                              lp_sb, lp_sh, o_sb, o_sh, lse_sb, B, HEAD_DIM, NUM_SPLITS,
-                             BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr):
+                             BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """QUANT (D_PAD == HEAD_DIM): the head's output, rounded to o's dtype, also goes to
         q [B, H * D] in FP8 with its scale at s [H, B] (`quantize_rows`, one group)."""
+        wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)

@@ -40,7 +40,8 @@ triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
-    from cpmoe.ops import quantize_rows  # the kernels' row quantization (1 x group)
+    # the kernels' row quantization (1 x group); programmatic dependent launch
+    from cpmoe.ops import pdl_args, quantize_rows, wait_for_producer
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -99,7 +100,7 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     cfg = config or quantize_config(M)
     groups = K // group
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
-    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg)
+    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg, **pdl_args(x))
     return q, s_t.t()
 
 
@@ -108,10 +109,11 @@ if triton is not None:
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["M", "R"])
     def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, R, K, GROUP: tl.constexpr,
-                             BLOCK_M: tl.constexpr):
+                             BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
         """Program p: rows [BLOCK_M * (p // groups), ..) x group p % groups (neighbouring
         programs read neighbouring groups of the same rows). Rows in [M, R) are padding:
         values and scales 0 (their inputs read as 0, so x / s is 0)."""
+        wait_for_producer(PDL)
         groups = K // GROUP
         pid = tl.program_id(0)
         g = pid % groups
@@ -376,11 +378,12 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         xq, x_scale, w, w_scale, b, part, M, N, K, xq.stride(0), x_scale.stride(0),
         x_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
-        UPCAST=_INTERPRET, **cfg)
+        UPCAST=_INTERPRET, **cfg, **pdl_args(xq))
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block)
+                                                       HAS_BIAS=bias is not None, BLOCK=block,
+                                                       **pdl_args(xq))
     return out
 
 
@@ -391,9 +394,10 @@ if triton is not None:
                            stride_xs_m, stride_xs_g, stride_w, stride_ws_n, stride_ws_k,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                           UPCAST: tl.constexpr):
+                           UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
         groups -> out (SPLIT_K 1: y with bias) or out[s] (float32 partials)."""
+        wait_for_producer(PDL)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -430,7 +434,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _split_k_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        wait_for_producer(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N

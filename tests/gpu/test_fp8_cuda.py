@@ -382,3 +382,46 @@ def test_fp8_decode_takes_the_rows_its_producers_quantized(tmp_path, monkeypatch
     # (graphs read a wider block table, so decode attention takes other splits)
     print(f"graphs vs eager, fused: max |logit diff| "
           f"{(graph_fused - fused).abs().max().item():.3e}")
+
+
+@cuda
+def test_decode_with_programmatic_dependent_launch_equals_without(tmp_path, monkeypatch):
+    """A decode step's kernels launched with programmatic dependent launch (each placed while
+    the one before still runs, waiting for it on the GPU), the expert GEMMs also asking L2
+    for their weights before they wait: logits bit for bit those of plain launches, FP8 and
+    bf16 (the same checkpoint dequantized), eagerly and in captured decode graphs. A kernel
+    touching memory before its wait would read rows not yet written, at random."""
+    from cpmoe import ops
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.moe import fused_moe
+    from cpmoe.parallel.groups import ProcessGroups
+    assert ops.pdl_args(torch.empty(1, device="cuda"))["PDL"] == (
+        torch.cuda.get_device_capability()[0] >= 9)
+    d = _fp8_qwen3_checkpoint(tmp_path)
+    groups = ProcessGroups.single(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    # 12 rows x top-4 = 48 slots >= 32 experts: the expert grid that prefetches; 520 and
+    # 900 keys: attention splits (stage 2 runs)
+    seqs = [torch.randint(0, 4096, (n,), generator=gen).tolist()
+            for n in (5, 77, 300, 520, 900, 31, 64, 129, 250, 17, 400, 2)]
+    steps = torch.randint(0, 4096, (len(seqs), 4), generator=gen).tolist()
+    keys = list(range(len(seqs)))
+    monkeypatch.setattr(fused_moe, "PREFETCH_LINES", 4)
+    for fp8_compute in (True, False):
+        r = ModelRunner(d, groups, torch.bfloat16, show_progress=False,
+                        fp8_compute=fp8_compute)
+
+        def decode(pdl: bool, graphs: bool) -> torch.Tensor:
+            monkeypatch.setenv("CPMOE_PDL", "1" if pdl else "0")
+            r.allocate_kv(8192)
+            if graphs:
+                r.capture_decode_graphs(len(seqs), max_context=1024)
+            r.prefill(seqs, keys)
+            logits = torch.stack([r.decode(keys, [t[i] for t in steps]).clone()
+                                  for i in range(4)])
+            r.graphs = None
+            return logits
+
+        for graphs in (False, True):
+            assert torch.equal(decode(True, graphs), decode(False, graphs)), (fp8_compute,
+                                                                             graphs)

@@ -11,6 +11,10 @@ specialize on, so the compiled program is the one a launch gets: the tests check
 weight tiles are loaded through the asynchronous pipeline (cp.async), and that the prefill
 GEMM uses Hopper's warp-group MMA. Also the two kernels that quantize the rows they write
 for the FP8 GEMM after them (the residual add + RMSNorm, decode attention's split merge).
+Every kernel of a decode step is compiled as the H200 launches it, with programmatic
+dependent launch (PDL): its first access to global memory must come after its wait for the
+kernel before it (`griddepcontrol.wait`), else it could read rows that kernel has not
+written yet; the expert GEMM's L2 prefetch of its weights is the one thing allowed before.
 In a subprocess: cpmoe imports Triton only for a CUDA build of torch, which it is told it is.
 """
 
@@ -24,6 +28,7 @@ from tests._interpreter import REPO_ROOT
 
 _SCRIPT = r"""
 import inspect
+import re
 import unittest.mock
 
 import torch
@@ -41,7 +46,7 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
     # every argument not in `unaligned` 16-divisible, as launches specialize them
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in constexprs else pointers.get(
-        p, "fp32" if p in ("limit", "eps") else "i32") for p in params}
+        p, "fp32" if p in ("limit", "eps", "scale_log2") else "i32") for p in params}
     aligned = [i for i, p in enumerate(params) if sig[p] != "constexpr" and p not in unaligned]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -50,6 +55,15 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
 
 def launch_options(cfg):
     return {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+
+
+def waits_first(ptx, name):
+    # the kernel's first global load, store, atomic or asynchronous copy follows the wait
+    wait = ptx.find("griddepcontrol.wait")
+    first = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async\.", ptx)
+    assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, name
+    assert first is not None and wait < first.start(), (name, ptx[first.start() - 200:][:400])
+    return ptx
 
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B's experts
@@ -62,8 +76,12 @@ for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
             {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
              "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
-                 K_PIECES=1), ("cap", "limit", "rows_per_a", "stride_as_k"), options)
+                 K_PIECES=1, PDL=True, PREFETCH=0 if cfg["COMPACT"] else 4),
+            ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         assert "cp.async" in ptx, (slots, gated)
+        waits_first(ptx, ("experts", slots, gated))
+        prefetch = ptx.find("prefetch.global.L2")  # before the wait, in the expert grid
+        assert (0 <= prefetch < ptx.find("griddepcontrol.wait")) != cfg["COMPACT"], slots
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096)):  # qkv and o_proj
     cfg = kernels.skinny_config(m, n, k)
     options = launch_options(cfg)
@@ -71,9 +89,10 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096)):  # qkv and o_proj
         kernels._skinny_fp8_kernel,
         {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
          "b_ptr": "*bf16", "out_ptr": "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"},
-        dict(cfg, HAS_BIAS=True, BLOCK_M=max(16, m), UPCAST=False), ("M", "stride_xs_g"),
-        options)
+        dict(cfg, HAS_BIAS=True, BLOCK_M=max(16, m), UPCAST=False, PDL=True),
+        ("M", "stride_xs_g"), options)
     assert "cp.async" in ptx, (m, n, k)
+    waits_first(ptx, ("skinny", m))
 cfg = kernels.grouped_fp8_config(16384 * 8, E)
 ptx = compile_sm90(
     kernels._grouped_fp8_kernel,
@@ -92,14 +111,41 @@ ptx = compile_sm90(
     ops._add_rms_norm_kernel,
     {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
      "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-    {"BLOCK": H, "QUANT": True, "GROUP": 128}, ("n_rows",), {"num_warps": 4})
-assert "e4m3x2" in ptx
+    {"BLOCK": H, "QUANT": True, "GROUP": 128, "PDL": True}, ("n_rows",), {"num_warps": 4})
+assert "e4m3x2" in waits_first(ptx, "add_rms_norm")
 ptx = compile_sm90(
     paged_attention._paged_decode_stage2,
     {"op_ptr": "*fp32", "lp_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
      "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-    {"BLOCK_S": 2, "D_PAD": 128, "QUANT": True}, ("B", "NUM_SPLITS"), {"num_warps": 4})
-assert "e4m3x2" in ptx
+    {"BLOCK_S": 2, "D_PAD": 128, "QUANT": True, "PDL": True}, ("B", "NUM_SPLITS"),
+    {"num_warps": 4})
+assert "e4m3x2" in waits_first(ptx, "stage 2")
+# the rest of a decode step's kernels, at Qwen3-30B-A3B's sizes
+from cpmoe.moe import fused_moe
+bf16 = "*bf16"
+for fn, pointers, constexprs, unaligned in (
+        (paged_attention._paged_decode_stage1,
+         {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "bt_ptr": "*i32", "lens_ptr": "*i32",
+          "o_ptr": "*fp32", "lse_ptr": "*fp32"},
+         {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False,
+          "UPCAST": False}, ("bt_sb", "NUM_SPLITS", "GROUP")),
+        (ops._qkv_norm_rope_store_kernel,
+         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
+          "sin_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "slots_ptr": "*i64"},
+         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64}, ("kv_heads",)),
+        (ops._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
+         {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
+        (fused_moe._align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i32", "counts_ptr": "*i32"},
+         {"BLOCK_P": 512}, ("P", "cap")),
+        (fused_moe._slot_sum_kernel,
+         {"y_ptr": bf16, "ids_ptr": "*i64", "weight_ptr": bf16, "out_ptr": bf16},
+         {"K": 8, "BLOCK": 1024}, ()),
+        (kernels._quantize_act_kernel, {"x_ptr": bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+         {"GROUP": 128, "BLOCK_M": 1}, ("M", "R")),
+        (kernels._split_k_sum_kernel, {"part_ptr": "*fp32", "b_ptr": bf16, "out_ptr": bf16},
+         {"SPLIT_K": 4, "HAS_BIAS": False, "BLOCK": 1024}, ("M",))):
+    ptx = compile_sm90(fn, pointers, dict(constexprs, PDL=True), unaligned, {"num_warps": 4})
+    waits_first(ptx, fn.fn.__name__)
 print("compiled")
 """
 
