@@ -121,11 +121,6 @@ def _block_m(slots: int, experts: int) -> int:
 FP8_ACT_MODES = ("weights", "w8a8", "w8a8-fused")
 FP8_ACTIVATIONS = os.environ.get("CPMOE_FP8_DECODE_ACTIVATIONS", "w8a8")
 
-# 128-byte lines of each weight row a GEMM program asks L2 for before it waits for the kernel
-# before it (programmatic dependent launch, `ops.pdl_args`), in the grid of one program row
-# per expert: the programs placed on the SMs while that kernel ends start reading weights.
-PREFETCH_LINES = 0
-
 
 def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
                 fp8_act: str | None = None) -> dict:
@@ -151,8 +146,7 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
             "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
-            "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3,
-            "PREFETCH": 0 if compact else PREFETCH_LINES}
+            "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
@@ -177,20 +171,18 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
-    pdl = pdl_args(a)
-    cfg = dict(cfg, PREFETCH=cfg.get("PREFETCH", 0) if pdl["PDL"] else 0)
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
         out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
         0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
         SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
-        **cfg, **pdl)
+        **cfg, **pdl_args(a))
 
 
 if triton is not None:
     # the in-kernel row quantization; programmatic dependent launch
-    from cpmoe.ops import pdl_args, prefetch_l2, quantize_rows, wait_for_producer
+    from cpmoe.ops import pdl_args, quantize_rows, wait_for_producer
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
@@ -235,7 +227,7 @@ if triton is not None:
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                            PDL: tl.constexpr = False):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -248,17 +240,7 @@ if triton is not None:
         quantizes its 16-bit rows so itself (as unused; a piece is then one 128-input group).
         Else the weight tile is widened to a's dtype (weights-only FP8). UPCAST: FP8 dots in
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
-        [-limit, limit] before SiLU(gate) * up. PREFETCH (not COMPACT): before it waits for
-        the kernel before it (PDL), the program asks L2 for the first PREFETCH 128-byte lines
-        of each of its weight rows, which no kernel of the step writes."""
-        if PREFETCH > 0 and not COMPACT:
-            rows_n = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            line: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            at = (w_ptr + tl.program_id(0).to(tl.int64) * stride_we + rows_n[:, None] * stride_wn
-                  + tl.minimum(tl.arange(0, PREFETCH) * line, K_DIM - 1)[None, :])
-            prefetch_l2(at)
-            if GATED:
-                prefetch_l2(at + N * stride_wn)
+        [-limit, limit] before SiLU(gate) * up."""
         wait_for_producer(PDL)
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:

@@ -387,26 +387,24 @@ def test_fp8_decode_takes_the_rows_its_producers_quantized(tmp_path, monkeypatch
 @cuda
 def test_decode_with_programmatic_dependent_launch_equals_without(tmp_path, monkeypatch):
     """A decode step's kernels launched with programmatic dependent launch (each placed while
-    the one before still runs, waiting for it on the GPU), the expert GEMMs also asking L2
-    for their weights before they wait: logits bit for bit those of plain launches, FP8 and
-    bf16 (the same checkpoint dequantized), eagerly and in captured decode graphs. A kernel
-    touching memory before its wait would read rows not yet written, at random."""
+    the one before still runs, waiting for it on the GPU): logits bit for bit those of plain
+    launches, FP8 and bf16 (the same checkpoint dequantized), eagerly and in captured decode
+    graphs. A kernel touching memory before its wait would read rows not yet written, at
+    random."""
     from cpmoe import ops
     from cpmoe.engine.runner import ModelRunner
-    from cpmoe.moe import fused_moe
     from cpmoe.parallel.groups import ProcessGroups
     assert ops.pdl_args(torch.empty(1, device="cuda"))["PDL"] == (
         torch.cuda.get_device_capability()[0] >= 9)
     d = _fp8_qwen3_checkpoint(tmp_path)
     groups = ProcessGroups.single(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
-    # 12 rows x top-4 = 48 slots >= 32 experts: the expert grid that prefetches; 520 and
-    # 900 keys: attention splits (stage 2 runs)
+    # 12 rows x top-4 = 48 slots >= 32 experts: the expert grid of one program row per
+    # expert; 520 and 900 keys: attention splits (stage 2 runs)
     seqs = [torch.randint(0, 4096, (n,), generator=gen).tolist()
             for n in (5, 77, 300, 520, 900, 31, 64, 129, 250, 17, 400, 2)]
     steps = torch.randint(0, 4096, (len(seqs), 4), generator=gen).tolist()
     keys = list(range(len(seqs)))
-    monkeypatch.setattr(fused_moe, "PREFETCH_LINES", 4)
     for fp8_compute in (True, False):
         r = ModelRunner(d, groups, torch.bfloat16, show_progress=False,
                         fp8_compute=fp8_compute)
