@@ -10,7 +10,7 @@ weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16, 32 
   of fp8_linear's work past SKINNY_ROWS rows;
 - "skinny default": `quantize_act` and `fp8_linear_skinny` with `skinny_config`'s tiles
   (what fp8_linear runs up to SKINNY_ROWS rows), and the same under every tile of the sweep
-  (BLOCK_N, SPLIT_K, warps, stages), the second launch of a split K included;
+  (BLOCK_N, SPLIT_K, warps, stages), the split K's sum of partials included;
 - the HBM floor: the FP8 weight bytes at 4.8 TB/s.
 Time per call in microseconds from a CUDA graph replay (`decode_kernels.time_us`, as the
 decode step replays them); 8 weight copies are rotated, so no call finds its weights in the

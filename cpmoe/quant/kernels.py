@@ -359,8 +359,10 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     [M <= SKINNY_ROWS, K] with x_scale [M, K/128] (any strides), w fp8 [N, K], w_scale
     float32 [ceil(N/128), K/128] -> [M, N] in out_dtype: `F.scaled_mm`'s product up to
     float32 summation order; the bias is added in float32, before the one rounding.
-    SPLIT_K > 1: float32 partial sums, added by a second launch (no atomics: the same sums
-    every run). config: `skinny_config`'s."""
+    SPLIT_K > 1: each program writes a float32 partial sum; the last of a column tile's
+    SPLIT_K programs to finish (a counter in `_tile_counters`) adds them, in split order, so
+    the sums are the same every run, whichever program arrives last. config:
+    `skinny_config`'s."""
     M, K = xq.shape
     N = w.shape[0]
     if K % 128 or M > SKINNY_ROWS or w.stride(1) != 1 or xq.dtype != FP8:
@@ -371,32 +373,54 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     cfg = config or skinny_config(M, N, K)
     split = cfg["SPLIT_K"]
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
                                               device=xq.device)
+    counters = out if split == 1 else _tile_counters(xq.device, tiles)
     b = bias if bias is not None else out  # any pointer when there is no bias
-    _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-        xq, x_scale, w, w_scale, b, part, M, N, K, xq.stride(0), x_scale.stride(0),
-        x_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
-        UPCAST=_INTERPRET, **cfg, **pdl_args(xq))
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(N))
-        _split_k_sum_kernel[(M, triton.cdiv(N, block))](part, b, out, M, N, SPLIT_K=split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block,
-                                                       **pdl_args(xq))
+    _skinny_fp8_kernel[(tiles, split)](
+        xq, x_scale, w, w_scale, b, part, out, counters, M, N, K, xq.stride(0),
+        x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale.stride(0),
+        w_scale.stride(1), HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET, **cfg,
+        **pdl_args(xq))
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros, one a column tile, kept for the device: every skinny GEMM finds them zero
+    and leaves them so (its last program of a tile sets its counter back), one launch after
+    the other on the device's one stream. Made outside graph capture, by the warm-up run
+    before each capture, so no graph's memory pool holds them."""
+    if tiles > _MAX_TILES:
+        raise ValueError(f"skinny FP8 GEMM: {tiles} column tiles, more than {_MAX_TILES}")
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny FP8 GEMM: first split-K call inside graph capture; "
+                               "run the forward once before capturing")
+        counters = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32,
+                                                   device=device)
+    return counters
 
 
 if triton is not None:
     # M: the batch, which changes every step (no variant per residue mod 16; see above)
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x,
-                           stride_xs_m, stride_xs_g, stride_w, stride_ws_n, stride_ws_k,
+    def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, out_ptr, count_ptr,
+                           M, N, K, stride_x, stride_xs_m, stride_xs_g, stride_w,
+                           stride_ws_n, stride_ws_k,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                            UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         """Program (n, s): every row times columns n-block over the s-th range of 128-input
-        groups -> out (SPLIT_K 1: y with bias) or out[s] (float32 partials)."""
+        groups -> out (SPLIT_K 1: y with bias), or part[s] (float32 partials); then the last
+        of the tile's programs to count itself in (count[n]) writes out: the partials
+        summed in split order, with bias, and sets count[n] back to 0."""
         wait_for_producer(PDL)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -423,29 +447,22 @@ if triton is not None:
                 part = tl.dot(a, w)
             acc += part * a_s[:, None] * w_s[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT_K == 1:
+        at = rows[:, None] * N + cols[None, :]
+        last = True
+        if SPLIT_K > 1:
+            tl.store(part_ptr + tl.program_id(1) * M * N + at, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial, before the count releases them
+            last = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLIT_K - 1
+            if last:  # the tile's last program: the sum, in split order
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # from L2: other SMs wrote them
+                    acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(count_ptr + tl.program_id(0), 0)
+        if last:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc,
-                     mask=mask)
-
-    @triton.jit(do_not_specialize=["M"])
-    def _split_k_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        wait_for_producer(PDL)
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- dense FP8 linear -------------------------------------------------------------------

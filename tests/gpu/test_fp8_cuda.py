@@ -178,8 +178,8 @@ def test_skinny_fp8_linear_matches_quantize_act_and_scaled_mm(m, n, k):
 
 @cuda
 def test_skinny_fp8_linear_replays_in_a_cuda_graph():
-    """The o_proj shape at 64 rows splits K (float32 partials, a second launch): captured,
-    then replayed on new rows, it gives the eager result."""
+    """The o_proj shape at 64 rows splits K (float32 partials, summed by each tile's last
+    program): captured, then replayed on new rows, it gives the eager result."""
     torch.manual_seed(5)
     q, s, _ = fp8_weight(2048, 4096)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
@@ -192,6 +192,42 @@ def test_skinny_fp8_linear_replays_in_a_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(y, kernels.fp8_linear(x, q, s, BLOCK))
+
+
+@cuda
+@pytest.mark.parametrize("m,n,k", [(1, 5120, 2048), (64, 2048, 4096), (37, 384, 1536)])
+def test_skinny_split_k_sums_partials_in_split_order_bit_for_bit(m, n, k):
+    """With K split, the last program of a column tile to finish adds the tile's float32
+    partials: the result equals, bit for bit, partials from unsplit launches over each K range
+    added in split order with the bias, then rounded; in 100 launches and 100 replays of a
+    captured graph (a tile summed before all its partials landed, or a counter not set back,
+    would differ)."""
+    torch.manual_seed(6)
+    q, s, _ = fp8_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    xq, xs = kernels.quantize_act(x, 128)
+    cfg = kernels.skinny_config(m, n, k)
+    split = cfg["SPLIT_K"]
+    assert split == 4
+    per = k // 128 // split  # 128-input groups a range
+    want = torch.zeros(m, n, device="cuda")
+    for r in range(split):
+        g = slice(r * per, (r + 1) * per)
+        one = dict(cfg, SPLIT_K=1)
+        want += kernels.fp8_linear_skinny(
+            xq[:, g.start * 128:g.stop * 128], xs[:, g], q[:, g.start * 128:g.stop * 128],
+            s[:, g].contiguous(), None, torch.float32, config=one)
+    want = (want + bias.float()).to(torch.bfloat16)
+    for _ in range(100):
+        assert torch.equal(kernels.fp8_linear_skinny(xq, xs, q, s, bias), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.fp8_linear_skinny(xq, xs, q, s, bias)
+    for _ in range(100):
+        y.zero_()
+        graph.replay()
+        assert torch.equal(y, want)
 
 
 @cuda

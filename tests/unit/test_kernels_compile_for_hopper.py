@@ -80,17 +80,20 @@ for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         assert "cp.async" in ptx, (slots, gated)
         waits_first(ptx, ("experts", slots, gated))
-for m, n, k in ((64, 5120, 2048), (1, 2048, 4096)):  # qkv and o_proj
+for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
     cfg = kernels.skinny_config(m, n, k)
     options = launch_options(cfg)
     ptx = compile_sm90(
         kernels._skinny_fp8_kernel,
         {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-         "b_ptr": "*bf16", "out_ptr": "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"},
+         "b_ptr": "*bf16", "part_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"},
         dict(cfg, HAS_BIAS=True, BLOCK_M=max(16, m), UPCAST=False, PDL=True),
         ("M", "stride_xs_g"), options)
     assert "cp.async" in ptx, (m, n, k)
     waits_first(ptx, ("skinny", m))
+    # split K: the count releases and acquires the partials, which are read from L2
+    split = re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
+    assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
 cfg = kernels.grouped_fp8_config(16384 * 8, E)
 ptx = compile_sm90(
     kernels._grouped_fp8_kernel,
@@ -140,8 +143,7 @@ for fn, pointers, constexprs, unaligned in (
          {"K": 8, "BLOCK": 1024}, ()),
         (kernels._quantize_act_kernel, {"x_ptr": bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
          {"GROUP": 128, "BLOCK_M": 1}, ("M", "R")),
-        (kernels._split_k_sum_kernel, {"part_ptr": "*fp32", "b_ptr": bf16, "out_ptr": bf16},
-         {"SPLIT_K": 4, "HAS_BIAS": False, "BLOCK": 1024}, ("M",))):
+        ):
     ptx = compile_sm90(fn, pointers, dict(constexprs, PDL=True), unaligned, {"num_warps": 4})
     waits_first(ptx, fn.fn.__name__)
 print("compiled")
