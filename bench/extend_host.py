@@ -139,19 +139,11 @@ def take_cuda_paths() -> None:
     ops._use_triton = lambda x: False  # fused ops: their reference, counted as one op
     for mod, names in ((qwen, ("norm_rope", "merge_two_attention", "qkv_norm_rope_store",
                                "paged_decode_attention")),
-                       (layers, ("add_rms_norm",)), (ops, ("softmax_topk",)),
+                       (layers, ("add_rms_norm",)), (router, ("softmax_topk",)),
                        (experts, ("silu_and_mul", "weighted_row_sum")),
                        (communicator, ("merge_partials",))):
         for n in names:
             _fused(mod, n)
-    route = router.router_topk
-
-    def router_topk(x, *args):  # one kernel for a decode step's rows, else F.linear + top-k
-        if x.shape[0] > ops.ROUTER_ROWS:
-            return route(x, *args)
-        with _one_op("fused.router_topk"):
-            return route(x, *args)
-    router.router_topk = router_topk
     rms = layers.RMSNorm.forward
 
     def rms_forward(self, x):  # F.rms_norm: one kernel on the GPU

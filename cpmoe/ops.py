@@ -19,10 +19,7 @@ expression (the reference the kernels are tested against) everywhere else.
   the arithmetic of `quant.kernels.quantize_act`, for every kernel that quantizes.
 - `softmax_topk(logits, k, renormalize, dtype)`: the Qwen router after its matmul: fp32
   softmax over experts, the k largest (descending; ties to the lower id), optionally
-  renormalised -> (ids int64, weights in dtype). `router_topk(x, weight, ...)`: the matmul
-  and softmax_topk, in one kernel for decode's few rows.
-- `tile_counters(device, n)`: int32 counters, zero between launches, for kernels whose last
-  program of a tile finishes the tile's work.
+  renormalised -> (ids int64, weights in dtype).
 - `pdl_args(x)` and `wait_for_producer(PDL)` (in kernels): programmatic dependent launch,
   for the kernels of a decode step (see `pdl_args`).
 - `merge_partials(o, lse)`: P partial attention outputs over disjoint keys [P, T, H, D] with
@@ -325,59 +322,6 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.d
     return ids, weights
 
 
-ROUTER_ROWS = 64  # the most rows router_topk's one kernel takes (a decode step's)
-
-
-def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax_topk(F.linear(x, weight), k, renormalize, dtype): the router of a Qwen MoE
-    layer, x [N, H], weight [E, H]. Up to ROUTER_ROWS 16-bit rows (a decode step), one
-    kernel: each program computes the logits of 16 experts for every row (float32 sums,
-    rounded to x's dtype as F.linear's output is), and the last program to finish (a
-    counter, `tile_counters`) takes every row's softmax and top-k as `softmax_topk` does.
-    The sums run in another order than cuBLAS', so a logit can differ by one rounding.
-    Otherwise F.linear, then softmax_topk."""
-    N, H = x.shape
-    E = weight.shape[0]
-    if (not _use_triton(x) or not 0 < N <= ROUTER_ROWS or not k <= E <= 256
-            or (x.is_cuda and x.dtype == torch.float32) or weight.dtype != x.dtype
-            or weight.shape[1] != H):
-        return softmax_topk(F.linear(x, weight), k, renormalize, dtype)
-    x, weight = x.contiguous(), weight.contiguous()
-    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    ids = torch.empty((N, k), dtype=torch.int64, device=x.device)
-    weights = torch.empty((N, k), dtype=dtype, device=x.device)
-    block_m, e_pow2 = max(16, triton.next_power_of_2(N)), triton.next_power_of_2(E)
-    _router_topk_kernel[(triton.cdiv(E, 16),)](
-        x, weight, logits, tile_counters(x.device, 1), ids, weights, N, H, E, K=k,
-        RENORM=renormalize, BLOCK_M=block_m, BLOCK_E=16, BLOCK_K=128, E_POW2=e_pow2,
-        K_POW2=triton.next_power_of_2(k), UPCAST=not x.is_cuda,
-        num_warps=4 if block_m * e_pow2 <= 8192 else 8, **pdl_args(x))
-    return ids, weights
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_COUNTERS = 1 << 16
-
-
-def tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, kept for the device, for kernels whose programs count themselves in and
-    whose last program of a tile finishes the tile's work and sets its counter back to 0:
-    every launch finds them zero and leaves them so, one launch after the other on the
-    device's one stream. Made outside graph capture (by the warm-up run before each
-    capture), so no graph's memory pool holds them."""
-    if n > _MAX_COUNTERS:
-        raise ValueError(f"tile_counters: {n} counters asked, at most {_MAX_COUNTERS}")
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("tile_counters: first asked inside graph capture; run the "
-                               "forward once before capturing")
-        counters = _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32,
-                                                   device=device)
-    return counters
-
-
 # ---- merge of two partial attention results ---------------------------------------------
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -466,20 +410,11 @@ if triton is not None:
                              K_POW2: tl.constexpr, PDL: tl.constexpr = False):
         wait_for_producer(PDL)
         rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        valid = (rows < N)[:, None] & (tl.arange(0, E_POW2)[None, :] < E)
-        x = tl.load(logits_ptr + rows[:, None] * E + tl.arange(0, E_POW2)[None, :],
-                    mask=valid, other=float("-inf")).to(tl.float32)
-        _softmax_topk_rows(x, valid, rows, ids_ptr, w_ptr, N, K, RENORM, BLOCK, E_POW2,
-                           K_POW2)
-
-    @triton.jit
-    def _softmax_topk_rows(x, valid, rows, ids_ptr, w_ptr, N, K: tl.constexpr,
-                           RENORM: tl.constexpr, BLOCK: tl.constexpr, E_POW2: tl.constexpr,
-                           K_POW2: tl.constexpr):
-        """Logit rows x [BLOCK, E_POW2] (float32, -inf where not valid) -> their top-K ids
-        and softmax weights at ids/w[rows]."""
         cols = tl.arange(0, E_POW2)
         ok = rows < N
+        valid = ok[:, None] & (cols[None, :] < E)
+        x = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=valid,
+                    other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
         p = tl.where(valid, p, -1.0)  # padding columns never win
@@ -501,46 +436,6 @@ if triton is not None:
         keep = ok[:, None] & (k_cols[None, :] < K)
         tl.store(ids_ptr + dst, out_i, mask=keep)
         tl.store(w_ptr + dst, out_w.to(w_ptr.dtype.element_ty), mask=keep)
-
-    @triton.jit(do_not_specialize=["M"])
-    def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, count_ptr, ids_ptr, wout_ptr, M, H, E,
-                            K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                            E_POW2: tl.constexpr, K_POW2: tl.constexpr, UPCAST: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        """Program e: logits [M, experts e-block] -> logits (float32 of x's dtype); the last
-        program to count itself in (count[0]) takes every row's softmax and top-K
-        (`_softmax_topk_rows`) and sets count[0] back to 0. UPCAST: dots in float32 (the
-        interpreter's bf16 dots are wrong)."""
-        wait_for_producer(PDL)
-        rows = tl.arange(0, BLOCK_M).to(tl.int64)
-        row_ok = rows < M
-        ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = ex < E
-        acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < H
-            a = tl.load(x_ptr + rows[:, None] * H + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + ex[None, :].to(tl.int64) * H + k[:, None],
-                        mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_E]
-            if UPCAST:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
-            else:
-                acc = tl.dot(a, w, acc)
-        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # as F.linear rounds them
-        tl.store(logits_ptr + rows[:, None] * E + ex[None, :], logits,
-                 mask=row_ok[:, None] & e_ok[None, :])
-        tl.debug_barrier()  # every thread's logits, before the count releases them
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            cols = tl.arange(0, E_POW2)
-            valid = row_ok[:, None] & (cols[None, :] < E)
-            x = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=valid,
-                        other=float("-inf"), cache_modifier=".cg")  # other SMs wrote them
-            _softmax_topk_rows(x, valid, rows, ids_ptr, wout_ptr, M, K, RENORM, BLOCK_M,
-                               E_POW2, K_POW2)
-            tl.store(count_ptr, 0)
 
     @triton.jit
     def swiglu_act(gate, up, limit, CLAMP: tl.constexpr):

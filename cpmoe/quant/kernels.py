@@ -41,7 +41,7 @@ triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
     # the kernels' row quantization (1 x group); programmatic dependent launch
-    from cpmoe.ops import pdl_args, quantize_rows, tile_counters, wait_for_producer
+    from cpmoe.ops import pdl_args, quantize_rows, wait_for_producer
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -360,7 +360,7 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     float32 [ceil(N/128), K/128] -> [M, N] in out_dtype: `F.scaled_mm`'s product up to
     float32 summation order; the bias is added in float32, before the one rounding.
     SPLIT_K > 1: each program writes a float32 partial sum; the last of a column tile's
-    SPLIT_K programs to finish (a counter, `ops.tile_counters`) adds them, in split order, so
+    SPLIT_K programs to finish (a counter in `_tile_counters`) adds them, in split order, so
     the sums are the same every run, whichever program arrives last. config:
     `skinny_config`'s."""
     M, K = xq.shape
@@ -376,7 +376,7 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32,
                                               device=xq.device)
-    counters = out if split == 1 else tile_counters(xq.device, tiles)
+    counters = out if split == 1 else _tile_counters(xq.device, tiles)
     b = bias if bias is not None else out  # any pointer when there is no bias
     _skinny_fp8_kernel[(tiles, split)](
         xq, x_scale, w, w_scale, b, part, out, counters, M, N, K, xq.stride(0),
@@ -385,6 +385,27 @@ def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         BLOCK_M=max(16, triton.next_power_of_2(M)), UPCAST=_INTERPRET, **cfg,
         **pdl_args(xq))
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros, one a column tile, kept for the device: every skinny GEMM finds them zero
+    and leaves them so (its last program of a tile sets its counter back), one launch after
+    the other on the device's one stream. Made outside graph capture, by the warm-up run
+    before each capture, so no graph's memory pool holds them."""
+    if tiles > _MAX_TILES:
+        raise ValueError(f"skinny FP8 GEMM: {tiles} column tiles, more than {_MAX_TILES}")
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny FP8 GEMM: first split-K call inside graph capture; "
+                               "run the forward once before capturing")
+        counters = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32,
+                                                   device=device)
+    return counters
 
 
 if triton is not None:
