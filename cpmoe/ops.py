@@ -64,10 +64,15 @@ def pdl_args(x: torch.Tensor) -> dict:
     against 3.73 at batch 1 in bf16 and 3.19 against 3.48 in FP8; at batch 64, which reads
     weights for most of its time, 17.18 against 17.37 and 12.02 against 12.03. Programs that
     also asked L2 for their first weight lines before the wait were no faster and were
-    dropped. $CPMOE_PDL=0 turns it off (its ranks inherit it)."""
-    if not x.is_cuda or os.environ.get("CPMOE_PDL", "1") == "0":
-        return {"PDL": False}
-    return {"PDL": True, "launch_pdl": True} if _pdl_device(x.device.index) else {"PDL": False}
+    dropped. $CPMOE_PDL=0 turns it off (`PDL_ENABLED`, read at import; its ranks inherit
+    it)."""
+    if PDL_ENABLED and x.is_cuda and _pdl_device(x.device.index):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+# read once: pdl_args runs at every launch of an eager decode step (~600 a step)
+PDL_ENABLED = os.environ.get("CPMOE_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

@@ -446,7 +446,7 @@ def test_decode_with_programmatic_dependent_launch_equals_without(tmp_path, monk
                         fp8_compute=fp8_compute)
 
         def decode(pdl: bool, graphs: bool) -> torch.Tensor:
-            monkeypatch.setenv("CPMOE_PDL", "1" if pdl else "0")
+            monkeypatch.setattr(ops, "PDL_ENABLED", pdl)  # what CPMOE_PDL sets at import
             r.allocate_kv(8192)
             if graphs:
                 r.capture_decode_graphs(len(seqs), max_context=1024)
