@@ -129,16 +129,17 @@ def _feed(seed: int, prompt: int, steps: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (steps,), generator=gen).tolist()
 
 
-def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]],
+def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]], kv_dtype: str,
          margins: RoutingMargins | None = None, index: int = 0
          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Prefill logits of every position, then one decode step per fed token. With `margins`,
-    its rows are named for each forward (prompts numbered from `index`)."""
+    """Prefill logits of every position, then one decode step per fed token, over a KV cache
+    of --kv-cache-dtype `kv_dtype`. With `margins`, its rows are named for each forward
+    (prompts numbered from `index`)."""
     steps = len(feeds[0])
     # every token of the batch on every rank: enough whatever the model's cache rule (Qwen
     # shards K/V over CP, DeepSeek-V4 keeps its caches whole on every CP rank)
     runner.allocate_kv(kv_slots_needed([len(s) for s in seqs], steps + 1, 1,
-                                       runner.layout.cp_strategy))
+                                       runner.layout.cp_strategy), kv_dtype=kv_dtype)
     keys = list(range(len(seqs)))
     if margins is not None:
         margins.name_rows([(index + i, p) for i, s in enumerate(seqs) for p in range(len(s))])
@@ -171,10 +172,11 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
     for b, seqs in enumerate(batches):
         t0 = time.perf_counter()
         feeds = [_feed(seed, index + i, decode_steps, vocab) for i in range(len(seqs))]
-        got, got_steps = _run(runner, seqs, feeds)
+        got, got_steps = _run(runner, seqs, feeds, spec.options.kv_cache_dtype)
         if reference is not None:
             t1 = time.perf_counter()
-            want, want_steps = _run(reference, seqs, feeds, margins, index)
+            want, want_steps = _run(reference, seqs, feeds, spec.options.kv_cache_dtype,
+                                    margins, index)
             _compare(report, seqs, got, want, got_steps, want_steps, margins, index)
             done = report.prompts[-len(seqs):]
             print(f"[check] batch {b + 1}/{len(batches)}: prompts {index + len(seqs)}/{total} "

@@ -26,7 +26,7 @@ from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS, with_quantization
 from cpmoe.engine.scheduler import SCHEDULE_POLICIES
 from cpmoe.loader import LoadError
-from cpmoe.models.registry import check_model_fit, load_model_config
+from cpmoe.models.registry import check_model_fit, load_model_config, model_class
 from cpmoe.moe.dispatch import MissingBackendError
 from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
@@ -128,6 +128,16 @@ def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None
                    help="dummy: random weights at the shape of --model's config.json (no "
                         "checkpoint read; the tokenizer still comes from --model)")
     add_quantization_flag(g)
+    add_kv_cache_dtype_flag(g)
+
+
+def add_kv_cache_dtype_flag(g) -> None:
+    from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
+    g.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="K/V cache pools: auto (the model's dtype) or FP8 (scale 1, "
+                        "saturating), half the bytes per token: twice the tokens in the same "
+                        "memory and half of what decode attention reads; attention computes "
+                        "in the model's dtype")
 
 
 def add_quantization_flag(g) -> None:
@@ -137,8 +147,13 @@ def add_quantization_flag(g) -> None:
                         "load as FP8 without it")
 
 
-def engine_options(args: argparse.Namespace):
+def engine_options(args: argparse.Namespace, cfg=None):
+    """The engine flags, checked; with the model's config, also against the model."""
     from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.runner import own_cache_refusal
+    if (cfg is not None and args.kv_cache_dtype != "auto"
+            and model_class(cfg.architecture).own_cache):
+        raise InputError(own_cache_refusal(args.kv_cache_dtype))
     for flag in ("page_size", "max_running_requests", "cuda_graph_max_bs"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got "
@@ -162,7 +177,7 @@ def engine_options(args: argparse.Namespace):
                          max_total_tokens=args.max_total_tokens,
                          mem_fraction_static=args.mem_fraction_static,
                          load_format=args.load_format, routing=args.routing,
-                         quantization=args.quantization)
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
@@ -205,7 +220,7 @@ def resolve(args: argparse.Namespace):
 # ---- commands ---------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from cpmoe.engine.runner import memory_per_rank
+    from cpmoe.engine.runner import memory_per_rank, own_cache_refusal
     layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
@@ -217,7 +232,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
     cfg = with_quantization(cfg, args.quantization)
-    out["memory_per_rank"] = memory_per_rank(cfg, model_cls, layout, dtype)
+    if args.kv_cache_dtype != "auto" and model_cls.own_cache:
+        raise InputError(own_cache_refusal(args.kv_cache_dtype))
+    out["kv_cache_dtype"] = args.kv_cache_dtype
+    out["memory_per_rank"] = memory_per_rank(cfg, model_cls, layout, dtype, args.kv_cache_dtype)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -325,7 +343,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cpmoe.engine.sampling import SamplingParams
     from cpmoe.engine.rank_tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)
-    opts = engine_options(args)
+    opts = engine_options(args, cfg)
     tokenizer = _tokenizer(model_dir)
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     if args.max_new_tokens < 1:
@@ -414,7 +432,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     # Rank 0 also runs the one-rank reference while its peers wait in their next
     # collective: give them as long as a long reference prompt can take.
     report = launch(check_task, layout.world_size, device,
-                    RunSpec(model_dir, layout, dtype, options=engine_options(args)), batches,
+                    RunSpec(model_dir, layout, dtype, options=engine_options(args, cfg)), batches,
                     args.decode_steps, args.seed, args.near_tie, collective_timeout_s=3600.0)
     if report is None:
         return 0
@@ -485,7 +503,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from cpmoe.serve.options import BindError, ServeOptions
     layout, model_dir, cfg, device, dtype = resolve(args)
-    engine = engine_options(args)
+    engine = engine_options(args, cfg)
     context = context_from_args(args, cfg)
     try:
         opts = ServeOptions.from_args(args)
@@ -542,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_flags(p)
     add_model_flags(p)
     add_quantization_flag(p)
+    add_kv_cache_dtype_flag(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("prefill", help="prefill a batch and dump all-position logits")

@@ -196,6 +196,21 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a K/V pool of `dtype` stores it: an FP8 pool (--kv-cache-dtype fp8_e4m3 /
+    fp8_e5m2, scale 1) saturates at the format's largest finite value, as the GPU's
+    conversion does (torch's e5m2 cast would overflow to inf), and rounds to nearest even."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        fmax = torch.finfo(dtype).max
+        return x.float().clamp(-fmax, fmax).to(dtype)
+    return x.to(dtype)
+
+
+def kv_max(dtype: torch.dtype) -> float:
+    """The kernels' saturation bound for a K/V pool of `dtype` (0.0: a 16/32-bit pool)."""
+    return torch.finfo(dtype).max if dtype.itemsize == 1 else 0.0
+
+
 def qkv_norm_rope_store_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
                             q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                             eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -208,8 +223,8 @@ def qkv_norm_rope_store_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
     q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     q = norm_rope_ref(q.reshape(T, heads, D), q_weight, eps, cos, sin)
     k = norm_rope_ref(k.reshape(T, kv_heads, D), k_weight, eps, cos, sin)
-    k_cache.view(-1, kv_heads, D)[slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, kv_heads, D)[slots] = v.reshape(T, kv_heads, D).to(v_cache.dtype)
+    k_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(k, k_cache.dtype)
+    v_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(v.reshape(T, kv_heads, D), v_cache.dtype)
     return q
 
 
@@ -234,7 +249,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
         k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
         qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
         HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
-        HALF=D // 2, **pdl_args(qkv))
+        HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), **pdl_args(qkv))
     return q
 
 
@@ -520,11 +535,22 @@ if triton is not None:
         tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _to_kv(x, q_ptr, pool_ptr, KV_MAX: tl.constexpr):
+        """x rounded to q's dtype, then to the pool's (`to_kv_cache`)."""
+        x = x.to(q_ptr.dtype.element_ty).to(tl.float32)
+        if KV_MAX > 0:
+            x = tl.clamp(x, -KV_MAX, KV_MAX)
+        return x.to(pool_ptr.dtype.element_ty)
+
+    @triton.jit
     def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                                     k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
                                     heads, kv_heads, HAS_NORM: tl.constexpr,
                                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                                    HALF: tl.constexpr, PDL: tl.constexpr = False):
+                                    HALF: tl.constexpr, KV_MAX: tl.constexpr = 0.0,
+                                    PDL: tl.constexpr = False):
+        """KV_MAX > 0: FP8 pools; k and v, rounded to q's dtype first (as the torch path
+        rounds them), saturate at +-KV_MAX (`to_kv_cache`)."""
         wait_for_producer(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF)[None, :]
@@ -545,14 +571,15 @@ if triton is not None:
         a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, d, kv_mask, HAS_NORM,
                            HALF)
         k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
-        tl.store(k_dst, a.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_dst + HALF, b.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst, _to_kv(a, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
+        tl.store(k_dst + HALF, _to_kv(b, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
         v_src = k_src + kv_heads * (2 * HALF)
         v_dst = v_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
-        tl.store(v_dst, tl.load(v_src, mask=kv_mask, other=0.0).to(
-            v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(
-            v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_dst, _to_kv(tl.load(v_src, mask=kv_mask, other=0.0), q_ptr, v_cache_ptr,
+                               KV_MAX), mask=kv_mask)
+        tl.store(v_dst + HALF, _to_kv(tl.load(v_src + HALF, mask=kv_mask, other=0.0), q_ptr,
+                                      v_cache_ptr, KV_MAX), mask=kv_mask)
+
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows,

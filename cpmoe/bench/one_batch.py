@@ -248,7 +248,7 @@ def _step_bytes(runner: ModelRunner, distinct_local: list[int], context: list[in
     if runner.own_cache:  # DeepSeek-V4: its own caches
         kv = runner.kv.step_read_bytes(context)
     else:
-        kv = runner.kv_bytes_per_token() * (sum(context) + len(context))
+        kv = runner.kv.bytes_per_token() * (sum(context) + len(context))  # the pools' dtype
     return float(dense + experts + kv)
 
 

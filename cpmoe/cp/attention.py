@@ -302,7 +302,7 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         k_all = k_pool.view(-1, *k_pool.shape[-2:])
         v_all = v_pool.view(-1, *v_pool.shape[-2:])
         qs = q if whole else q[prefix.q_rows]
-        k, v = k_all[prefix.slots], v_all[prefix.slots]
+        k, v = k_all[prefix.slots].to(q.dtype), v_all[prefix.slots].to(q.dtype)  # FP8 pools
         if fused:
             om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
                                       prefix.max_k, False, scale)

@@ -43,6 +43,19 @@ import torch
 from cpmoe.cp.split import balancing_rotation, rank_counts, split_positions
 
 DEFAULT_PAGE_SIZE = 16  # tokens per page (--page-size)
+# --kv-cache-dtype (SGLang's values): the pools' dtype; auto: the model's. FP8 pools hold
+# K/V as they are (scale 1, saturating: `ops.to_kv_cache` writes them) and attention widens
+# them back to the model's dtype as it reads them
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pools' dtype for --kv-cache-dtype `name`."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r}: expected one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 class CacheFullError(RuntimeError):
@@ -410,15 +423,12 @@ class PagedKVCache:
         pages = torch.tensor(seq.pages, dtype=torch.int64)
         return (pages[:, None] * ps + torch.arange(ps)).flatten()[:n]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [n, Hkv, D] into the slots [n] (int64, on the pools' device)."""
-        if slots.numel():
-            self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k.to(self.k[layer].dtype)
-            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(self.v[layer].dtype)
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [n, Hkv, D] of the slots [n], in `dtype` (FP8 pools widened)."""
         k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+        return (k.view(-1, *k.shape[2:])[slots].to(dtype),
+                v.view(-1, *v.shape[2:])[slots].to(dtype))
 
 
 class PageRelease:

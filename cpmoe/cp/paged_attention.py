@@ -11,7 +11,8 @@ heads per KV head, D head dim, P max pages per row (block-table width), S splits
 
 Inputs:
 - q_BHD [B, H, D], bf16/fp16/fp32, last dim contiguous; any D (non-powers of two masked).
-- k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype, last dim contiguous (other
+- k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8 (e4m3fn / e5m2, scale 1:
+  `--kv-cache-dtype`, widened to q's dtype as they are loaded), last dim contiguous (other
   strides are passed through, so views of a larger pool work); page_size a power of two.
 - block_table_BP int32 [B, P]: row b's token t lives at page block_table[b, t // page_size],
   offset t % page_size. Entries past a row's ceil(kv_len / page_size) pages are never read.
@@ -65,6 +66,7 @@ if triton is not None:
 
     from cpmoe.ops import quantize_rows, wait_for_producer  # FP8 output; dependent launch
 
+FP8_KV = (torch.float8_e4m3fn, torch.float8_e5m2)  # the FP8 pools of --kv-cache-dtype
 _MIN_SPLIT_TOKENS = 128
 _MAX_DEFAULT_SPLITS = 64
 _PROGRAMS_PER_SM = 4
@@ -90,9 +92,10 @@ def _check_inputs(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"[Hkv={Hkv}, D={Dk}] (need equal D and H divisible by Hkv)")
     if page < 1 or page & (page - 1):
         raise ValueError(f"paged_decode_attention: page_size must be a power of two, got {page}")
-    if k_cache.dtype != q_BHD.dtype or v_cache.dtype != q_BHD.dtype:
-        raise ValueError(f"paged_decode_attention: q, k_cache, v_cache dtypes differ: "
-                         f"{q_BHD.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q_BHD.dtype, *FP8_KV):
+        raise ValueError(f"paged_decode_attention: k_cache and v_cache must both be q's dtype "
+                         f"or FP8 (e4m3fn, e5m2); q, k_cache, v_cache are {q_BHD.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     if (block_table_BP.dim() != 2 or block_table_BP.shape[0] != B
             or block_table_BP.dtype != torch.int32):
         raise ValueError(f"paged_decode_attention: block_table must be int32 [B={B}, P], got "
@@ -305,7 +308,7 @@ if triton is not None:
             page = tl.load(bt_ptr + b * bt_sb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
-                        + d[None, :], mask=kv_mask, other=0.0)
+                        + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 pools: exact
             if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
                 qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                             input_precision="ieee")
@@ -319,7 +322,7 @@ if triton is not None:
             p = tl.exp2(qk - m_new[:, None])
             total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
-                        + d[None, :], mask=kv_mask, other=0.0)
+                        + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             if UPCAST:  # p rounded to bf16 as below, then exact products
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
                             input_precision="ieee")

@@ -66,6 +66,7 @@ class EngineOptions:
     schedule_policy: str = "fcfs"  # --schedule-policy: admission order (fcfs | lpm)
     disable_overlap_schedule: bool = False  # --disable-overlap-schedule: tokens to the host
     # before the next step is planned
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the K/V pools' (kv_cache.KV_CACHE_DTYPES)
 
 
 def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
@@ -95,14 +96,14 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
                              "--mem-fraction-static yet: set --max-total-tokens (token slots "
                              "per rank)")
     if tokens is None:
-        tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static)
+        tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static, opts.kv_cache_dtype)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
         if tokens < opts.page_size:
             raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
                 f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
                 f"GiB already allocated: raise it or set --max-total-tokens")
-    kv = runner.allocate_kv(tokens, opts.page_size)
+    kv = runner.allocate_kv(tokens, opts.page_size, opts.kv_cache_dtype)
     graph_bytes = 0
     if not opts.disable_cuda_graph and runner.can_capture_graphs():
         graph_bytes = runner.capture_decode_graphs(opts.cuda_graph_max_bs)

@@ -30,7 +30,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
     if runner.kv is None:
         runner.allocate_kv(kv_slots_needed([len(p) for p in prompts], max_new_tokens,
                                            layout.attn_cp_size, layout.cp_strategy,
-                                           options.page_size, chunk), options.page_size)
+                                           options.page_size, chunk), options.page_size,
+                            options.kv_cache_dtype)
     kv = runner.kv
     for i, p in enumerate(prompts):
         need = kv_slots_needed([len(p)], max_new_tokens, kv.cp_size, layout.cp_strategy,

@@ -16,7 +16,8 @@ import torch
 from cpmoe.config import read_config_json
 from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
 from cpmoe.cp.forward_batch import ForwardBatch
-from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError, PagedKVCache, pages_for
+from cpmoe.cp.kv_cache import (DEFAULT_PAGE_SIZE, CacheFullError, PagedKVCache, kv_cache_dtype,
+                               pages_for)
 from cpmoe.cp.split import CPSplit
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
@@ -43,11 +44,16 @@ def with_quantization(config, quantization: str | None):
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
-def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
-                    dtype: torch.dtype) -> list[dict[str, int | None]]:
-    """Weight bytes and KV bytes per stored token of every rank's shard, from shards built
-    on the meta device (no memory, no processes). KV is None for models that keep their own
-    per-sequence caches (DeepSeek-V4)."""
+def own_cache_refusal(kv_dtype: str) -> str:
+    return (f"--kv-cache-dtype {kv_dtype}: this model (DeepSeek-V4) keeps its own "
+            f"per-sequence caches, not K/V pages; only auto applies to it")
+
+
+def memory_per_rank(config, model_cls: type, layout: ParallelLayout, dtype: torch.dtype,
+                    kv_dtype: str = "auto") -> list[dict[str, int | None]]:
+    """Weight bytes and KV bytes per stored token (pools of --kv-cache-dtype `kv_dtype`) of
+    every rank's shard, from shards built on the meta device (no memory, no processes). KV
+    is None for models that keep their own per-sequence caches (DeepSeek-V4)."""
     out = []
     for rank in range(layout.world_size):
         with torch.device("meta"):
@@ -63,7 +69,7 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout,
         if not model.own_cache:
             attn = model.model.layers[0].self_attn
             kv = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
-                  * torch.empty((), dtype=dtype).element_size())
+                  * kv_cache_dtype(kv_dtype, dtype).itemsize)
         out.append({"rank": rank, "weight_bytes": weights, "kv_bytes_per_token": kv,
                     **({"fp8_on_cuda": fp8} if fp8 else {})})
     return out
@@ -176,29 +182,36 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_dtype: str = "auto") -> int:
+        """K/V bytes of one stored token in pools of --kv-cache-dtype `kv_dtype`."""
         attn = self.model.model.layers[0].self_attn
         return (2 * len(self.model.model.layers) * attn.num_kv_heads * attn.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
+                * kv_cache_dtype(kv_dtype, self.dtype).itemsize)
 
-    def allocate_kv(self, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE):
-        """A cache of `max_tokens` token slots per rank (rounded up to whole pages)."""
+    def allocate_kv(self, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
+                    kv_dtype: str = "auto"):
+        """A cache of `max_tokens` token slots per rank (rounded up to whole pages), its pools
+        of --kv-cache-dtype `kv_dtype`."""
         if self.own_cache:  # per-sequence model state, not K/V pages (DeepSeek-V4)
+            if kv_dtype != "auto":
+                raise ValueError(own_cache_refusal(kv_dtype))
             self.kv = self.model.make_kv_cache(max_tokens)
             return self.kv
         attn = self.model.model.layers[0].self_attn
         cp = self.groups.attn_cp
         self.kv = PagedKVCache(len(self.model.model.layers), pages_for(max_tokens, page_size),
-                               page_size, attn.num_kv_heads, attn.head_dim, self.dtype,
-                               self.device, cp.size, cp.rank, self.layout.cp_strategy)
+                               page_size, attn.num_kv_heads, attn.head_dim,
+                               kv_cache_dtype(kv_dtype, self.dtype), self.device, cp.size,
+                               cp.rank, self.layout.cp_strategy)
         return self.kv
 
-    def kv_tokens_for_memory(self, mem_fraction: float) -> int:
+    def kv_tokens_for_memory(self, mem_fraction: float, kv_dtype: str = "auto") -> int:
         """KV token slots per rank that fit `mem_fraction` of the GPU's memory next to what is
-        allocated now (weights), agreed over the ranks (SGLang's --mem-fraction-static)."""
+        allocated now (weights), agreed over the ranks (SGLang's --mem-fraction-static), in
+        pools of --kv-cache-dtype `kv_dtype`."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * mem_fraction - torch.cuda.memory_allocated(self.device)
-        mine = torch.tensor([max(0, int(budget // self.kv_bytes_per_token()))],
+        mine = torch.tensor([max(0, int(budget // self.kv_bytes_per_token(kv_dtype)))],
                             dtype=torch.int64, device=self.device)
         return int(min(self.gather_from_ranks(mine)))
 

@@ -76,7 +76,7 @@ class QwenMoeAttention(nn.Module):
         elif batch.kv is not None and batch.write_slots is not None:
             # q/k norm + RoPE and the K/V writes in one kernel (as decode), K/V read back
             q = self._store(qkv, rope, batch, layer)
-            o = self._extend(q, *batch.kv.read(layer, batch.write_slots), batch, layer)
+            o = self._extend(q, *batch.kv.read(layer, batch.write_slots, q.dtype), batch, layer)
         else:
             q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D,
                                  self.num_kv_heads * D], dim=-1)

@@ -71,6 +71,22 @@ def kv_and_sampling_task(info: RankInfo, layout: ParallelLayout, model_dir: Path
     return {"kv_bytes": kv_bytes, "tokens": tokens, "kv_used_after": kv.used}
 
 
+def fp8_kv_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
+                seqs: list[list[int]], new_tokens: int, chunk: int) -> dict:
+    """Greedy decoding over FP8 K/V pools (--kv-cache-dtype fp8_e4m3), prompts prefilled
+    `chunk` tokens a step (later chunks attend their cached, CP-sharded prefix) -> tokens
+    and the logits of every step that sampled."""
+    from cpmoe.engine.engine import EngineOptions
+
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    steps: list[torch.Tensor] = []
+    opts = EngineOptions(kv_cache_dtype="fp8_e4m3", chunked_prefill_size=chunk)
+    tokens = generate(runner, seqs, new_tokens, observe=steps.append, options=opts)
+    assert runner.kv.k[0].dtype == torch.float8_e4m3fn
+    return {"tokens": tokens, "steps": steps}
+
+
 def placement_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
                    calibration: list[list[int]], seqs: list[list[int]], new_tokens: int
                    ) -> dict:

@@ -314,7 +314,7 @@ def ids_file(workdir) -> Path:
 SPAWNED_CHECKS = {"bad-layout-plan-cp-not-dividing-tp", "bad-input-id-too-large"}
 # `plan` (no rank, no weights) runs as a real command for the demo layout (--json and text);
 # its other layouts are read from main() in this process
-IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8"}
+IN_PROCESS_PLANS = {"plan-alltoall", "plan-coupled", "plan-q3", "plan-q3-ep8", "plan-q3-fp8kv"}
 # One-rank prefill and generate run the model in the CLI's own process (no rank): main() in
 # this process runs the same code, without an interpreter and torch import each (about 3
 # CPU-s); the real command is met by `plan`, the refusals above and every multi-rank call.
@@ -322,7 +322,7 @@ IN_PROCESS_ONE_RANK = {"prefill-1rank", "generate-ids-1rank", "generate-default-
 
 
 @pytest.fixture(scope="module")
-def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
+def quick(cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, CliResult]:
     """Every call that must not (or need not) spawn ranks, run concurrently (the refusals
     not in SPAWNED_CHECKS: one after another in this process)."""
     q3 = str(qwen3_moe_dir)
@@ -335,6 +335,8 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
                           "--ep-size", "2", "--json"),),
         "plan-q3": (("plan", "--model", q3, *TP4_CP2_EP4, "--json"),),
         "plan-q3-ep8": (("plan", "--model", q3, "--tp-size", "8", "--ep-size", "8", "--json"),),
+        "plan-q3-fp8kv": (("plan", "--model", q3, *TP4_CP2_EP4, "--kv-cache-dtype",
+                           "fp8_e4m3", "--json"),),
         "prefill-1rank": (("prefill", "--model", q3, "--input-ids-file", ids_file,
                            "--dump-logits", workdir / "logits-1rank.safetensors"),),
         "generate-ids-1rank": (("generate", "--model", q3, "--input-ids", "1,2,3",
@@ -357,6 +359,9 @@ def quick(cli, workdir, ids_file, qwen3_moe_dir) -> dict[str, CliResult]:
     calls["generate-does-not-fit"] = (("generate", "--model", q3, *TP2_CP2_EP2, "--input-ids",
                                        ",".join(["7"] * 40), "--max-new-tokens", "8",
                                        "--max-total-tokens", "20"),)
+    calls["bad-kv-cache-dtype-v4"] = (("generate", "--model", v4_dir, "--input-ids", "1,2,3",
+                                       "--max-new-tokens", "2", "--kv-cache-dtype",
+                                       "fp8_e4m3"),)
     calls["bad-dump-folder"] = (("prefill", "--model", q3, *TP2_CP2_EP2, "--input-ids-file",
                                  ids_file, "--dump-logits",
                                  workdir / "no-such-folder" / "out.safetensors"),)
@@ -474,6 +479,20 @@ def test_plan_model_with_dense_layer(quick):
         {"layer": 0, "sparse": True, "attn": "TP_ATTN_FULL", "mlp": "MOE_FULL"},
         {"layer": 1, "sparse": False, "attn": "TP_ATTN_FULL", "mlp": "TP_ATTN_FULL"},
         {"layer": 2, "sparse": True, "attn": "TP_ATTN_FULL", "mlp": "MOE_FULL"}]
+
+
+def test_plan_fp8_kv_cache_is_a_byte_an_element(quick):
+    """--kv-cache-dtype fp8_e4m3: a quarter of float32's KV bytes per token, on every rank."""
+    fp8, plain = plan_json(quick["plan-q3-fp8kv"]), plan_json(quick["plan-q3"])
+    assert fp8["kv_cache_dtype"] == "fp8_e4m3" and plain["kv_cache_dtype"] == "auto"
+    assert [m["kv_bytes_per_token"] * 4 for m in fp8["memory_per_rank"]] == [
+        m["kv_bytes_per_token"] for m in plain["memory_per_rank"]]
+
+
+def test_fp8_kv_cache_refused_for_a_model_with_its_own_caches(quick):
+    res = quick["bad-kv-cache-dtype-v4"]
+    assert_user_error(res, "--kv-cache-dtype fp8_e4m3")
+    assert "DeepSeek-V4" in res.stderr
 
 
 def test_plan_model_fit_ok(quick):

@@ -7,7 +7,10 @@ saved to hold the same weights, so any difference is cpmoe's (loader, model, run
   HF logits of each sequence run alone and unpadded, within 1e-4;
 - greedy decode: `cpmoe.engine.generate.generate` equals HF `generate(do_sample=False)`
   token for token, per prompt and for both prompts in one batch;
-- a checkpoint with tied input/output embeddings (no lm_head tensor) loads and matches.
+- a checkpoint with tied input/output embeddings (no lm_head tensor) loads and matches;
+- an FP8 KV cache (`--kv-cache-dtype fp8_e4m3` / `fp8_e5m2`): every logit greedy decoding
+  samples from (the prefill through the cache, then each decode step) equals HF's with its
+  attention's keys and values rounded to the format, saturating, within 1e-4.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpmoe.engine.engine import EngineOptions
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
@@ -91,3 +95,47 @@ def test_tied_embeddings_checkpoint_matches_hf(make_hf_checkpoint, prompts):
     assert err <= TOL, f"tied embeddings: max |cpmoe - HF| logit diff {err:.3e} > {TOL}"
     want = hf_greedy(hf_model, prompts[1], NEW_TOKENS)
     assert generate(runner, [prompts[1]], NEW_TOKENS) == [want]
+
+
+FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("kind, kv_dtype", [("qwen3_moe", "fp8_e4m3"), ("qwen2_moe", "fp8_e4m3"),
+                                            ("qwen3_moe", "fp8_e5m2")])
+def test_fp8_kv_cache_equals_hf_attending_rounded_keys(kind, kv_dtype, make_hf_checkpoint,
+                                                       hf_models, prompts):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fmt = FP8_FORMATS[kv_dtype]
+    top = torch.finfo(fmt).max
+
+    def rounded(x):  # what an FP8 pool holds, widened back
+        return x.clamp(-top, top).to(fmt).to(x.dtype)
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args,
+                                      **kwargs)
+
+    name = f"cpmoe_test_{kv_dtype}"
+    AttentionInterface.register(name, attention)
+    hf, model_dir = hf_models[kind], make_hf_checkpoint(kind)[1]
+    plain = hf.config._attn_implementation
+    runner = make_runner(model_dir)
+    for p in prompts:
+        steps: list[torch.Tensor] = []
+        runner.kv = None  # a fresh cache per prompt
+        tokens = generate(runner, [p], NEW_TOKENS, observe=steps.append,
+                          options=EngineOptions(kv_cache_dtype=kv_dtype))[0]
+        assert runner.kv.k[0].dtype == fmt
+        got = torch.cat(steps)  # [NEW_TOKENS, V]: the last prompt position, then each step
+        seq = [p + tokens[:-1]]
+        try:
+            hf.set_attn_implementation(name)
+            want = hf_logits(hf, seq)[len(p) - 1:]
+        finally:
+            hf.set_attn_implementation(plain)
+        err = (got - want).abs().max().item()
+        assert err <= TOL, f"{kind} {kv_dtype}: max |cpmoe - HF| logit diff {err:.3e} > {TOL}"
+        # not vacuous: rounding K/V to FP8 moves HF's logits past 10x the tolerance
+        assert (hf_logits(hf, seq)[len(p) - 1:] - want).abs().max().item() > 10 * TOL

@@ -183,6 +183,20 @@ def test_triton_ops_match_references_at_model_shapes():
     torch.testing.assert_close(q, q_ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
     assert torch.equal(caches[1], caches[3])  # v is copied as it is
+    # FP8 pools (--kv-cache-dtype): the kernel's stores equal torch's bit for bit (round to
+    # bf16 as the torch path does, then to nearest FP8, saturating); some v past the range
+    qkv[::7, 36 * 128 + 5] = 3e4
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        caches = [torch.zeros(256, 16, 4, 128, device=dev, dtype=fmt) for _ in range(4)]
+        ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                                *caches[:2], slots)
+        ops.qkv_norm_rope_store_ref(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                                    *caches[2:], slots)
+        for got, want in zip(caches[:2], caches[2:]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), fmt
+        top = caches[1].float().view(-1, 4, 128)[slots[::7], 0, 5]
+        # e4m3 saturates at 448; e5m2: 3e4 -> bf16 29952 -> 28672 (steps of 4096 there)
+        assert top.eq(448.0 if fmt == torch.float8_e4m3fn else 28672.0).all(), top
     # residual add + RMSNorm: the sum exactly as torch's bf16 add, the norm within bf16
     x, r = torch.randn(64, 2048, device=dev, dtype=bf), torch.randn(64, 2048, device=dev, dtype=bf)
     out, summed = ops.add_rms_norm(x, r, nw.repeat(16), 1e-6)

@@ -36,12 +36,13 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(0, 4096, (length + 7 * i,), generator=gen).tolist() for i in range(n)]
 
 
-def _graph_runner(graphs: bool, quantization: str | None = None) -> ModelRunner:
+def _graph_runner(graphs: bool, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto") -> ModelRunner:
     r = runner(torch.bfloat16, quantization)
     fp8 = any(p.dtype == torch.float8_e4m3fn for p in r.model.parameters())
     assert fp8 == (quantization == "fp8")
     opts = EngineOptions(page_size=16, disable_cuda_graph=not graphs, cuda_graph_max_bs=32,
-                         max_total_tokens=8192)
+                         max_total_tokens=8192, kv_cache_dtype=kv_cache_dtype)
     prepare_runner(r, opts, None)
     assert (r.graphs is not None) == graphs
     assert not r.kv.seqs and r.kv.used == 0  # the prefill warm-up's sequence is freed
@@ -59,22 +60,27 @@ def _forced_decode(r: ModelRunner, seqs: list[list[int]], tokens: list[list[int]
 
 
 @cuda
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-@pytest.mark.parametrize("rows", [16, 13])
-def test_graph_replay_follows_eager_decode(rows, quantization):
+@pytest.mark.parametrize("rows, quantization, kv_cache_dtype", [
+    (16, None, "auto"), (13, None, "auto"), (16, "fp8", "auto"), (13, "fp8", "auto"),
+    (13, None, "fp8_e4m3"), (13, "fp8", "fp8_e4m3")])
+def test_graph_replay_follows_eager_decode(rows, quantization, kv_cache_dtype):
     """16 rows fill a graph bucket, 13 are padded to it; bf16, and `--quantization fp8`
-    (FP8 GEMMs, FP8 decode experts). cuBLAS may pick other kernels under stream capture and
-    for the padded shape, so the logits may differ by rounding (|d| measured per step; FP8
+    (FP8 GEMMs, FP8 decode experts), and either over FP8 K/V pools (--kv-cache-dtype
+    fp8_e4m3). cuBLAS may pick other kernels under stream capture and for the padded
+    shape, so the logits may differ by rounding (|d| measured per step; FP8
     activations can turn such a difference into one quantization step): with the eager
     run's tokens fed to both, every step whose eager top-2 gap exceeds 2|d| must pick the
     same token, and the logits stay within bf16's 2^-8 relative error per layer (a wrong
     page, slot, scale or stale buffer moves them by far more)."""
     seqs = prompts(rows, 100)
-    tokens = generate(_graph_runner(False, quantization), seqs, 24,
+    tokens = generate(_graph_runner(False, quantization, kv_cache_dtype), seqs, 24,
                       options=EngineOptions(page_size=16, disable_cuda_graph=True,
-                                            max_total_tokens=8192))
-    eager = _forced_decode(_graph_runner(False, quantization), seqs, tokens)
-    graph = _forced_decode(_graph_runner(True, quantization), seqs, tokens)
+                                            max_total_tokens=8192,
+                                            kv_cache_dtype=kv_cache_dtype))
+    eager = _forced_decode(_graph_runner(False, quantization, kv_cache_dtype), seqs, tokens)
+    graph_runner = _graph_runner(True, quantization, kv_cache_dtype)
+    assert (graph_runner.kv.k[0].dtype == torch.float8_e4m3fn) == (kv_cache_dtype != "auto")
+    graph = _forced_decode(graph_runner, seqs, tokens)
     checked = 0
     for step, (le, lg) in enumerate(zip(eager, graph)):
         le, lg = le.float(), lg.float()
@@ -87,6 +93,26 @@ def test_graph_replay_follows_eager_decode(rows, quantization):
     # FP8 activations turn a rounding difference into a quantization step, so fewer steps
     # are decisive (at 5800ba7 on the H200: 145 of 312 at 13 rows, 0.46)
     assert checked > (0.5 if quantization is None else 0.4) * 24 * len(seqs)
+
+
+@cuda
+def test_fp8_kv_pages_read_back_on_cuda_follow_one_piece_prefill():
+    """--kv-cache-dtype fp8_e4m3 on the paths that read pages back, bf16 on CUDA: a prompt
+    prefilled in chunks of 64 (each chunk attends its cached FP8 prefix) and a sequence
+    forked from it at 150 tokens (a partly filled page copied, whole ones shared) give the
+    one-piece prefill's logits within the attention splits' bf16 rounding (a wrong page or
+    an unwidened FP8 value moves them by far more)."""
+    r = _graph_runner(False, None, "fp8_e4m3")
+    seq = prompts(1, 300)[0]
+    whole = r.extend([Segment(0, seq)], last_only=False)
+    chunks = [r.extend([Segment(1, seq[i:i + 64], i)], last_only=False)
+              for i in range(0, len(seq), 64)]
+    r.kv.fork(2, 1, 150)
+    forked = r.extend([Segment(2, seq[150:], 150)], last_only=False)
+    for got, want in ((torch.cat(chunks), whole), (forked, whole[150:])):
+        err = (got - want).abs().max()
+        assert err < 0.05 * want.abs().max(), f"off by {err.item():.3g}"
+    assert r.kv.k[0].dtype == torch.float8_e4m3fn and r.kv.k[0].view(torch.uint8).any()
 
 
 @cuda

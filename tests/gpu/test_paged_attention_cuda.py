@@ -57,7 +57,8 @@ def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None)
     dtype, scale = q.dtype, q.shape[-1] ** -0.5
     o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale, num_splits)
     want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
-    abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.abs(), table, lens_B, scale)
+    abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.float().abs(), table, lens_B,
+                                             scale)
     bound = U[dtype] * (abs_o + want_o.abs()) + 1e-5 * abs_o + 1e-6
     err = (o.float() - want_o).abs()
     assert o.dtype == dtype and lse.dtype == torch.float32
@@ -96,6 +97,18 @@ def test_other_dtypes_dims_and_splits_match_reference(dtype, dim, page, splits) 
     lens = ragged_lens(8, 2000, seed=dim)
     batch = make_batch(lens, page, dtype=dtype, heads=16, kv_heads=2, dim=dim, seed=dim)
     check_against_reference(*batch, num_splits=splits)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("batch, ctx, splits", [(64, 1024, None), (16, 4096, None),
+                                                (8, 2000, 3)])
+def test_fp8_pools_match_reference_on_the_values_they_hold(fmt, batch, ctx, splits) -> None:
+    """--kv-cache-dtype fp8: the kernel widens the pools' values to bf16 exactly as it loads
+    them, so the bf16 bound above holds against the reference on the same FP8 values."""
+    q, k_cache, v_cache, table, lens_B = make_batch(ragged_lens(batch, ctx, seed=ctx), 16,
+                                                    seed=batch)
+    check_against_reference(q, k_cache.to(fmt), v_cache.to(fmt), table, lens_B, splits)
 
 
 @cuda

@@ -102,6 +102,27 @@ def test_public_entry_on_cpu_rounds_the_reference_once(dtype: torch.dtype) -> No
     torch.testing.assert_close(o32.double(), want_o, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pools_attend_the_keys_they_hold(fmt: torch.dtype, dtype: torch.dtype) -> None:
+    """--kv-cache-dtype fp8: the pools hold each row's keys rounded to FP8; attention (CPU
+    path) is the naive float64 loop over those rounded keys, widened, o rounded once."""
+    lens = [3, 0, 40, 17]
+    k_cache, v_cache, table, lens_B, rows_k, rows_v = build_paged(lens, 16, 2, 32,
+                                                                 torch.float32, seed=9)
+    k8, v8 = k_cache.to(fmt), v_cache.to(fmt)  # NaN outside the rows' slots stays NaN
+    q = torch.randn(len(lens), 8, 32).to(dtype)
+    o, lse = pa.paged_decode_attention(q, k8, v8, table, lens_B, 0.2)
+    want_o, want_lse = naive_attention(q, [k.to(fmt).float() for k in rows_k],
+                                       [v.to(fmt).float() for v in rows_v], 0.2)
+    assert o.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    torch.testing.assert_close(o.double(), want_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    unrounded, _ = naive_attention(q, rows_k, rows_v, 0.2)  # the rounding shows
+    assert (unrounded - want_o).abs().max() > 10 * tol
+
+
 def test_shards_merge_to_the_full_result() -> None:
     """The CP use: each rank holds some of a row's keys; merged partials equal the whole."""
     lens = [0, 1, 40, 77, 33]
@@ -136,7 +157,8 @@ def test_bad_inputs_raise_one_line_errors() -> None:
         ((q, k_cache, v_cache, table, lens_B.long()), "kv_lens must be int32"),
         ((q, k_cache, v_cache, table.long(), lens_B), "block_table must be int32"),
         ((torch.randn(2, 3, 16), k_cache, v_cache, table, lens_B), "H divisible by Hkv"),
-        ((q.double(), k_cache, v_cache, table, lens_B), "dtypes differ"),
+        ((q.double(), k_cache, v_cache, table, lens_B), "must both be q's dtype or FP8"),
+        ((q, k_cache, v_cache.to(torch.float8_e4m3fn), table, lens_B), "must both be"),
         ((q, k_cache, v_cache, table, torch.tensor([5, 99], dtype=torch.int32)),
          r"kv_lens must lie in \[0, 16\]"),
     ]
@@ -173,8 +195,10 @@ U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 **
 
 
 def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views=False,
-          workspace=False):
+          workspace=False, pool=None):
     k_cache, v_cache, table, lens_B, _, _ = build_paged(lens, page, kv_heads, dim, dtype, 11)
+    if pool is not None:  # --kv-cache-dtype fp8: the kernel widens what the pools hold
+        k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
     if views:  # K and V as views of one [pages, page, 2, Hkv, D] pool (strided pages)
         kv = torch.stack([k_cache, v_cache], dim=2)
         k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
@@ -208,6 +232,9 @@ check([5, 70, 0], 1, 3, 3, 80, torch.bfloat16, 3)  # page 1, GQA group 1, D not 
 check([64, 65, 1], 64, 16, 2, 16, torch.float16, 2, out_dtype=torch.float32)  # group 8
 check([33, 0, 47], 16, 4, 1, 64, torch.float32, 4, views=True, workspace=True)
 check([130, 2], 16, 8, 2, 256, torch.bfloat16, 2)
+for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and three splits
+    check([0, 1, 16, 150], 16, 8, 2, 32, torch.bfloat16, 1, pool=pool)
+    check([70, 5], 16, 8, 2, 32, torch.float32, 3, pool=pool)
 
 # CP merge with the kernel: two shards of row keys merged equal the whole
 q, kc, vc, tb, lb, o, lse = check([50, 20], 16, 8, 2, 32, torch.float32, 2)
