@@ -223,6 +223,9 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     G = H // Hkv
     block_n = 32 if D > 128 else 64  # bounds the [BLOCK_N, D] K/V tiles in registers
     d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
+    # FP8 pools: two stages, not three (41 vs 57 us at batch 64 x 1K on the H200, see
+    # KV_FP8 in the kernel)
+    fp8 = {"KV_FP8": True, "num_stages": 2} if k_cache.dtype in FP8_KV else {}
     _paged_decode_stage1[(B, Hkv, num_splits)](
         q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
@@ -232,7 +235,7 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(G)),
         D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
-        **pdl_args(q_BHD))
+        **fp8, **pdl_args(q_BHD))
     if num_splits > 1:
         q8 = s_t = o_BHD  # any pointer when not quantizing
         if quant:
@@ -281,7 +284,14 @@ if triton is not None:
                              o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
-                             UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                             UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+                             KV_FP8: tl.constexpr = False, kv_scale=1.0):
+        """KV_FP8: FP8 pools, widened to q's dtype as k * kv_scale (1.0: the pools hold K/V
+        as they are; exact). The multiply by a value known only at run time makes Triton
+        widen each tile in registers and stage it in shared memory as 16-bit values, read
+        into the MMA layout with ldmatrix; a plain cast let it stage the FP8 bytes and read
+        them one by one into that layout (on the H200 at batch 64 x 1K: 51 us against 41 us
+        a call with 64-key tiles; bf16 pools 40 us)."""
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -308,7 +318,9 @@ if triton is not None:
             page = tl.load(bt_ptr + b * bt_sb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
-                        + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 pools: exact
+                        + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k = (k.to(tl.float32) * kv_scale).to(q.dtype)
             if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
                 qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                             input_precision="ieee")
@@ -322,7 +334,9 @@ if triton is not None:
             p = tl.exp2(qk - m_new[:, None])
             total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
-                        + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+                        + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = (v.to(tl.float32) * kv_scale).to(q.dtype)
             if UPCAST:  # p rounded to bf16 as below, then exact products
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
                             input_precision="ieee")

@@ -46,7 +46,7 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
     # every argument not in `unaligned` 16-divisible, as launches specialize them
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in constexprs else pointers.get(
-        p, "fp32" if p in ("limit", "eps", "scale_log2") else "i32") for p in params}
+        p, "fp32" if p in ("limit", "eps", "scale_log2", "kv_scale") else "i32") for p in params}
     aligned = [i for i, p in enumerate(params) if sig[p] != "constexpr" and p not in unaligned]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -154,7 +154,8 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         {"q_ptr": bf16, "k_ptr": fmt, "v_ptr": fmt, "bt_ptr": "*i32", "lens_ptr": "*i32",
          "o_ptr": "*fp32", "lse_ptr": "*fp32"},
         {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False, "UPCAST": False,
-         "PDL": True}, ("bt_sb", "NUM_SPLITS", "GROUP"), {"num_warps": 4})
+         "PDL": True, "KV_FP8": True}, ("bt_sb", "NUM_SPLITS", "GROUP"),
+        {"num_warps": 4, "num_stages": 2})
     waits_first(ptx, ("stage 1", fmt))
     ptx = compile_sm90(
         ops._qkv_norm_rope_store_kernel,
