@@ -4,7 +4,8 @@ Margins are checked on routers whose logits are written out by hand; the verdict
 built so the answer is known. What the command prints (progress, margins and decode steps
 per prompt) is read from test_cli's tp4 cp2 ep4 `cpmoe check` run
 (test_check_reports_progress_decode_and_routing_margins_per_prompt), which that module runs
-anyway: no run of its own here.
+anyway: no run of its own here. The one model run here (one rank, in this process) checks
+that both of check's runs use the --kv-cache-dtype they are given.
 """
 
 from __future__ import annotations
@@ -77,3 +78,26 @@ def test_decode_top1_differences_fail_in_float32_only():
     assert report.failures() == [0]
     report.strict_decode = False  # 16-bit: reported, not failed
     assert report.failures() == []
+
+
+def test_check_runs_over_the_kv_cache_dtype_it_is_given(qwen3_moe_dir):
+    """`cpmoe check --kv-cache-dtype fp8_e4m3` compares both runs over FP8 pools: `_run`
+    builds its cache in the dtype it is handed (the logits move by the rounding), and the
+    result equals generate's own path over FP8 pools, the prefill's last position."""
+    from cpmoe.check import _run
+    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.generate import generate
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+
+    runner = ModelRunner(qwen3_moe_dir, ProcessGroups.single(), torch.float32,
+                         show_progress=False)
+    seqs, feeds = [[5, 9, 2, 77, 31, 8, 140]], [[3, 4]]
+    fp8, fp8_steps = _run(runner, seqs, feeds, "fp8_e4m3")
+    plain, _ = _run(runner, seqs, feeds, "auto")
+    assert (fp8 - plain).abs().max() > 1e-4
+    steps: list[torch.Tensor] = []
+    generate(runner, seqs, 1, observe=steps.append,
+             options=EngineOptions(kv_cache_dtype="fp8_e4m3"))
+    torch.testing.assert_close(fp8[-1:], steps[0], rtol=1e-6, atol=1e-6)
+    assert len(fp8_steps) == 2
