@@ -150,10 +150,10 @@ def add_quantization_flag(g) -> None:
 def engine_options(args: argparse.Namespace, cfg=None):
     """The engine flags, checked; with the model's config, also against the model."""
     from cpmoe.engine.engine import EngineOptions
-    from cpmoe.engine.runner import own_cache_refusal
-    if (cfg is not None and args.kv_cache_dtype != "auto"
-            and model_class(cfg.architecture).own_cache):
-        raise InputError(own_cache_refusal(args.kv_cache_dtype))
+    from cpmoe.engine.runner import kv_cache_refusal
+    refusal = cfg and kv_cache_refusal(args.kv_cache_dtype, model_class(cfg.architecture))
+    if refusal:
+        raise InputError(refusal)
     for flag in ("page_size", "max_running_requests", "cuda_graph_max_bs"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got "
@@ -220,7 +220,7 @@ def resolve(args: argparse.Namespace):
 # ---- commands ---------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from cpmoe.engine.runner import memory_per_rank, own_cache_refusal
+    from cpmoe.engine.runner import kv_cache_refusal, memory_per_rank
     layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]
@@ -232,8 +232,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out["decode_cache"] = note
     out["dtype"] = str(dtype).removeprefix("torch.")
     cfg = with_quantization(cfg, args.quantization)
-    if args.kv_cache_dtype != "auto" and model_cls.own_cache:
-        raise InputError(own_cache_refusal(args.kv_cache_dtype))
+    refusal = kv_cache_refusal(args.kv_cache_dtype, model_cls)
+    if refusal:
+        raise InputError(refusal)
     out["kv_cache_dtype"] = args.kv_cache_dtype
     out["memory_per_rank"] = memory_per_rank(cfg, model_cls, layout, dtype, args.kv_cache_dtype)
     if args.json:

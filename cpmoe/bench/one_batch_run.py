@@ -16,7 +16,7 @@ from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.spec import SHAPES, BenchError, parse_config, read_shape
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype, read_config_json
-from cpmoe.engine.runner import own_cache_refusal
+from cpmoe.engine.runner import kv_cache_refusal
 from cpmoe.models.registry import check_model_fit, model_class
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a world builds a 30B model and captures graphs first
@@ -67,8 +67,9 @@ def run_one_batch(args: argparse.Namespace, layout, engine, argv: list[str]) -> 
                                 args.config)
     cfg = parse_config(raw, str(args.config or args.model or f"--shape {shape}"))
     check_model_fit(layout, cfg)
-    if engine.kv_cache_dtype != "auto" and model_class(cfg.architecture).own_cache:
-        raise BenchError(own_cache_refusal(engine.kv_cache_dtype))
+    refusal = kv_cache_refusal(engine.kv_cache_dtype, model_class(cfg.architecture))
+    if refusal:
+        raise BenchError(refusal)
     batches, lengths = _ints(args.batch_size, "--batch-size"), _ints(args.input_len,
                                                                      "--input-len")
     if args.output_len < 2:

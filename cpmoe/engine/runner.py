@@ -44,9 +44,21 @@ def with_quantization(config, quantization: str | None):
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
-def own_cache_refusal(kv_dtype: str) -> str:
+def kv_cache_refusal(kv_dtype: str, model) -> str | None:
+    """Why --kv-cache-dtype `kv_dtype` cannot apply to `model` (a model class or instance),
+    or None: a model with its own per-sequence caches (DeepSeek-V4) takes only auto."""
+    if kv_dtype == "auto" or not model.own_cache:
+        return None
     return (f"--kv-cache-dtype {kv_dtype}: this model (DeepSeek-V4) keeps its own "
             f"per-sequence caches, not K/V pages; only auto applies to it")
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype, kv_dtype: str) -> int:
+    """K/V bytes of one stored token of `model` (in `dtype`) in pools of --kv-cache-dtype
+    `kv_dtype`."""
+    attn = model.model.layers[0].self_attn
+    return (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
+            * kv_cache_dtype(kv_dtype, dtype).itemsize)
 
 
 def memory_per_rank(config, model_cls: type, layout: ParallelLayout, dtype: torch.dtype,
@@ -65,11 +77,7 @@ def memory_per_rank(config, model_cls: type, layout: ParallelLayout, dtype: torc
             from cpmoe.quant.modules import planned_weight_bytes
             fp8 = dict(zip(("weight_bytes", "fp8_bytes"),
                            planned_weight_bytes(model, quant, dtype)))
-        kv = None
-        if not model.own_cache:
-            attn = model.model.layers[0].self_attn
-            kv = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim
-                  * kv_cache_dtype(kv_dtype, dtype).itemsize)
+        kv = None if model.own_cache else kv_bytes_per_token(model, dtype, kv_dtype)
         out.append({"rank": rank, "weight_bytes": weights, "kv_bytes_per_token": kv,
                     **({"fp8_on_cuda": fp8} if fp8 else {})})
     return out
@@ -184,17 +192,16 @@ class ModelRunner:
 
     def kv_bytes_per_token(self, kv_dtype: str = "auto") -> int:
         """K/V bytes of one stored token in pools of --kv-cache-dtype `kv_dtype`."""
-        attn = self.model.model.layers[0].self_attn
-        return (2 * len(self.model.model.layers) * attn.num_kv_heads * attn.head_dim
-                * kv_cache_dtype(kv_dtype, self.dtype).itemsize)
+        return kv_bytes_per_token(self.model, self.dtype, kv_dtype)
 
     def allocate_kv(self, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
                     kv_dtype: str = "auto"):
         """A cache of `max_tokens` token slots per rank (rounded up to whole pages), its pools
         of --kv-cache-dtype `kv_dtype`."""
+        refusal = kv_cache_refusal(kv_dtype, self.model)
+        if refusal:
+            raise ValueError(refusal)
         if self.own_cache:  # per-sequence model state, not K/V pages (DeepSeek-V4)
-            if kv_dtype != "auto":
-                raise ValueError(own_cache_refusal(kv_dtype))
             self.kv = self.model.make_kv_cache(max_tokens)
             return self.kv
         attn = self.model.model.layers[0].self_attn
