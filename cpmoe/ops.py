@@ -200,10 +200,8 @@ def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a K/V pool of `dtype` stores it: an FP8 pool (--kv-cache-dtype fp8_e4m3 /
     fp8_e5m2, scale 1) saturates at the format's largest finite value, as the GPU's
     conversion does (torch's e5m2 cast would overflow to inf), and rounds to nearest even."""
-    if dtype.itemsize == 1 and dtype.is_floating_point:
-        fmax = torch.finfo(dtype).max
-        return x.float().clamp(-fmax, fmax).to(dtype)
-    return x.to(dtype)
+    fmax = kv_max(dtype)
+    return x.float().clamp(-fmax, fmax).to(dtype) if fmax else x.to(dtype)
 
 
 def kv_max(dtype: torch.dtype) -> float:

@@ -58,6 +58,7 @@ import os
 
 import torch
 
+from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
 from cpmoe.ops import _use_triton, pdl_args, triton
 from cpmoe.quant.offers import offer_quantized
 
@@ -66,7 +67,7 @@ if triton is not None:
 
     from cpmoe.ops import quantize_rows, wait_for_producer  # FP8 output; dependent launch
 
-FP8_KV = (torch.float8_e4m3fn, torch.float8_e5m2)  # the FP8 pools of --kv-cache-dtype
+FP8_KV = tuple(d for d in KV_CACHE_DTYPES.values() if d)  # the FP8 pools of --kv-cache-dtype
 _MIN_SPLIT_TOKENS = 128
 _MAX_DEFAULT_SPLITS = 64
 _PROGRAMS_PER_SM = 4
