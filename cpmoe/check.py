@@ -18,8 +18,15 @@ decode step whose top-1 differs (in 16-bit dtypes layouts differ by rounding, an
 weights leave near-tied top logits: decode top-1 differences are reported, not failed).
 A routing near-tie excuses nothing: with many rows per prompt most long prompts have one.
 
+- indexer (DeepSeek-V4, float32), on the reference: each prompt's smallest margin at the
+  lightning indexer's top-k cut (the k-th minus the (k+1)-th best score a query may see),
+  flagged below the same `near_tie` bound: entries that close are picked by rounding, and a
+  layout may pick the other (`IndexerMargins`; exact ties at 0 are not near-ties: the
+  reference's top-k decides them and cpmoe takes it in every layout).
+
 Progress goes to stderr after each batch. Only routers of the Qwen-MoE kind
-(`SoftmaxTopKRouter`) are measured; for other models the margins are reported as unknown.
+(`SoftmaxTopKRouter`) are measured; for other models the routing margins are reported as
+unknown.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch.nn.functional as F
 from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.rank_tasks import RunSpec, build_runner
+from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
 from cpmoe.moe.router import SoftmaxTopKRouter
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
@@ -59,6 +67,11 @@ class PromptReport:
     margin: float | None = None  # smallest top-k routing margin (None: not measured)
     margin_at: tuple[int, int] | None = None  # (layer, position)
     near_tie: bool = False
+    # DeepSeek-V4's indexer, float32 (`IndexerMargins`): None where not measured, inf where
+    # no row had more visible entries than its top-k
+    index_margin: float | None = None
+    index_margin_at: tuple[int, int] | None = None
+    index_near_tie: bool = False
 
 
 @dataclass
@@ -86,42 +99,95 @@ class CheckReport:
                 (self.strict_decode and p.decode_top1_mismatches)]
 
 
-class RoutingMargins:
-    """Forward hooks on a model's routers: while `rows` names each router row's (prompt,
-    position), every router call records each prompt's smallest top-k margin and whether
-    any of its rows is a near-tie."""
+class _Margins:
+    """Forward hooks on a model's top-k modules: while `rows` names each row of a forward
+    (prompt, position), every hooked call records each prompt's smallest margin at the
+    top-k cut and whether any of its rows is a near-tie (`record`)."""
 
-    def __init__(self, model: torch.nn.Module, near_tie: float) -> None:
+    def __init__(self, model: torch.nn.Module, near_tie: float, kind: type) -> None:
         self.near_tie = near_tie
         self.rows: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt ids, positions
         self.best: dict[int, list] = {}  # prompt -> [margin, layer, position, near_tie]
-        self.routers = 0
+        self.modules = 0
         for name, module in model.named_modules():
-            if isinstance(module, SoftmaxTopKRouter):
+            if isinstance(module, kind):
                 layer = int(m[1]) if (m := re.search(r"layers\.(\d+)\.", name)) else -1
                 module.register_forward_hook(self._hook(layer))
-                self.routers += 1
+                self.modules += 1
 
     def name_rows(self, rows: list[tuple[int, int]] | None) -> None:
         self.rows = None if rows is None else tuple(torch.tensor(c) for c in zip(*rows))
 
     def _hook(self, layer: int):
-        def hook(module: SoftmaxTopKRouter, inputs, _output) -> None:
-            if self.rows is None:
-                return
-            logits = F.linear(inputs[0], module.weight).float()  # as the router has them
-            top = logits.topk(module.top_k + 1, dim=-1).values.cpu()
-            margin = top[:, -2] - top[:, -1]
-            tie = margin <= self.near_tie * top[:, -2].abs().clamp(min=1.0)
-            prompt_ids, positions = self.rows
-            for prompt in prompt_ids.unique().tolist():
-                mine = (prompt_ids == prompt).nonzero().flatten()
-                row = int(mine[margin[mine].argmin()])
-                entry = self.best.setdefault(prompt, [float("inf"), -1, -1, False])
-                if float(margin[row]) < entry[0]:
-                    entry[:3] = [float(margin[row]), layer, int(positions[row])]
-                entry[3] = entry[3] or bool(tie[mine].any())
+        def hook(module: torch.nn.Module, inputs, _output) -> None:
+            if self.rows is not None:
+                self.measure(layer, module, inputs)
         return hook
+
+    def measure(self, layer: int, module: torch.nn.Module, inputs: tuple) -> None:
+        raise NotImplementedError
+
+    def record(self, layer: int, rows: torch.Tensor, margin: torch.Tensor,
+               tie: torch.Tensor) -> None:
+        """margin, tie [n] of the forward's rows `rows` [n] (margin inf: no cut)."""
+        assert self.rows is not None
+        prompt_ids, positions = (x[rows] for x in self.rows)
+        for prompt in prompt_ids.unique().tolist():
+            mine = (prompt_ids == prompt).nonzero().flatten()
+            row = int(mine[margin[mine].argmin()])
+            entry = self.best.setdefault(prompt, [float("inf"), -1, -1, False])
+            if float(margin[row]) < entry[0]:
+                entry[:3] = [float(margin[row]), layer, int(positions[row])]
+            entry[3] = entry[3] or bool(tie[mine].any())
+
+
+class RoutingMargins(_Margins):
+    """Each router row's margin: the k-th largest minus the (k+1)-th router logit; a
+    near-tie below near_tie x max(1, |k-th logit|)."""
+
+    def __init__(self, model: torch.nn.Module, near_tie: float) -> None:
+        super().__init__(model, near_tie, SoftmaxTopKRouter)
+
+    @property
+    def routers(self) -> int:
+        return self.modules
+
+    def measure(self, layer: int, module: torch.nn.Module, inputs: tuple) -> None:
+        logits = F.linear(inputs[0], module.weight).float()  # as the router has them
+        top = logits.topk(module.top_k + 1, dim=-1).values.cpu()
+        margin = top[:, -2] - top[:, -1]
+        tie = margin <= self.near_tie * top[:, -2].abs().clamp(min=1.0)
+        self.record(layer, torch.arange(len(margin)), margin, tie)
+
+
+class IndexerMargins(_Margins):
+    """DeepSeek-V4's lightning indexer (float32 picks, `ReferenceTopK`): each query row's
+    margin at its top-k cut, the k-th minus the (k+1)-th best visible score of its row; a
+    near-tie below near_tie x max(1, |k-th score|). Scores exactly tied at 0 (every head's
+    q.k <= 0) are no near-tie: the reference's own top-k decides them, and cpmoe takes it
+    (`deepseek_v4_indexer.topk_as_reference`) -- unless another layout computes one of them
+    as a tiny non-zero, which this cannot see. A row with no more visible entries than k
+    has no cut (margin inf)."""
+
+    def __init__(self, model: torch.nn.Module, near_tie: float) -> None:
+        super().__init__(model, near_tie, ReferenceTopK)
+
+    def measure(self, layer: int, module: torch.nn.Module, inputs: tuple) -> None:
+        scores, first, length, k, rows = inputs
+        cols = torch.arange(scores.shape[1], device=scores.device)
+        inside = (cols >= first[:, None]) & (cols < (first + length)[:, None])
+        top = scores.masked_fill(~inside, float("-inf")).sort(dim=-1, descending=True).values
+        cut = torch.minimum(length, torch.tensor(k)).clamp(min=1)[:, None]
+        if top.shape[1] == 0:
+            return
+        kth = top.gather(1, cut - 1).squeeze(1)
+        nxt = torch.where(cut < top.shape[1], top.gather(1, cut.clamp(max=top.shape[1] - 1)),
+                          float("-inf")).squeeze(1)
+        has_cut = (nxt > float("-inf")) & (length > k)
+        zero_tie = (kth == 0) & (nxt == 0)
+        margin = torch.where(has_cut & ~zero_tie, kth - nxt, float("inf")).cpu()
+        tie = margin <= self.near_tie * kth.abs().clamp(min=1.0).cpu()
+        self.record(layer, rows.cpu(), margin, tie)
 
 
 def _feed(seed: int, prompt: int, steps: int, vocab: int) -> list[int]:
@@ -130,10 +196,10 @@ def _feed(seed: int, prompt: int, steps: int, vocab: int) -> list[int]:
 
 
 def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]], kv_dtype: str,
-         margins: RoutingMargins | None = None, index: int = 0
+         margins: tuple[_Margins, ...] = (), index: int = 0
          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Prefill logits of every position, then one decode step per fed token, over a KV cache
-    of --kv-cache-dtype `kv_dtype`. With `margins`, its rows are named for each forward
+    of --kv-cache-dtype `kv_dtype`. Each of `margins` has its rows named for each forward
     (prompts numbered from `index`)."""
     steps = len(feeds[0])
     # every token of the batch on every rank: enough whatever the model's cache rule (Qwen
@@ -141,16 +207,18 @@ def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]], kv_
     runner.allocate_kv(kv_slots_needed([len(s) for s in seqs], steps + 1, 1,
                                        runner.layout.cp_strategy), kv_dtype=kv_dtype)
     keys = list(range(len(seqs)))
-    if margins is not None:
-        margins.name_rows([(index + i, p) for i, s in enumerate(seqs) for p in range(len(s))])
+
+    def name_rows(rows: list[tuple[int, int]] | None) -> None:
+        for m in margins:
+            m.name_rows(rows)
+
+    name_rows([(index + i, p) for i, s in enumerate(seqs) for p in range(len(s))])
     prefill = runner.extend([Segment(k, s) for k, s in zip(keys, seqs)], last_only=False)
     decode = []
     for k in range(steps):
-        if margins is not None:
-            margins.name_rows([(index + i, len(s) + k) for i, s in enumerate(seqs)])
+        name_rows([(index + i, len(s) + k) for i, s in enumerate(seqs)])
         decode.append(runner.decode(keys, [f[k] for f in feeds]))
-    if margins is not None:
-        margins.name_rows(None)
+    name_rows(None)
     runner.kv = None
     return prefill, decode
 
@@ -161,12 +229,12 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
     runner = build_runner(info, spec)
     vocab = runner.config.vocab_size
     tie = NEAR_TIE_DEFAULT.get(spec.dtype, 2.0**-8) if near_tie is None else near_tie
-    reference = margins = None
+    reference, margins = None, ()
     if info.rank == 0:
         reference = ModelRunner(spec.model_dir, ProcessGroups.single(info.device), spec.dtype,
                                 show_progress=False, load_format=spec.options.load_format,
                                 quantization=spec.options.quantization)
-        margins = RoutingMargins(reference.model, tie)
+        margins = (RoutingMargins(reference.model, tie), IndexerMargins(reference.model, tie))
     report = CheckReport(decode_steps, tie, strict_decode=spec.dtype == torch.float32)
     index, total = 0, sum(map(len, batches))
     for b, seqs in enumerate(batches):
@@ -177,19 +245,21 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
             t1 = time.perf_counter()
             want, want_steps = _run(reference, seqs, feeds, spec.options.kv_cache_dtype,
                                     margins, index)
-            _compare(report, seqs, got, want, got_steps, want_steps, margins, index)
+            _compare(report, seqs, got, want, got_steps, want_steps, *margins, index)
             done = report.prompts[-len(seqs):]
+            indexer = (f", indexer near-ties {sum(p.index_near_tie for p in done)}"
+                       if margins[1].modules else "")
             print(f"[check] batch {b + 1}/{len(batches)}: prompts {index + len(seqs)}/{total} "
                   f"({sum(map(len, seqs))} tokens): layout {t1 - t0:.1f} s, reference "
                   f"{time.perf_counter() - t1:.1f} s; first tokens "
                   f"{sum(p.first_token_match for p in done)}/{len(done)}, routing near-ties "
-                  f"{sum(p.near_tie for p in done)}", file=sys.stderr, flush=True)
+                  f"{sum(p.near_tie for p in done)}{indexer}", file=sys.stderr, flush=True)
         index += len(seqs)
     return report if info.rank == 0 else None
 
 
 def _compare(report: CheckReport, seqs, got, want, got_steps, want_steps,
-             margins: RoutingMargins, index: int) -> None:
+             margins: RoutingMargins, indexer: IndexerMargins | None, index: int) -> None:
     start = 0
     for i, seq in enumerate(seqs):
         g, w = got[start:start + len(seq)], want[start:start + len(seq)]
@@ -206,4 +276,8 @@ def _compare(report: CheckReport, seqs, got, want, got_steps, want_steps,
         best = margins.best.get(index + i) if margins.routers else None
         if best is not None:
             p.margin, p.margin_at, p.near_tie = best[0], (best[1], best[2]), best[3]
+        best = indexer.best.get(index + i) if indexer is not None and indexer.modules else None
+        if best is not None:
+            p.index_margin, p.index_margin_at, p.index_near_tie = (best[0], (best[1], best[2]),
+                                                                   best[3])
         report.prompts.append(p)

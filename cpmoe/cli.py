@@ -442,6 +442,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         where = ("routing margin not measured for this model" if p.margin is None else
                  f"smallest top-k routing margin {p.margin:.2e} at layer {p.margin_at[0]}, "
                  f"position {p.margin_at[1]}{' (NEAR-TIE)' if p.near_tie else ''}")
+        if p.index_margin is not None:
+            where += (f"; smallest indexer top-k margin {p.index_margin:.2e} at layer "
+                      f"{p.index_margin_at[0]}, position {p.index_margin_at[1]}"
+                      f"{' (NEAR-TIE)' if p.index_near_tie else ''}")
         print(f"prompt {i} ({p.length} tokens): first token "
               f"{'matches' if p.first_token_match else 'DIFFERS'}, max |logit diff| "
               f"{p.max_abs_diff:.2e}, decode max |logit diff| {p.decode_max_abs_diff:.2e} "
@@ -451,10 +455,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     ties = [i for i, p in enumerate(report.prompts) if p.near_tie]
     print(f"first-token matches: {report.matches}/{n}")
     print(f"max |logit diff|: {report.max_abs_diff:.3e}")
-    clean = [p.max_abs_diff for p in report.prompts if not p.near_tie]
-    print(f"max |logit diff| of prompts without a routing near-tie: "
-          f"{max(clean):.3e}" if clean else "max |logit diff| of prompts without a routing "
-          f"near-tie: - (every prompt has one)")
+    clean = [p.max_abs_diff for p in report.prompts if not (p.near_tie or p.index_near_tie)]
+    print("max |logit diff| of prompts without a routing or indexer near-tie: "
+          + (f"{max(clean):.3e}" if clean else "- (every prompt has one)"))
     print(f"mean top-1 log-prob delta: {report.mean_logprob_delta:.3e}")
     print(f"decode: {report.decode_steps} steps per prompt, max |logit diff| "
           f"{max(p.decode_max_abs_diff for p in report.prompts):.3e}, top-1 matches "
@@ -462,6 +465,10 @@ def cmd_check(args: argparse.Namespace) -> int:
           f"/{report.decode_steps * n}")
     print(f"routing near-ties (margin <= {report.near_tie:.1e} x max(1, |k-th logit|)): "
           f"{len(ties)} prompt(s){': ' + str(ties) if ties else ''}")
+    if any(p.index_margin is not None for p in report.prompts):
+        index_ties = [i for i, p in enumerate(report.prompts) if p.index_near_tie]
+        print(f"indexer near-ties (margin <= {report.near_tie:.1e} x max(1, |k-th score|)): "
+              f"{len(index_ties)} prompt(s){': ' + str(index_ties) if index_ties else ''}")
     mismatched = [i for i, p in enumerate(report.prompts)
                   if not p.first_token_match or p.decode_top1_mismatches]
     if mismatched:

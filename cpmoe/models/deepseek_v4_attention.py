@@ -42,7 +42,7 @@ from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rop
                                  default_inv_freq, unweighted_rms_norm)
 from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
 from cpmoe.models.deepseek_v4_decode import decode_attention
-from cpmoe.models.deepseek_v4_indexer import indexer_topk
+from cpmoe.models.deepseek_v4_indexer import ReferenceTopK, indexer_topk
 from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
 from cpmoe.models.deepseek_v4_rope import head_norm_rope_
 from cpmoe.models.deepseek_v4_sparse import kernel_applies
@@ -183,6 +183,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False, dtype=dtype)
         self.scorer = DeepseekV4IndexerScorer(cfg.hidden_size, self.heads, self.dim, dtype)
+        self.reference_topk = ReferenceTopK()  # float32 picks, ties as the reference's
 
     def row_scores(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys_TCd: torch.Tensor) -> torch.Tensor:
@@ -192,14 +193,16 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 
     def select_visible(self, q_res: torch.Tensor, x_TH: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, keys_Ed: torch.Tensor, lo_T: torch.Tensor,
-                       hi_T: torch.Tensor) -> torch.Tensor:
+                       hi_T: torch.Tensor, total_T: torch.Tensor,
+                       rows_T: torch.Tensor) -> torch.Tensor:
         """-> [T, min(topk, E)] indices into keys_Ed, best first; -1 where the pick is not
         visible to the row: row t sees entries [lo[t], hi[t]) (its own sequence's, whose
-        window has closed). Equal scores go to the lower entry (a stable sort; `topk`'s
-        choice among ties depends on the row's length, so it would differ between batch
-        compositions and CP layouts). Exact ties are scores of 0: every head's q.k
-        negative. On CUDA in 16 bits one kernel scores and masks, and a top-k over keys
-        that order as the sort does picks (`deepseek_v4_indexer.indexer_topk`)."""
+        window has closed) of its sequence's total[t] entries in this forward (from lo[t];
+        keys_Ed need only reach the last visible one); rows_T: the rows' indices among the
+        forward's local rows. In float32 the picks are the reference's, ties included
+        (`deepseek_v4_indexer.topk_as_reference`: its row of total[t] entries). On CUDA in 16 bits one kernel scores and masks, and a top-k over
+        keys that order as a stable sort does picks (equal scores to the lower entry,
+        `deepseek_v4_indexer.indexer_topk`)."""
         q = _rotate(self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim), cos, sin)
         k = min(self.topk, keys_Ed.shape[0])
         if keys_Ed.dtype == q.dtype and kernel_applies(q.device, q.dtype):
@@ -208,6 +211,8 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         c = torch.arange(keys_Ed.shape[0], device=keys_Ed.device)
         visible = (c[None, :] >= lo_T[:, None]) & (c[None, :] < hi_T[:, None])
         scores = self.scorer(q, keys_Ed, x_TH, visible)
+        if q.dtype == torch.float32:
+            return self.reference_topk(scores, lo_T, total_T, k, rows_T)
         picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(visible.gather(1, picks), picks, -1)
 

@@ -17,7 +17,9 @@ keys of every row and the shares are merged by log-sum-exp, exactly as one rank 
 - CSA: the lightning indexer scores the entries this rank holds, each rank offers its best
   `index_topk` (score, entry id) pairs, ONE all-gather over ATTN_CP gives every rank the
   same candidates, and the global top-k is taken with ties broken by the lower entry id
-  (one rank breaks ties the same way); each rank then attends its own picks;
+  (one rank breaks ties the same way); each rank then attends its own picks. In float32
+  the all-gather carries every score instead and each row's top-k is the reference's over
+  its entries in entry order (`topk_as_reference`: ties picked as transformers picks them);
 - the attention sink's logit enters the softmax once, on CP rank 0;
 - partial outputs and LSEs meet in ONE all-gather (`communicator.merge_decode_attention`).
 The global top-k of the union of per-rank top-ks is the top-k of all entries.
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe import communicator
+from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
 from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group
@@ -89,6 +92,26 @@ def _global_topk(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int,
     return torch.where(top_s > float("-inf"), ids, -1)
 
 
+def _reference_topk(pick: ReferenceTopK, scores_BC: torch.Tensor, valid_BC: torch.Tensor,
+                    k: int, total_B: torch.Tensor, cp: Group) -> torch.Tensor:
+    """float32: the picks of the reference's row (`pick`, the indexer's `ReferenceTopK`):
+    every rank's scores in ONE all-gather, laid out by entry id (local j of rank r is entry
+    j*cp + r), and each row's top-k over its total_B entries -> [B, k] entry ids, the same
+    on every rank. Host syncs (the widths, the lengths): eager steps only, as float32
+    decode runs."""
+    B = scores_BC.shape[0]
+    scores = scores_BC.masked_fill(~valid_BC, float("-inf"))
+    width = -(-int(total_B.max()) // cp.size) if B else 0  # local entries of the longest row
+    if scores.shape[1] < width:
+        scores = F.pad(scores, (0, width - scores.shape[1]), value=float("-inf"))
+    scores = scores[:, :width].contiguous()
+    if cp.size > 1:
+        parts = comm.all_gather(scores, cp).view(cp.size, B, width)
+        scores = parts.permute(1, 2, 0).reshape(B, width * cp.size)
+    return pick(scores, torch.zeros_like(total_B), total_B, k,
+                torch.arange(B, device=scores.device))
+
+
 def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tensor,
                      step: DecodeStep, kv: V4Cache, rope: RotaryEmbedding) -> torch.Tensor:
     """One decode step of layer `attn` for every row -> attention output [B, Hq, D] (before
@@ -115,7 +138,11 @@ def decode_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tenso
                            step.write[m], rope)
             scores = c.indexer.row_scores(qs.q_res, qs.x, qs.cos, qs.sin,
                                           lc.index.entries[ent_BC])
-            picks = _global_topk(scores, ent_valid, c.indexer.topk, cp)
+            if qs.q.dtype == torch.float32:  # the reference dtype (eager steps)
+                picks = _reference_topk(c.indexer.reference_topk, scores, ent_valid,
+                                        c.indexer.topk, (pos + 1) // m, cp)
+            else:
+                picks = _global_topk(scores, ent_valid, c.indexer.topk, cp)
             mine = (picks >= 0) & (picks % cp.size == cp.rank)
             ent_BC = ent_BC.gather(1, torch.where(mine, picks // cp.size, 0))
             ent_valid = mine

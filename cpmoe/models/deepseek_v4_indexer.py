@@ -3,6 +3,7 @@ the [T, h, C] fp32 dot products the torch path materializes, and its top-k.
 
     indexer_scores(q_ThD, keys_CD, w_Th, scale, bounds=None) -> scores_TC
     indexer_topk(q_ThD, keys_CD, w_Th, scale, bounds, k) -> picks_Tk
+    topk_as_reference(scores_TC, first_T, length_T, k) -> picks_Tk   (torch, any device)
 
 scores[t, c] = scale * sum_h w[t, h] * relu(q[t, h] . keys[c]), in fp32; with bounds =
 (lo_T, hi_T), -inf where c is outside [lo[t], hi[t]) (the entries row t may see: those of
@@ -34,11 +35,23 @@ topk-probe-*.log).
 
 T, C and the row strides of the output (C) change every block and are not specialized on,
 so a prefill compiles one variant per dtype and config, not one per new residue mod 16.
+
+Ties in float32 (`topk_as_reference`): the reference (transformers' `DeepseekV4Indexer`)
+takes `torch.topk` of one row per query: its sequence's entries so far, in entry order, the
+ones the query may not see yet at -inf. A score is exactly 0 wherever every head's q.k is
+<= 0 (relu), so with few index heads many entries tie, and which tied entries `topk` picks
+depends on the whole row, its length included (on CPU a partial sort or an introselect).
+The float32 path therefore builds each query's row exactly as the reference does and calls
+`torch.topk` on it, so it picks what the reference picks in every batch composition and CP
+layout: the rows of one length go through one call, and each row holds the same values
+whatever else shares the call. The 16-bit kernel path keeps its own rule (equal scores to the
+lower entry), being compared with float32 by tolerance, not pick by pick.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cpmoe._triton import import_triton
 from cpmoe.models.deepseek_v4_sparse import fp32_dots
@@ -115,6 +128,40 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, scale: fl
     order = indexer_scores(q, keys, w, scale, bounds, order_keys=True)
     top = order.topk(min(k, order.shape[1]), dim=-1).values
     return torch.where((top >> 32) > _HIDDEN, 0xFFFFFFFF - (top & 0xFFFFFFFF), -1)
+
+
+def topk_as_reference(scores_TC: torch.Tensor, first_T: torch.Tensor,
+                      length_T: torch.Tensor, k: int) -> torch.Tensor:
+    """Row t's reference row is scores[t, first[t] : first[t] + length[t]] (its sequence's
+    entries in the reference forward, not-yet-visible ones at -inf; columns past C count as
+    -inf, so scores need only reach the last visible entry) -> [T, k] picks into scores'
+    columns: `torch.topk` of that row, min(k, length) of them, -1 past those and where the
+    pick is -inf (not visible). Host syncs: the lengths."""
+    (T, C), dev = scores_TC.shape, scores_TC.device
+    picks = torch.full((T, k), -1, dtype=torch.int64, device=dev)
+    lengths = length_T.tolist()
+    need = int((first_T + length_T).max()) if T else 0
+    if need > C:
+        scores_TC = F.pad(scores_TC, (0, need - C), value=float("-inf"))
+    for n in sorted(set(lengths) - {0}):
+        rows = torch.tensor([t for t, m in enumerate(lengths) if m == n], device=dev)
+        cols = first_T[rows, None] + torch.arange(n, device=dev)
+        row = scores_TC[rows[:, None], cols]  # [r, n], contiguous like the reference's row
+        best = row.topk(min(k, n), dim=-1)
+        got = torch.where(best.values > float("-inf"), cols.gather(1, best.indices), -1)
+        picks[rows, :got.shape[1]] = got
+    return picks
+
+
+class ReferenceTopK(torch.nn.Module):
+    """`topk_as_reference` as a module of each CSA indexer (no parameters), so an observer
+    can hook its calls as it hooks a router's (`cpmoe check` measures the margins at the
+    top-k cut). forward(scores_TC, first_T, length_T, k, rows_T) -> picks [T, k]; rows_T:
+    the rows' indices among the forward's local rows (prefill blocks are slices of them)."""
+
+    def forward(self, scores_TC: torch.Tensor, first_T: torch.Tensor, length_T: torch.Tensor,
+                k: int, rows_T: torch.Tensor) -> torch.Tensor:
+        return topk_as_reference(scores_TC, first_T, length_T, k)
 
 
 if triton is not None:

@@ -11,7 +11,8 @@ without per-sequence work:
   W window positions, then its HCA entries (every closed entry of its sequence, in order) or
   its CSA picks (the indexer's top-k over the closed entries of its sequence, scored against
   the block's entry range up to the last entry any of its rows sees, other sequences and
-  open windows masked; on CUDA in 16 bits by a Triton kernel without the [rows, heads,
+  open windows masked; in float32 each row's top-k is the reference's, over its sequence's
+  entries of the forward, `deepseek_v4_indexer.topk_as_reference`; on CUDA in 16 bits by a Triton kernel without the [rows, heads,
   entries] dot products, and a top-k instead of a sort, `deepseek_v4_indexer.py`) --
   attended with the sink: on CUDA in 16 bits by a Triton kernel that walks the index lists
   without gathering and stops at each row's last visible key (`deepseek_v4_sparse.py`),
@@ -98,9 +99,10 @@ class PrefillPlan:
     row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0
     blocks: list[tuple[int, int, int, int]]  # (row0, row1, first seq, last seq + 1)
     entries: dict[int, EntryIndex]  # by compress rate
-    # by compress rate: per local row, its sequence's first entry (flat) and how many of
-    # its sequence's entries it sees (the first ones: windows closed at its position)
-    row_entries: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    # by compress rate: per local row, its sequence's first entry (flat), how many of its
+    # sequence's entries it sees (the first ones: windows closed at its position) and how
+    # many its sequence has in this forward (the length of the reference's indexer row)
+    row_entries: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # by compress rate, per block (host): the end of the entries any of its rows may see
     # (flat entry index) and the most entries one of its rows sees
     seen: dict[int, list[tuple[int, int]]]
@@ -129,7 +131,8 @@ class PrefillPlan:
             first = torch.tensor(ei.offsets[:-1], dtype=torch.int64)[seqs]
             count = (pos + 1) // m
             end = first + count
-            row_entries[m] = (first.to(device), count.to(device))
+            total = torch.tensor(ei.counts, dtype=torch.int64)[seqs]
+            row_entries[m] = (first.to(device), count.to(device), total.to(device))
             seen[m] = [(int(end[r0:r1].max()), int(count[r0:r1].max()))
                        for r0, r1, _, _ in blocks]
         cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
@@ -173,7 +176,8 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
     kernel = kernel_applies(qs.q.device, qs.q.dtype)
     arange_w = torch.arange(W, device=kv_N.device)
     if c is not None:
-        first, count = plan.row_entries[c.rate]  # [T] each
+        first, count, total = plan.row_entries[c.rate]  # [T] each
+        arange_t = torch.arange(first.shape[0], device=first.device)
     for b, (r0, r1, s0, _) in enumerate(plan.blocks):
         r = slice(r0, r1)
         kpos = qs.pos[r][:, None] - (W - 1) + arange_w  # [rows, W]
@@ -186,7 +190,8 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
                 e0 = ei.offsets[s0]
                 lo = first[r] - e0
                 picks = c.indexer.select_visible(qs.q_res[r], qs.x[r], qs.cos[r], qs.sin[r],
-                                                 index_keys[e0:e1], lo, lo + count[r])
+                                                 index_keys[e0:e1], lo, lo + count[r],
+                                                 total[r], arange_t[r])
                 cidx, cvalid = N + e0 + picks.clamp(min=0), picks >= 0
                 keys = W + count[r].clamp(max=picks.shape[1])  # the visible picks lead
             else:  # HCA: every closed entry of the row's sequence, in order

@@ -399,8 +399,9 @@ def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, C
     calls: dict[str, tuple] = {
         "check-tp8-cp4-ep8": ((*check, "--tp-size", "8", "--attn-cp-size", "4",
                                "--ep-size", "8"),),
+        # 200 tokens: 50 CSA entries, past the indexer's top-32 (its margins are measured)
         "check-v4-tp2-cp2-ep2": (("check", "--model", v4_dir, "--prompts", str(CHECK_PROMPTS),
-                                  "--lengths", "17,64,129", *TP2_CP2_EP2, "--cp-strategy",
+                                  "--lengths", "17,64,200", *TP2_CP2_EP2, "--cp-strategy",
                                   "interleave"),),
         "check-tp8-cp8-ep8-alltoall": ((*check, "--tp-size", "8", "--attn-cp-size", "8",
                                         "--ep-size", "8", "--moe-a2a-backend", "alltoall"),),
@@ -703,6 +704,23 @@ def test_check_reports_progress_decode_and_routing_margins_per_prompt(multi):
     assert "decode: 3 steps per prompt" in res.stdout and f"top-1 matches {steps}/{steps}" \
         in res.stdout, res.describe()
     assert "routing near-ties (margin <=" in res.stdout
+
+
+def test_v4_check_reports_indexer_margins_per_prompt(multi):
+    """DeepSeek-V4's check also measures the lightning indexer's top-k margins on the
+    reference: per prompt (inf where no query sees more entries than its top-k: 17 and 64
+    tokens), a finite one for the 200-token prompts, and a summary line."""
+    res = multi["check-v4-tp2-cp2-ep2"]
+    assert res.returncode == 0, res.describe()
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("prompt ")]
+    margins = [re.search(r"smallest indexer top-k margin (\S+) at layer", ln) for ln in lines]
+    assert all(margins), res.describe()
+    by_length = {int(re.search(r"\((\d+) tokens\)", ln)[1]): float(m[1])
+                 for ln, m in zip(lines, margins)}
+    assert by_length[17] == by_length[64] == float("inf"), by_length
+    assert 0 < by_length[200] < float("inf"), by_length
+    assert "indexer near-ties (margin <=" in res.stdout
+    assert "indexer near-ties" in res.stderr  # the progress lines
 
 
 # The whole sweep took 476 s on 2 busy cores (attention grows with the square of the length);

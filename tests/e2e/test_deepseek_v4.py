@@ -116,7 +116,7 @@ def _raw_config(**changes) -> dict:
            "head_dim": 32, "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2,
            "o_lora_rank": 16, "sliding_window": 16, "index_n_heads": 8, "index_head_dim": 16,
            "index_topk": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "hc_mult": 4,
-           "compress_ratios": [128, 4, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
+           "compress_ratios": [4, 128, 0, 4], "num_hash_layers": 2, "rope_theta": 10000.0,
            "compress_rope_theta": 160000.0,
            "rope_scaling": {"type": "yarn", "factor": 4.0,
                             "original_max_position_embeddings": 256}}
@@ -126,7 +126,7 @@ def _raw_config(**changes) -> dict:
 
 def test_flat_config_parses_like_transformers(v4, runner):
     cfg = parse_deepseek_v4(_raw_config())
-    assert cfg.layer_types == (HCA, CSA, SLIDING, CSA)
+    assert cfg.layer_types == (CSA, HCA, SLIDING, CSA)
     assert cfg.mlp_layer_types == ("hash_moe", "hash_moe", "moe", "moe")
     assert cfg.rope_dim == 8 and cfg.rope_main.rope_type == "default"
     assert cfg.rope_compress.rope_type == "yarn" and cfg.rope_compress.attention_factor == 1.0

@@ -1,8 +1,8 @@
 """The batched DeepSeek-V4 decode step is what a CUDA graph can capture, checked on CPU
 (float32, a tiny V4 at seeded random weights; the graph itself: tests/gpu).
 
-- the step (every layer's attention, hyper-connections, routers, head; not the CPU
-  reference experts, whose per-expert loop reads counts: CUDA's grouped path does not)
+- the step in bfloat16 (every layer's attention, hyper-connections, routers, head; not the
+  CPU reference experts, whose per-expert loop reads counts: CUDA's grouped path does not)
   makes no host sync and no data-dependent Python branch: Tensor.item / tolist / __int__ /
   __bool__ / __float__ / __index__ and torch.tensor / as_tensor raise while it runs;
 - `V4DecodeGraphs`' static buffers with padded rows (3 rows in bucket 4) and context-bucket
@@ -45,8 +45,8 @@ LENGTHS, STEPS, TOL = (61, 5, 30), 12, 1e-5  # 61 + 12 crosses the rate-16 windo
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread
 
 
-def _runner() -> ModelRunner:
-    runner = ModelRunner.from_config(TINY_V4, ProcessGroups.single(), torch.float32, seed=0)
+def _runner(dtype: torch.dtype = torch.float32) -> ModelRunner:
+    runner = ModelRunner.from_config(TINY_V4, ProcessGroups.single(), dtype, seed=0)
     runner.allocate_kv(256)
     return runner
 
@@ -94,7 +94,9 @@ def no_host_sync(monkeypatch):
 
 
 def test_v4_decode_step_makes_no_host_sync(monkeypatch):
-    runner = _runner()
+    """In bfloat16, a dtype decode graphs capture (float32 runs eagerly and takes the
+    reference's indexer top-k, which groups rows by length on the host)."""
+    runner = _runner(torch.bfloat16)
     keys = list(range(len(LENGTHS)))
     tokens = runner.prefill(_prompts(), keys, last_only=True).argmax(-1)
     kv = runner.kv

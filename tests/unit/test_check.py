@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.check import CheckReport, RoutingMargins, _compare
+from cpmoe.check import CheckReport, IndexerMargins, RoutingMargins, _compare
+from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
 from cpmoe.moe.router import SoftmaxTopKRouter
 
 
@@ -50,6 +51,44 @@ def test_routing_margin_is_the_gap_at_the_top_k_cut_per_prompt():
     assert abs(m1 - 0.25) < 1e-6 and (layer1, pos1, tie1) == (1, 0, False)
 
 
+class _IndexerLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pick = ReferenceTopK()
+
+
+def test_indexer_margin_is_the_gap_at_each_rows_top_k_cut():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_IndexerLayer(), _IndexerLayer()])
+    margins = IndexerMargins(model, near_tie=1e-4)
+    assert margins.modules == 2
+    inf = float("inf")
+    # top-2 of each row's entries [first, first + length); -inf: not visible
+    scores = torch.tensor([
+        [3.0, 2.0, 1.0, 0.5, 9.0],      # row 0: entries 0-3: margin 2 - 1 = 1
+        [9.0, 3.0, 2.0, 2.0 - 1e-6, 0.0],  # row 1: entries 1-4: 1e-6, a near-tie
+        [0.0, 0.0, 0.0, -1.0, 5.0],     # row 2: entries 0-3: tied zeros at the cut: none
+        [4.0, 3.0, -inf, -inf, -inf],   # row 3: two visible of five: no cut
+        [4.0, 3.0, 1.0, 7.0, 7.0]])     # row 4: entries 0-1, length 2 = k: no cut
+    first = torch.tensor([0, 1, 0, 0, 0])
+    length = torch.tensor([4, 4, 4, 5, 2])
+    rows = torch.tensor([0, 1, 2, 3, 4])
+    margins.name_rows([(0, 10), (0, 11), (1, 12), (2, 13), (3, 14)])
+    picks = model.layers[1].pick(scores, first, length, 2, rows)
+    assert picks[0].tolist() == [0, 1] and picks[3].tolist() == [0, 1]
+    # a block of the same forward: only its rows' names count (row 2 -> prompt 1)
+    model.layers[0].pick(torch.tensor([[5.0, 4.5, 4.25]]), torch.tensor([0]),
+                         torch.tensor([3]), 2, torch.tensor([2]))
+    margins.name_rows(None)
+    model.layers[0].pick(scores, first, length, 2, rows)  # unnamed: not recorded
+    m0, layer0, pos0, tie0 = margins.best[0]
+    assert abs(m0 - 1e-6) < 2e-7 and (layer0, pos0, tie0) == (1, 11, True)
+    m1, layer1, pos1, tie1 = margins.best[1]
+    assert abs(m1 - 0.25) < 1e-6 and (layer1, pos1, tie1) == (0, 12, False)
+    assert margins.best[2][0] == inf and margins.best[3][0] == inf
+    assert not margins.best[2][3] and not margins.best[3][3]
+
+
 def _report_for(got_last: list[float], want_last: list[float], tie: bool) -> CheckReport:
     """One one-token prompt; reference logits want_last, layout logits got_last."""
     class _Margins:
@@ -57,7 +96,7 @@ def _report_for(got_last: list[float], want_last: list[float], tie: bool) -> Che
         best = {0: [1e-6 if tie else 1.0, 0, 0, tie]}
     report = CheckReport(decode_steps=1, near_tie=1e-4)
     got, want = torch.tensor([got_last]), torch.tensor([want_last])
-    _compare(report, [[7]], got, want, [got], [want], _Margins(), 0)
+    _compare(report, [[7]], got, want, [got], [want], _Margins(), None, 0)
     return report
 
 
