@@ -224,8 +224,10 @@ def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]], kv_
 
 
 def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
-               decode_steps: int, seed: int, near_tie: float | None) -> CheckReport | None:
-    """Run every batch on the layout and, on rank 0, on a one-rank reference; compare."""
+               decode_steps: int, seed: int, near_tie: float | None,
+               reference_kv_dtype: str | None = None) -> CheckReport | None:
+    """Run every batch on the layout and, on rank 0, on a one-rank reference; compare. The
+    reference's K/V pools are of `reference_kv_dtype` (default: the layout's)."""
     runner = build_runner(info, spec)
     vocab = runner.config.vocab_size
     tie = NEAR_TIE_DEFAULT.get(spec.dtype, 2.0**-8) if near_tie is None else near_tie
@@ -243,7 +245,8 @@ def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
         got, got_steps = _run(runner, seqs, feeds, spec.options.kv_cache_dtype)
         if reference is not None:
             t1 = time.perf_counter()
-            want, want_steps = _run(reference, seqs, feeds, spec.options.kv_cache_dtype,
+            want, want_steps = _run(reference, seqs, feeds,
+                                    reference_kv_dtype or spec.options.kv_cache_dtype,
                                     margins, index)
             _compare(report, seqs, got, want, got_steps, want_steps, *margins, index)
             done = report.prompts[-len(seqs):]

@@ -214,6 +214,11 @@ def resolve(args: argparse.Namespace):
         raise InputError(f"--device cuda: --tp-size {layout.world_size} needs that many GPUs, "
                          f"{torch.cuda.device_count()} visible")
     dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    from cpmoe.engine.runner import fp8_attention_refusal
+    refusal = fp8_attention_refusal(getattr(args, "kv_cache_dtype", "auto"),
+                                    torch.device(device), dtype)
+    if refusal:
+        raise InputError(refusal)
     return layout, model_dir, cfg, device, dtype
 
 
@@ -434,10 +439,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     # collective: give them as long as a long reference prompt can take.
     report = launch(check_task, layout.world_size, device,
                     RunSpec(model_dir, layout, dtype, options=engine_options(args, cfg)), batches,
-                    args.decode_steps, args.seed, args.near_tie, collective_timeout_s=3600.0)
+                    args.decode_steps, args.seed, args.near_tie, args.reference_kv_cache_dtype,
+                    collective_timeout_s=3600.0)
     if report is None:
         return 0
     print(f"layout: {json.dumps({k: v for k, v in layout.summary().items() if k != 'groups'})}")
+    if args.reference_kv_cache_dtype not in (None, args.kv_cache_dtype):
+        print(f"kv cache dtype: layout {args.kv_cache_dtype}, reference "
+              f"{args.reference_kv_cache_dtype}")
     for i, p in enumerate(report.prompts):
         where = ("routing margin not measured for this model" if p.margin is None else
                  f"smallest top-k routing margin {p.margin:.2e} at layer {p.margin_at[0]}, "
@@ -475,6 +484,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"mismatched prompts: {mismatched} (of which with a routing near-tie: "
               f"{[i for i in mismatched if i in ties]})")
     failed = report.failures()
+    if args.reference_kv_cache_dtype not in (None, args.kv_cache_dtype):
+        # two K/V dtypes: a measurement of what the layout's costs, not a pass/fail check
+        print(f"first-token agreement with the {args.reference_kv_cache_dtype} reference: "
+              f"{report.matches}/{n}")
+        return 0
     if failed:
         print(f"failed prompts: {failed}")
     return 1 if failed else 0
@@ -610,6 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flag a prompt whose top-k router margin (k-th minus (k+1)-th logit) "
                         "falls to this x max(1, |k-th logit|) or below anywhere; default 1e-5 "
                         "in float32, 2^-8 in 16-bit dtypes (reported; it excuses no mismatch)")
+    from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
+    p.add_argument("--reference-kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=None,
+                   help="the one-rank reference's --kv-cache-dtype (default: the layout's); "
+                        "e.g. --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype auto measures "
+                        "what FP8 K/V and FP8 attention cost against 16-bit")
     add_context_flag(p)
     add_engine_flags(p, "what each batch needs")
     p.set_defaults(fn=cmd_check)

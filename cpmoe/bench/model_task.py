@@ -32,6 +32,7 @@ class ModelSpec:
     iters: int
     placement: str = "static"  # or "balanced": experts placed by a calibration prefill
     quantization: str | None = None  # "fp8": weights quantized to FP8 blocks at load
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": prefill attention in FP8 (CUDA)
 
 
 INJECT_OOM = "CPMOE_BENCH_INJECT_OOM"  # a length at which length_task fails as out-of-memory
@@ -51,6 +52,7 @@ def setup_task(info: RankInfo, spec: ModelSpec) -> dict | None:
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(spec.config, groups, spec.dtype, seed=spec.seed,
                                      quantization=spec.quantization)
+    runner.use_kv_cache_dtype(spec.kv_cache_dtype)
     sync(info.device)
     build_s = time.perf_counter() - t0
     _STATE["runner"] = runner

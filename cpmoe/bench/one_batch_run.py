@@ -16,7 +16,7 @@ from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.spec import SHAPES, BenchError, parse_config, read_shape
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype, read_config_json
-from cpmoe.engine.runner import kv_cache_refusal
+from cpmoe.engine.runner import fp8_attention_refusal, kv_cache_refusal
 from cpmoe.models.registry import check_model_fit, model_class
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a world builds a 30B model and captures graphs first
@@ -78,6 +78,10 @@ def run_one_batch(args: argparse.Namespace, layout, engine, argv: list[str]) -> 
                 if args.hf_compile_batches else batches)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    refusal = fp8_attention_refusal(engine.kv_cache_dtype, torch.device(device),
+                                    parse_dtype(dtype_name))
+    if refusal:
+        raise BenchError(refusal)
     if args.compare_hf and raw["architectures"][0] not in ("Qwen3MoeForCausalLM",
                                                             "Qwen2MoeForCausalLM"):
         raise BenchError(f"--compare-hf: no HF baseline for {raw['architectures'][0]}")

@@ -37,6 +37,7 @@ from cpmoe.bench.spec import (
 )
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype
+from cpmoe.engine.runner import fp8_attention_refusal
 from cpmoe.models.registry import config_from_dict
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a 128K prefill's collectives wait at most for rank skew
@@ -108,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="PNG of tokens/s vs length next to --out")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize the random weights to 128x128-block FP8 at load")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="fp8_e4m3: prefill attention in FP8 as a server with FP8 K/V pools runs "
+                        "it (CUDA, cuDNN)")
 
 
 class _Run:
@@ -128,6 +132,10 @@ class _Run:
         self.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype_name = args.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         self.dtype = parse_dtype(dtype_name)
+        refusal = fp8_attention_refusal(args.kv_cache_dtype, torch.device(self.device),
+                                        self.dtype)
+        if refusal:
+            raise BenchError(refusal)
         need = max(bl.world_size for bl in self.layouts)
         if self.device == "cuda" and torch.cuda.device_count() < need:
             raise BenchError(f"--layouts need {need} GPUs, {torch.cuda.device_count()} visible")
@@ -146,7 +154,8 @@ class _Run:
                                             "seed": args.seed,
                                             "layouts": [bl.name for bl in self.layouts],
                                             "compare_hf": args.compare_hf,
-                                            "quantization": args.quantization})
+                                            "quantization": args.quantization,
+                                            "kv_cache_dtype": args.kv_cache_dtype})
         self.rows: list[dict] = []
         first = self.layouts[0]
         self.tp1 = first.name if first.world_size == 1 else None
@@ -189,7 +198,7 @@ class _Run:
     def run_layout(self, bl: BenchLayout) -> None:
         a = self.args
         spec = model_task.ModelSpec(self.raw, bl.layout, self.dtype, a.seed, a.batch, a.warmup,
-                                    a.iters, bl.placement, a.quantization)
+                                    a.iters, bl.placement, a.quantization, a.kv_cache_dtype)
         is_ref = bl is self.layouts[0] and self.tp1 is not None
         sizes = bl.sizes()
 

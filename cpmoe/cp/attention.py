@@ -140,12 +140,15 @@ def query_runs(positions: torch.Tensor, token_to_seq: torch.Tensor
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
-                      packed: PackedRuns | None = None) -> torch.Tensor:
+                      packed: PackedRuns | None = None, fp8: bool = False) -> torch.Tensor:
     """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
     `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
     (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
-    per run; neither syncs with the host."""
+    per run; neither syncs with the host. `fp8` (CUDA, given the runs): each run in FP8
+    through cuDNN (`fp8_attention`)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
+    if fused and fp8 and runs is not None:
+        return _prefill_runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs)
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
@@ -213,6 +216,21 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
                                     _heads_first(v_flat[base:base + p0]), False, scale)
         ops.merge_two_attention(o1[0].transpose(0, 1), l1[0].transpose(0, 1),
                                 o2[0].transpose(0, 1), l2[0].transpose(0, 1), out[row0:row1])
+    return out
+
+
+def _prefill_runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                      cu_seqlens: list[int], scale: float,
+                      runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """Each run [p0, p0+n) of one sequence against keys [0, p0+n) in one FP8 call: cuDNN's
+    graph API takes the causal mask bottom-right aligned, so no split and merge."""
+    from cpmoe.cp.fp8_attention import fp8_attention
+
+    out = torch.empty_like(q)
+    for row0, row1, s, p0 in runs:
+        base, end = cu_seqlens[s], cu_seqlens[s] + p0 + row1 - row0
+        out[row0:row1] = fp8_attention(q[row0:row1], k_flat[base:end], v_flat[base:end],
+                                       scale, causal=True)
     return out
 
 

@@ -53,6 +53,23 @@ def kv_cache_refusal(kv_dtype: str, model) -> str | None:
             f"per-sequence caches, not K/V pages; only auto applies to it")
 
 
+def fp8_attention_applies(kv_dtype: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether --kv-cache-dtype `kv_dtype` also runs prefill attention in FP8: e4m3 pools of a
+    16-bit model on CUDA (`cp.fp8_attention`, through cuDNN)."""
+    return (kv_dtype == "fp8_e4m3" and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def fp8_attention_refusal(kv_dtype: str, device: torch.device, dtype: torch.dtype
+                          ) -> str | None:
+    """One line when --kv-cache-dtype `kv_dtype` needs FP8 attention here and cuDNN's
+    frontend is missing, else None."""
+    if not fp8_attention_applies(kv_dtype, device, dtype):
+        return None
+    from cpmoe.cp.fp8_attention import install_hint
+    return install_hint()
+
+
 def kv_bytes_per_token(model, dtype: torch.dtype, kv_dtype: str) -> int:
     """K/V bytes of one stored token of `model` (in `dtype`) in pools of --kv-cache-dtype
     `kv_dtype`."""
@@ -176,6 +193,7 @@ class ModelRunner:
             self.model = model_cls(config, groups, dtype)
         self.model.eval()
         self.kv = None
+        self.fp8_attention = False  # prefill attention in FP8 (`use_kv_cache_dtype`)
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once captured
         # the last overlapped step's greedy tokens: what decode placeholders -(i + 1) name
         self.fed_tokens: torch.Tensor | None = None
@@ -198,9 +216,7 @@ class ModelRunner:
                     kv_dtype: str = "auto"):
         """A cache of `max_tokens` token slots per rank (rounded up to whole pages), its pools
         of --kv-cache-dtype `kv_dtype`."""
-        refusal = kv_cache_refusal(kv_dtype, self.model)
-        if refusal:
-            raise ValueError(refusal)
+        self.use_kv_cache_dtype(kv_dtype)
         if self.own_cache:  # per-sequence model state, not K/V pages (DeepSeek-V4)
             self.kv = self.model.make_kv_cache(max_tokens)
             return self.kv
@@ -211,6 +227,16 @@ class ModelRunner:
                                kv_cache_dtype(kv_dtype, self.dtype), self.device, cp.size,
                                cp.rank, self.layout.cp_strategy)
         return self.kv
+
+    def use_kv_cache_dtype(self, kv_dtype: str) -> None:
+        """Check --kv-cache-dtype `kv_dtype` against this model and device (ValueError, one
+        line) and take its attention dtype: FP8 prefill attention for e4m3 pools on CUDA
+        (`fp8_attention_applies`; without a cache too, as `cpmoe bench` runs)."""
+        refusal = (kv_cache_refusal(kv_dtype, self.model)
+                   or fp8_attention_refusal(kv_dtype, self.device, self.dtype))
+        if refusal:
+            raise ValueError(refusal)
+        self.fp8_attention = fp8_attention_applies(kv_dtype, self.device, self.dtype)
 
     def kv_tokens_for_memory(self, mem_fraction: float, kv_dtype: str = "auto") -> int:
         """KV token slots per rank that fit `mem_fraction` of the GPU's memory next to what is
@@ -319,7 +345,8 @@ class ModelRunner:
         packed = PackedRuns.build(runs, split.cu_seqlens, host) if varlen else None
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=rel + starts[token_to_seq], token_to_seq=token_to_seq,
-                             split=split, rel_positions=rel, q_runs=runs, packed_runs=packed)
+                             split=split, rel_positions=rel, q_runs=runs, packed_runs=packed,
+                             fp8_attention=self.fp8_attention)
         if self.kv is not None:
             self._store_extend(batch, segments)
         elif any(s.start for s in segments):

@@ -110,7 +110,8 @@ class QwenMoeAttention(nn.Module):
         cu = list(batch.split.cu_seqlens)
         if batch.prefix is None:
             return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
-                                     cu, self.scale, batch.q_runs, batch.packed_runs)
+                                     cu, self.scale, batch.q_runs, batch.packed_runs,
+                                     batch.fp8_attention)
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
                                           v_flat, cu, self.scale, batch.packed_runs)
         o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],

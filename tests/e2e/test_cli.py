@@ -411,6 +411,10 @@ def multi(request, cli, workdir, ids_file, qwen3_moe_dir, v4_dir) -> dict[str, C
         # what test_check_reports_progress_decode_and_routing_margins_per_prompt reads
         "check-tp4-cp2-ep4": ((*check, *TP4_CP2_EP4, "--max-batch-tokens", "210",
                                "--decode-steps", "3"),),
+        # FP8 K/V pools against a 16-bit reference: a measurement, exit 0 whatever agrees
+        "check-fp8-kv-vs-auto": (("check", "--model", q3, "--prompts", "3", "--lengths",
+                                  "17,64,129", *TP2_CP2_EP2, "--kv-cache-dtype", "fp8_e4m3",
+                                  "--reference-kv-cache-dtype", "auto"),),
         "check-tp4-cp2-dp2-ep2": ((*check, "--tp-size", "4", "--attn-cp-size", "2",
                                    "--moe-dp-size", "2", "--ep-size", "2"),),
         "generate-default-tp2": (("generate", "--prompt", "Hello", "--max-new-tokens", "4",
@@ -704,6 +708,19 @@ def test_check_reports_progress_decode_and_routing_margins_per_prompt(multi):
     assert "decode: 3 steps per prompt" in res.stdout and f"top-1 matches {steps}/{steps}" \
         in res.stdout, res.describe()
     assert "routing near-ties (margin <=" in res.stdout
+
+
+def test_check_measures_fp8_kv_against_a_16_bit_reference(multi):
+    """`--reference-kv-cache-dtype auto` with `--kv-cache-dtype fp8_e4m3`: the reference runs
+    over 16-bit pools, so the logits differ by the FP8 rounding (not by 1e-5 as a layout
+    check's), and the run reports first-token agreement and exits 0."""
+    res = multi["check-fp8-kv-vs-auto"]
+    assert res.returncode == 0, res.describe()
+    assert "kv cache dtype: layout fp8_e4m3, reference auto" in res.stdout
+    agree = re.search(r"first-token agreement with the auto reference: (\d+)/3", res.stdout)
+    assert agree, res.describe()
+    diff = float(re.search(r"max \|logit diff\|: (\S+)", res.stdout)[1])
+    assert diff > 1e-4, res.describe()  # the pools round: not the reference's own dtype
 
 
 def test_v4_check_reports_indexer_margins_per_prompt(multi):

@@ -1,0 +1,179 @@
+"""FP8 prefill attention on CUDA through cuDNN's graph API (`--kv-cache-dtype fp8_e4m3`).
+
+    fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal) -> o_nHD (q's dtype)
+
+One query run of n rows against m keys of its sequence, GQA heads as they are (G KV heads
+divide H). `causal`: query row i sees keys [0, m - n + i] (the causal mask bottom-right
+aligned: a run whose first query sits at position m - n, every earlier key visible); else
+every key. q, k and v are quantized to e4m3 with per-tensor scales computed on the device
+(amax / 448: no host sync), cuDNN's `sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores
+(P quantized with scale 448, probabilities being <= 1) and writes O in e4m3 (the only output
+Hopper's FP8 kernel offers) with the scale of V (|o| <= max |v|: o is a convex combination of
+v rows), halved for headroom; O is dequantized once to q's dtype. Inputs already in FP8 (a
+pool's pages) are taken as they are with the descale they are given.
+
+Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
+are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
+(quantization writes them anyway, the tail zeroed) and cuDNN's padding mask takes the real
+lengths from device tensors, so a server builds a handful of graphs (its warm-up chunk
+covers the common ones) and never one per new prompt length (a build takes tens of ms of
+host time).
+
+Needs the `nvidia-cudnn-frontend` package (the `cuda` extra: `pip install
+cpmoe[cuda]`), imported on first use; `install_hint()` says what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+E4M3_MAX = 448.0
+_MIN_BUCKET = 128
+_O_HEADROOM = 0.5  # O's scale: max |v| maps to 224, so rounding P up cannot overflow
+PACKAGE = "nvidia-cudnn-frontend"
+
+
+def install_hint() -> str | None:
+    """None when cuDNN's frontend can be imported, else one line saying what to install."""
+    if importlib.util.find_spec("cudnn") is None:
+        return (f"--kv-cache-dtype fp8_e4m3 runs attention in FP8 through cuDNN on CUDA: "
+                f"install {PACKAGE} (pip install 'cpmoe[cuda]', or "
+                f"pip install --no-deps {PACKAGE}>=1.32)")
+    return None
+
+
+def bucket(n: int) -> int:
+    """The graph dimension for a run of n rows (or keys)."""
+    return max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, heads, D] (16-bit) -> (e4m3 [rows, heads, D] holding x * s in its first n
+    rows, zeros after; the descale 1/s as a [1, 1, 1, 1] float32 device tensor), s =
+    448 / max |x| (1 where x is all 0). No host sync."""
+    amax = torch.linalg.vector_norm(x.reshape(-1), ord=float("inf")).float()
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    out = torch.empty((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
+    out[:x.shape[0]] = (x.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+    if rows > x.shape[0]:
+        out[x.shape[0]:].zero_()
+    return out, (amax / E4M3_MAX).view(1, 1, 1, 1)
+
+
+@dataclass
+class _Graph:
+    graph: object
+    tensors: dict[str, object]
+    workspace: torch.Tensor
+    padded: bool
+
+
+_GRAPHS: dict[tuple, _Graph] = {}  # built plans, by device and shape (a cache)
+_HANDLES: dict[torch.device, object] = {}
+
+
+def _handle(device: torch.device):
+    import cudnn
+
+    if device not in _HANDLES:
+        with torch.cuda.device(device):
+            _HANDLES[device] = cudnn.create_handle()
+    handle = _HANDLES[device]
+    cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
+    return handle
+
+
+def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, dim: int,
+           causal: bool, padded: bool, scale: float) -> _Graph:
+    import cudnn
+
+    fp32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=fp32,
+                      compute_data_type=fp32)
+
+    def rows(name: str, n: int, h: int):  # [n, h, D] row-major, as [1, h, n, D] (BSHD)
+        return g.tensor(name=name, dim=(1, h, n, dim), stride=(n * h * dim, dim, h * dim, 1),
+                        data_type=cudnn.data_type.FP8_E4M3)
+
+    def scalar(name: str):
+        return g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=fp32)
+
+    t = {"q": rows("q", nq, heads), "k": rows("k", nk, kv_heads), "v": rows("v", nk, kv_heads)}
+    for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
+        t[name] = scalar(name)
+    mask = {}
+    if padded:
+        for name in ("seq_len_q", "seq_len_kv"):
+            t[name] = g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=i32)
+        mask = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"],
+                    seq_len_kv=t["seq_len_kv"])
+    if causal:
+        mask.update(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, right_bound=0)
+    o, _, amax_s, amax_o = g.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
+        descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"],
+        scale_o=t["scale_o"], generate_stats=False, attn_scale=scale, **mask)
+    o.set_output(True).set_dim((1, heads, nq, dim)).set_stride(
+        (nq * heads * dim, dim, heads * dim, 1)).set_data_type(cudnn.data_type.FP8_E4M3)
+    for name, amax in (("amax_s", amax_s), ("amax_o", amax_o)):
+        amax.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(fp32)
+        t[name] = amax
+    t["o"] = o
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
+    return _Graph(g, t, workspace, padded)
+
+
+def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit x -> `quantize`; FP8 x (a pool's) -> padded to `rows`, with its descale."""
+    if x.dtype != torch.float8_e4m3fn:
+        return quantize(x, rows)
+    assert descale is not None, "FP8 inputs need their descale"
+    if rows > x.shape[0]:
+        pad = torch.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        x = torch.cat([x, pad])
+    return x.contiguous(), descale.float().view(1, 1, 1, 1)
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool, k_descale: torch.Tensor | None = None,
+                  v_descale: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring: q [n, H, D] 16-bit, k / v [m, G, D] 16-bit or e4m3 (then
+    with their descales) -> o [n, H, D] in q's dtype."""
+    (n, H, D), (m, G) = q.shape, k.shape[:2]
+    if n == 0:
+        return torch.empty_like(q)
+    nq, nk = bucket(n), bucket(m)
+    padded = (nq, nk) != (n, m)
+    key = (q.device, nq, nk, H, G, D, causal, padded, scale)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = _build(q.device, nq, nk, H, G, D, causal, padded, scale)
+    built = _GRAPHS[key]
+    q8, dq = quantize(q, nq)
+    k8, dk = _as_fp8(k, nk, k_descale)
+    v8, dv = _as_fp8(v, nk, v_descale)
+    dev = q.device
+    o8 = torch.empty((nq, H, D), dtype=torch.float8_e4m3fn, device=dev)
+    o_descale = dv / _O_HEADROOM
+    consts = torch.tensor([1.0 / E4M3_MAX, E4M3_MAX], dtype=torch.float32, device=dev)
+    t = built.tensors
+    pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["descale_q"]: dq, t["descale_k"]: dk,
+            t["descale_v"]: dv, t["descale_s"]: consts[0:1].view(1, 1, 1, 1),
+            t["scale_s"]: consts[1:2].view(1, 1, 1, 1),
+            t["scale_o"]: (1.0 / o_descale).view(1, 1, 1, 1), t["o"]: o8,
+            t["amax_s"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev),
+            t["amax_o"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)}
+    if padded:
+        lens = torch.tensor([n, m], dtype=torch.int32).to(dev, non_blocking=True)
+        pack[t["seq_len_q"]] = lens[0:1].view(1, 1, 1, 1)
+        pack[t["seq_len_kv"]] = lens[1:2].view(1, 1, 1, 1)
+    built.graph.execute(pack, built.workspace, handle=_handle(dev))
+    return (o8[:n].float() * o_descale.view(())).to(q.dtype)

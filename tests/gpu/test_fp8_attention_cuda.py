@@ -1,0 +1,114 @@
+"""FP8 prefill attention through cuDNN (`cpmoe.cp.fp8_attention`) against float32 attention
+(skipped without a GPU or without nvidia-cudnn-frontend; run on the GPU machine:
+`python3 -m pytest tests/gpu/test_fp8_attention_cuda.py -q -s`).
+
+Tolerance, from e4m3 (3 mantissa bits: a value rounds to within 2^-4 of itself): the error
+is what quantizing q, k, v, the probabilities (scale 448) and o to e4m3 makes, which the
+test emulates in float32 on the same inputs (`emulate`: per-tensor scales as the module sets
+them, P quantized after the row max as flash-style kernels do); the emulation's relative
+Frobenius error against exact float32 attention is 5-6% on these N(0, 1) inputs (12% with
+three times sharper scores), and cuDNN must stay within 1.5x it (its accumulation order,
+online rescaling and rounding of P differ; a wrong mask, head mapping or scale is off by
+tens of percent). bf16 inputs, as the engine gives them.
+
+Cases: square causal runs (no padding, power-of-two lengths), a run of 300 queries at
+positions 700..999 against 1,000 keys (the causal mask bottom-right aligned, both lengths
+padded to their graph bucket), full attention, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
+`prefill_attention(fp8=True)` on the two runs a zigzag CP split gives a rank, against the
+16-bit path. The graph cache: a second call of a shape builds nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpmoe.cp import fp8_attention as fa
+from cpmoe.cp.attention import prefill_attention
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("cudnn") is None,
+                       reason="needs nvidia-cudnn-frontend"),
+    pytest.mark.usefixtures("exact_fp32_matmul"),
+]
+
+H, G, D = 32, 4, 128
+SCALE = D ** -0.5
+
+
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 with the module's per-tensor scale, back in float32."""
+    s = fa.E4M3_MAX / x.abs().max()
+    return (x.float() * s).to(torch.float8_e4m3fn).float() / s
+
+
+def _scores(q, k, causal):
+    n, m = q.shape[0], k.shape[0]
+    s = torch.einsum("nhd,mhd->hnm", q.float(), k.float().repeat_interleave(H // G, 1))
+    s = s * SCALE
+    if causal:
+        i, j = torch.arange(n, device=q.device)[:, None], torch.arange(m, device=q.device)
+        s = s.masked_fill(j[None] > m - n + i, float("-inf"))
+    return s
+
+
+def exact(q, k, v, causal):
+    p = _scores(q, k, causal).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", p, v.float().repeat_interleave(H // G, 1))
+
+
+def emulate(q, k, v, causal):
+    s = _scores(_q8(q), _q8(k), causal)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p8 = (p * fa.E4M3_MAX).to(torch.float8_e4m3fn).float() / fa.E4M3_MAX
+    o = torch.einsum("hnm,mhd->nhd", p8, _q8(v).repeat_interleave(H // G, 1))
+    return _q8(o / p.sum(-1).transpose(0, 1)[..., None])
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("n, m, causal, sharp", [
+    (1024, 1024, True, 1.0), (4096, 4096, True, 1.0), (300, 1000, True, 1.0),
+    (512, 768, False, 1.0), (1024, 1024, True, 3.0)])
+def test_fp8_attention_within_its_quantization_error(n, m, causal, sharp):
+    g = torch.Generator(device="cuda").manual_seed(n + m)
+    q = (sharp * torch.randn(n, H, D, device="cuda", generator=g)).bfloat16()
+    k = (sharp * torch.randn(m, G, D, device="cuda", generator=g)).bfloat16()
+    v = torch.randn(m, G, D, device="cuda", generator=g).bfloat16()
+    got = fa.fp8_attention(q, k, v, SCALE, causal)
+    want, emul = exact(q, k, v, causal), emulate(q, k, v, causal)
+    err, bound = _rel(got, want), 1.5 * _rel(emul, want)
+    print(f"n={n} m={m} causal={causal} sharp={sharp}: fp8 {err:.4f}, emulated "
+          f"{bound / 1.5:.4f}")
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert _rel(emul, want) < (0.07 if sharp == 1.0 else 0.15)
+    assert err <= bound, (err, bound)
+    built = len(fa._GRAPHS)
+    fa.fp8_attention(q, k, v, SCALE, causal)
+    assert len(fa._GRAPHS) == built  # cached
+
+
+def test_prefill_attention_fp8_runs_match_the_16_bit_path():
+    """One 2,000-token sequence, a rank's two zigzag runs (positions 0..499 and
+    1500..1999): fp8=True within the FP8 error of the 16-bit path, per run."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    L = 2000
+    k = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
+    pos = torch.cat([torch.arange(0, 500), torch.arange(1500, 2000)]).cuda()
+    q = torch.randn(pos.numel(), H, D, device="cuda", generator=g).bfloat16()
+    seq = torch.zeros_like(pos)
+    runs = [(0, 500, 0, 0), (500, 1000, 0, 1500)]
+    want = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs)
+    got = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs, fp8=True)
+    for (r0, r1, _, p0) in runs:
+        n = r1 - r0
+        emul = emulate(q[r0:r1], k[:p0 + n], v[:p0 + n], True)
+        ref = exact(q[r0:r1], k[:p0 + n], v[:p0 + n], True)
+        assert _rel(want[r0:r1], ref) < 0.01  # the 16-bit path, for scale
+        assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))

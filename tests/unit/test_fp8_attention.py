@@ -1,0 +1,57 @@
+"""What `--kv-cache-dtype fp8_e4m3` decides before any GPU work (the CUDA kernel itself:
+tests/gpu/test_fp8_attention_cuda.py): when prefill attention runs in FP8, the one line a
+machine without cuDNN's frontend gets, the graph buckets, and the device-side quantization
+(checked on CPU: the same torch ops)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpmoe.cp import fp8_attention as fa
+from cpmoe.engine.runner import fp8_attention_applies, fp8_attention_refusal
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def test_fp8_attention_applies_to_e4m3_pools_of_16_bit_models_on_cuda_only():
+    assert fp8_attention_applies("fp8_e4m3", CUDA, torch.bfloat16)
+    assert fp8_attention_applies("fp8_e4m3", CUDA, torch.float16)
+    assert not fp8_attention_applies("fp8_e4m3", CPU, torch.bfloat16)
+    assert not fp8_attention_applies("fp8_e4m3", CUDA, torch.float32)
+    assert not fp8_attention_applies("fp8_e5m2", CUDA, torch.bfloat16)
+    assert not fp8_attention_applies("auto", CUDA, torch.bfloat16)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None,
+                    reason="nvidia-cudnn-frontend is installed here")
+def test_missing_cudnn_frontend_is_one_line_naming_the_package():
+    line = fp8_attention_refusal("fp8_e4m3", CUDA, torch.bfloat16)
+    assert line is not None and "\n" not in line
+    assert "--kv-cache-dtype fp8_e4m3" in line and "nvidia-cudnn-frontend" in line
+    assert "cpmoe[cuda]" in line
+    assert fp8_attention_refusal("fp8_e4m3", CPU, torch.float32) is None
+    assert fp8_attention_refusal("auto", CUDA, torch.bfloat16) is None
+
+
+def test_graph_buckets_are_powers_of_two_from_128():
+    assert [fa.bucket(n) for n in (1, 127, 128, 129, 1000, 16384, 16385)] == \
+        [128, 128, 128, 256, 1024, 16384, 32768]
+
+
+def test_quantize_keeps_the_largest_value_at_448_and_zeroes_the_padding():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(100, 4, 16, generator=g) * 7).bfloat16()
+    x8, descale = fa.quantize(x, 128)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == (128, 4, 16)
+    assert descale.shape == (1, 1, 1, 1) and descale.dtype == torch.float32
+    back = x8[:100].float() * descale.view(())
+    assert float(x8.float().abs().max()) == fa.E4M3_MAX
+    # e4m3 keeps 3 mantissa bits: within 2^-4 relative of each value, subnormals aside
+    normal = x.float().abs() > descale.view(()) * 2.0 ** -6
+    assert ((back - x.float()).abs() <= 2.0 ** -4 * x.float().abs() + 1e-6)[normal].all()
+    assert (x8[100:].float() == 0).all()
+    zero8, zero_descale = fa.quantize(torch.zeros(3, 2, 8, dtype=torch.bfloat16), 3)
+    assert zero_descale.item() == pytest.approx(1.0 / fa.E4M3_MAX) and (zero8.float() == 0).all()
