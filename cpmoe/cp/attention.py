@@ -222,15 +222,24 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
 def _prefill_runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                       cu_seqlens: list[int], scale: float,
                       runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
-    """Each run [p0, p0+n) of one sequence against keys [0, p0+n) in one FP8 call: cuDNN's
-    graph API takes the causal mask bottom-right aligned, so no split and merge."""
+    """`_prefill_runs_cuda` in FP8 (`fp8_attention`): a run at the start of its sequence
+    in one square causal call; a later one as its own keys causally and the keys before it
+    in full, merged by log-sum-exp (the FP8 kernel's causal mask is top-left aligned on
+    Hopper, as cuDNN's is in torch)."""
     from cpmoe.cp.fp8_attention import fp8_attention
 
     out = torch.empty_like(q)
     for row0, row1, s, p0 in runs:
-        base, end = cu_seqlens[s], cu_seqlens[s] + p0 + row1 - row0
-        out[row0:row1] = fp8_attention(q[row0:row1], k_flat[base:end], v_flat[base:end],
-                                       scale, causal=True)
+        n, base = row1 - row0, cu_seqlens[s]
+        own = slice(base + p0, base + p0 + n)
+        if p0 == 0:
+            out[row0:row1] = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale,
+                                           causal=True)[0]
+            continue
+        o1, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True, lse=True)
+        o2, l2 = fp8_attention(q[row0:row1], k_flat[base:base + p0], v_flat[base:base + p0],
+                               scale, False, lse=True)
+        ops.merge_two_attention(o1, l1, o2, l2, out[row0:row1])
     return out
 
 

@@ -1,11 +1,12 @@
 """FP8 prefill attention on CUDA through cuDNN's graph API (`--kv-cache-dtype fp8_e4m3`).
 
-    fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal) -> o_nHD (q's dtype)
+    fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal, lse=False) -> (o_nHD, lse_nH | None)
 
-One query run of n rows against m keys of its sequence, GQA heads as they are (G KV heads
-divide H). `causal`: query row i sees keys [0, m - n + i] (the causal mask bottom-right
-aligned: a run whose first query sits at position m - n, every earlier key visible); else
-every key. q, k and v are quantized to e4m3 with per-tensor scales computed on the device
+n query rows against m keys, GQA heads as they are (G KV heads divide H). `causal` (n == m):
+row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp (natural
+log, fp32), to merge with attention over other keys (a run after the start of its sequence:
+its own keys causally, the keys before it in full; cuDNN's FP8 kernel takes no
+bottom-right-aligned mask on Hopper, "only supported on Blackwell"). q, k and v are quantized to e4m3 with per-tensor scales computed on the device
 (amax / 448: no host sync), cuDNN's `sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores
 (P quantized with scale 448, probabilities being <= 1) and writes O in e4m3 (the only output
 Hopper's FP8 kernel offers) with the scale of V (|o| <= max |v|: o is a convex combination of
@@ -15,9 +16,9 @@ pool's pages) are taken as they are with the descale they are given.
 Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
 are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
 (quantization writes them anyway, the tail zeroed) and cuDNN's padding mask takes the real
-lengths from device tensors, so a server builds a handful of graphs (its warm-up chunk
-covers the common ones) and never one per new prompt length (a build takes tens of ms of
-host time).
+lengths from device tensors (every call, so one graph serves a whole bucket), so a server builds a handful of graphs (its warm-up chunk
+covers the common ones) and never one per new prompt length (a build took 1.4 s of host
+time on the H200 with cuDNN 9.19).
 
 Needs the `nvidia-cudnn-frontend` package (the `cuda` extra: `pip install
 cpmoe[cuda]`), imported on first use; `install_hint()` says what is missing.
@@ -68,7 +69,6 @@ class _Graph:
     graph: object
     tensors: dict[str, object]
     workspace: torch.Tensor
-    padded: bool
 
 
 _GRAPHS: dict[tuple, _Graph] = {}  # built plans, by device and shape (a cache)
@@ -87,7 +87,7 @@ def _handle(device: torch.device):
 
 
 def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, dim: int,
-           causal: bool, padded: bool, scale: float) -> _Graph:
+           causal: bool, stats: bool, scale: float) -> _Graph:
     import cudnn
 
     fp32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
@@ -104,20 +104,21 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     t = {"q": rows("q", nq, heads), "k": rows("k", nk, kv_heads), "v": rows("v", nk, kv_heads)}
     for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
         t[name] = scalar(name)
-    mask = {}
-    if padded:
-        for name in ("seq_len_q", "seq_len_kv"):
-            t[name] = g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=i32)
-        mask = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"],
-                    seq_len_kv=t["seq_len_kv"])
+    for name in ("seq_len_q", "seq_len_kv"):
+        t[name] = g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=i32)
+    mask = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"])
     if causal:
-        mask.update(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, right_bound=0)
-    o, _, amax_s, amax_o = g.sdpa_fp8(
+        mask.update(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0)
+    o, lse, amax_s, amax_o = g.sdpa_fp8(
         q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
         descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"],
-        scale_o=t["scale_o"], generate_stats=False, attn_scale=scale, **mask)
+        scale_o=t["scale_o"], generate_stats=stats, attn_scale=scale, **mask)
     o.set_output(True).set_dim((1, heads, nq, dim)).set_stride(
         (nq * heads * dim, dim, heads * dim, 1)).set_data_type(cudnn.data_type.FP8_E4M3)
+    if stats:  # [H, nq]: head-major
+        lse.set_output(True).set_dim((1, heads, nq, 1)).set_stride(
+            (nq * heads, nq, 1, 1)).set_data_type(fp32)
+        t["lse"] = lse
     for name, amax in (("amax_s", amax_s), ("amax_o", amax_o)):
         amax.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(fp32)
         t[name] = amax
@@ -128,7 +129,7 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     g.check_support()
     g.build_plans()
     workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
-    return _Graph(g, t, workspace, padded)
+    return _Graph(g, t, workspace)
 
 
 def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
@@ -144,18 +145,21 @@ def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool, k_descale: torch.Tensor | None = None,
-                  v_descale: torch.Tensor | None = None) -> torch.Tensor:
+                  causal: bool, lse: bool = False, k_descale: torch.Tensor | None = None,
+                  v_descale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See the module docstring: q [n, H, D] 16-bit, k / v [m, G, D] 16-bit or e4m3 (then
-    with their descales) -> o [n, H, D] in q's dtype."""
+    with their descales) -> (o [n, H, D] in q's dtype, lse [n, H] fp32 or None)."""
     (n, H, D), (m, G) = q.shape, k.shape[:2]
+    if causal and n != m:
+        raise ValueError(f"fp8_attention: a causal call needs as many keys as queries, got "
+                         f"{m} and {n}")
     if n == 0:
-        return torch.empty_like(q)
+        return torch.empty_like(q), (q.new_empty(0, H, dtype=torch.float32) if lse else None)
     nq, nk = bucket(n), bucket(m)
-    padded = (nq, nk) != (n, m)
-    key = (q.device, nq, nk, H, G, D, causal, padded, scale)
+    key = (q.device, nq, nk, H, G, D, causal, lse, scale)
     if key not in _GRAPHS:
-        _GRAPHS[key] = _build(q.device, nq, nk, H, G, D, causal, padded, scale)
+        _GRAPHS[key] = _build(q.device, nq, nk, H, G, D, causal, lse, scale)
     built = _GRAPHS[key]
     q8, dq = quantize(q, nq)
     k8, dk = _as_fp8(k, nk, k_descale)
@@ -163,7 +167,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     dev = q.device
     o8 = torch.empty((nq, H, D), dtype=torch.float8_e4m3fn, device=dev)
     o_descale = dv / _O_HEADROOM
-    consts = torch.tensor([1.0 / E4M3_MAX, E4M3_MAX], dtype=torch.float32, device=dev)
+    consts = torch.full((2,), E4M3_MAX, dtype=torch.float32, device=dev)
+    consts[0:1].reciprocal_()
     t = built.tensors
     pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["descale_q"]: dq, t["descale_k"]: dk,
             t["descale_v"]: dv, t["descale_s"]: consts[0:1].view(1, 1, 1, 1),
@@ -171,9 +176,28 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
             t["scale_o"]: (1.0 / o_descale).view(1, 1, 1, 1), t["o"]: o8,
             t["amax_s"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev),
             t["amax_o"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)}
-    if padded:
-        lens = torch.tensor([n, m], dtype=torch.int32).to(dev, non_blocking=True)
-        pack[t["seq_len_q"]] = lens[0:1].view(1, 1, 1, 1)
-        pack[t["seq_len_kv"]] = lens[1:2].view(1, 1, 1, 1)
+    for name, length in (("seq_len_q", n), ("seq_len_kv", m)):  # fills: no host copy
+        pack[t[name]] = torch.full((1, 1, 1, 1), length, dtype=torch.int32, device=dev)
+    stats = None
+    if lse:
+        stats = torch.empty(H, nq, dtype=torch.float32, device=dev)
+        pack[t["lse"]] = stats
     built.graph.execute(pack, built.workspace, handle=_handle(dev))
-    return (o8[:n].float() * o_descale.view(())).to(q.dtype)
+    o = (o8[:n].float() * o_descale.view(())).to(q.dtype)
+    return o, (None if stats is None else stats[:, :n].t().contiguous())
+
+
+def warm_up(device: torch.device, heads: int, kv_heads: int, dim: int, scale: float,
+            max_rows: int) -> int:
+    """Build the square causal graphs of every bucket up to `max_rows` (a server's prefill
+    chunk) before the first request -> graphs built."""
+    built = 0
+    n = _MIN_BUCKET
+    while n <= bucket(max_rows):
+        if (device, n, n, heads, kv_heads, dim, True, False, scale) not in _GRAPHS:
+            x = torch.zeros(n, heads, dim, dtype=torch.bfloat16, device=device)
+            kv = torch.zeros(n, kv_heads, dim, dtype=torch.bfloat16, device=device)
+            fp8_attention(x, kv, kv, scale, causal=True)
+            built += 1
+        n *= 2
+    return built

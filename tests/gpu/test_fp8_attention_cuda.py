@@ -11,11 +11,12 @@ three times sharper scores), and cuDNN must stay within 1.5x it (its accumulatio
 online rescaling and rounding of P differ; a wrong mask, head mapping or scale is off by
 tens of percent). bf16 inputs, as the engine gives them.
 
-Cases: square causal runs (no padding, power-of-two lengths), a run of 300 queries at
-positions 700..999 against 1,000 keys (the causal mask bottom-right aligned, both lengths
-padded to their graph bucket), full attention, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
-`prefill_attention(fp8=True)` on the two runs a zigzag CP split gives a rank, against the
-16-bit path. The graph cache: a second call of a shape builds nothing.
+Cases: square causal runs (no padding, power-of-two lengths; 1,000 rows padded to the
+1,024 bucket), full attention of 300 queries against 1,000 keys (both padded) with its
+log-sum-exp against float32's, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
+`prefill_attention(fp8=True)` on the two runs a zigzag CP split gives a rank (the second
+merged from its own keys and the keys before it by log-sum-exp), against float32. The graph
+cache: a second call of a shape builds nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _q8(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(q, k, causal):
-    n, m = q.shape[0], k.shape[0]
+    n, m = q.shape[0], k.shape[0]  # causal: bottom-right aligned (a run ending at key m)
     s = torch.einsum("nhd,mhd->hnm", q.float(), k.float().repeat_interleave(H // G, 1))
     s = s * SCALE
     if causal:
@@ -73,14 +74,14 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("n, m, causal, sharp", [
-    (1024, 1024, True, 1.0), (4096, 4096, True, 1.0), (300, 1000, True, 1.0),
+    (1024, 1024, True, 1.0), (4096, 4096, True, 1.0), (1000, 1000, True, 1.0),
     (512, 768, False, 1.0), (1024, 1024, True, 3.0)])
 def test_fp8_attention_within_its_quantization_error(n, m, causal, sharp):
     g = torch.Generator(device="cuda").manual_seed(n + m)
     q = (sharp * torch.randn(n, H, D, device="cuda", generator=g)).bfloat16()
     k = (sharp * torch.randn(m, G, D, device="cuda", generator=g)).bfloat16()
     v = torch.randn(m, G, D, device="cuda", generator=g).bfloat16()
-    got = fa.fp8_attention(q, k, v, SCALE, causal)
+    got = fa.fp8_attention(q, k, v, SCALE, causal)[0]
     want, emul = exact(q, k, v, causal), emulate(q, k, v, causal)
     err, bound = _rel(got, want), 1.5 * _rel(emul, want)
     print(f"n={n} m={m} causal={causal} sharp={sharp}: fp8 {err:.4f}, emulated "
@@ -91,6 +92,26 @@ def test_fp8_attention_within_its_quantization_error(n, m, causal, sharp):
     built = len(fa._GRAPHS)
     fa.fp8_attention(q, k, v, SCALE, causal)
     assert len(fa._GRAPHS) == built  # cached
+
+
+def test_fp8_attention_lse_is_the_rows_log_sum_exp():
+    """Full attention of 300 queries over 1,000 keys: the log-sum-exp of each row's scaled
+    scores (natural log) within the FP8 score error (q and k each within 2^-4 relative:
+    |ds| <= 2 * 2^-4 * scale * |q| |k| at most, and the lse moves no more than its largest
+    score), and a causal call with unequal lengths refused in one line."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(300, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1000, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1000, G, D, device="cuda", generator=g).bfloat16()
+    o, lse = fa.fp8_attention(q, k, v, SCALE, False, lse=True)
+    want = torch.logsumexp(_scores(q, k, False), dim=-1).t()  # [n, H]
+    bound = 2 * 2.0 ** -4 * SCALE * q.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()
+    assert lse.shape == (300, H) and lse.dtype == torch.float32
+    assert float((lse - want).abs().max()) <= float(bound)
+    assert _rel(o, exact(q, k, v, False)) <= 1.5 * _rel(emulate(q, k, v, False),
+                                                         exact(q, k, v, False))
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        fa.fp8_attention(q, k, v, SCALE, True)
 
 
 def test_prefill_attention_fp8_runs_match_the_16_bit_path():
@@ -108,7 +129,10 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path():
     got = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs, fp8=True)
     for (r0, r1, _, p0) in runs:
         n = r1 - r0
-        emul = emulate(q[r0:r1], k[:p0 + n], v[:p0 + n], True)
         ref = exact(q[r0:r1], k[:p0 + n], v[:p0 + n], True)
+        # the emulation of the merged run: its own keys and the keys before it quantized
+        # as the two calls quantize them
+        emul = emulate(q[r0:r1], k[:p0 + n], v[:p0 + n], True)
         assert _rel(want[r0:r1], ref) < 0.01  # the 16-bit path, for scale
+        print(f"run at {p0}: fp8 {_rel(got[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
         assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))
