@@ -25,7 +25,8 @@ import torch
 from cpmoe.bench.provenance import provenance
 from cpmoe.bench.timing import cuda_ms
 from cpmoe.moe.experts import _grouped_mm
-from cpmoe.quant import kernels
+from cpmoe.ops import fp8_gemm
+from cpmoe.ops.fp8 import quantize_act
 
 E, H, I, TOP_K = 128, 2048, 768, 8
 
@@ -50,13 +51,13 @@ def main() -> None:
             w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
             wq = w.to(torch.float8_e4m3fn)
             ws = torch.rand(E, N // 128, K // 128, device="cuda") + 0.5
-            aq, a_s = kernels.quantize_act(a, 128)
+            aq, a_s = quantize_act(a, 128)
             flops = 2 * P * N * K
             bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
-            default = kernels.grouped_fp8_config(P, E)
+            default = fp8_gemm.grouped_fp8_config(P, E)
 
             def fp8(cfg):
-                return lambda: kernels.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (128, 128),
+                return lambda: fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (128, 128),
                                                         config=cfg)
             base = cuda_ms(fp8(default))
             best = (base, default)

@@ -1,4 +1,4 @@
-"""Tile sweep of the skinny FP8 GEMM (`kernels.fp8_linear_skinny`) against F.scaled_mm, the
+"""Tile sweep of the skinny FP8 GEMM (`fp8_gemm.fp8_linear_skinny`) against F.scaled_mm, the
 decode step's dense FP8 projections, on the GPU.
 
     python3 -m bench.fp8_linear --out bench/results/fp8-linear.json
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from bench.decode_kernels import time_us
 from cpmoe.bench.provenance import provenance
-from cpmoe.quant import kernels
+from cpmoe.ops import fp8, fp8_gemm
 
 SHAPES = (("qkv", 5120, 2048), ("o_proj", 2048, 4096))  # (name, N, K)
 COPIES = 8  # 8 x 8-10 MB of FP8 weights, past the L2
@@ -43,8 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,32,64",
-                    help=f"row counts, each at most kernels.SKINNY_ROWS "
-                         f"({kernels.SKINNY_ROWS})")
+                    help=f"row counts, each at most fp8_gemm.SKINNY_ROWS "
+                         f"({fp8_gemm.SKINNY_ROWS})")
     args = ap.parse_args()
     torch.manual_seed(0)
     table: dict[str, dict[str, float]] = {}  # row label -> column -> us
@@ -53,14 +53,14 @@ def main() -> None:
     for name, N, K in SHAPES:
         ws = [torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn) for _ in range(COPIES)]
         scales = [torch.rand(N // 128, K // 128, device="cuda") + 0.5 for _ in range(COPIES)]
-        mm_scales = [kernels.scaled_mm_weight_scale(s) for s in scales]
+        mm_scales = [fp8_gemm.scaled_mm_weight_scale(s) for s in scales]
         floor = N * K / HBM_BYTES_PER_S * 1e6
         for rows in [int(r) for r in args.rows.split(",")]:
             col = f"{name} x{rows}"
             columns.append(col)
             x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-            padded = -(-rows // kernels.SCALED_MM_ROWS) * kernels.SCALED_MM_ROWS
-            xq, xs = kernels.quantize_act(x, 128, padded)
+            padded = -(-rows // fp8_gemm.SCALED_MM_ROWS) * fp8_gemm.SCALED_MM_ROWS
+            xq, xs = fp8.quantize_act(x, 128, padded)
 
             def scaled_mm(i, q=xq, s=xs):
                 return F.scaled_mm(q, ws[i % COPIES].t(), s, F.ScalingType.BlockWise1x128,
@@ -68,17 +68,17 @@ def main() -> None:
                                    output_dtype=torch.bfloat16)
 
             def quantized_mm(i, x=x, padded=padded):
-                q, s = kernels.quantize_act(x, 128, padded)
+                q, s = fp8.quantize_act(x, 128, padded)
                 return scaled_mm(i, q, s)
 
             def skinny(cfg, x=x):
                 def fn(i):
-                    q, s = kernels.quantize_act(x, 128)
-                    return kernels.fp8_linear_skinny(q, s, ws[i % COPIES], scales[i % COPIES],
+                    q, s = fp8.quantize_act(x, 128)
+                    return fp8_gemm.fp8_linear_skinny(q, s, ws[i % COPIES], scales[i % COPIES],
                                                      config=cfg)
                 return fn
 
-            default = kernels.skinny_config(rows, N, K)
+            default = fp8_gemm.skinny_config(rows, N, K)
             timed = {"scaled_mm": scaled_mm, "quantize+scaled_mm": quantized_mm,
                      "skinny default": skinny(default)}
             for label, fn in timed.items():

@@ -1,4 +1,4 @@
-"""Tile sweep of the FP8 activation quantizer (`kernels.quantize_act`) on the GPU.
+"""Tile sweep of the FP8 activation quantizer (`fp8.quantize_act`) on the GPU.
 
     python3 -m bench.fp8_quantize --out bench/results/fp8-quantize.json
 
@@ -12,7 +12,7 @@ rows of hidden) and decode's (64 rows; 64 x 8 expert slots of 768). Each shape r
 (`cpmoe.bench.timing.cuda_ms`), so decode's figures are launch-bound. Prints one table (a
 line per tile, a column per shape, * the column's fastest) and writes every time to JSON.
 Then, at the experts' intermediate (768) for 128K and 512 slots, the FP8 experts' SwiGLU +
-quantization fused (`kernels.swiglu_quantize`) against `ops.silu_and_mul` + `quantize_act`.
+quantization fused (`fp8.swiglu_quantize`) against `ops.silu_and_mul` + `quantize_act`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from cpmoe import ops
 from cpmoe.bench.provenance import provenance
 from cpmoe.bench.timing import cuda_ms, sweep_ms
-from cpmoe.quant import kernels
+from cpmoe.ops import fp8
 
 SHAPES = ((16384, 2048), (16384, 4096), (131072, 768), (131072, 2048), (64, 2048),
           (64, 4096), (64 * 8, 768))  # (M, K)
@@ -50,10 +50,10 @@ def main() -> None:
         columns.append(col)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         moved = M * K * 3 + M * (K // GROUP) * 4
-        default = kernels.quantize_config(M)
+        default = fp8.quantize_config(M)
 
         def call(**cfg):
-            return lambda: kernels.quantize_act(x, GROUP, config=cfg)
+            return lambda: fp8.quantize_act(x, GROUP, config=cfg)
 
         ms = cuda_ms(call(**default), args.iters)
         gbs = moved / ms / 1e6
@@ -81,9 +81,9 @@ def swiglu_rows(iters: int, slots: tuple[int, ...] = (131072, 512)) -> list[dict
     for P in slots:
         h = torch.randn(P, 2 * 768, device="cuda", dtype=torch.bfloat16)
         moved = P * 768 * 5 + P * 6 * 4
-        for path, fn in (("fused", lambda: kernels.swiglu_quantize(h, GROUP)),
+        for path, fn in (("fused", lambda: fp8.swiglu_quantize(h, GROUP)),
                          ("silu_and_mul+quantize_act",
-                          lambda: kernels.quantize_act(ops.silu_and_mul(h), GROUP))):
+                          lambda: fp8.quantize_act(ops.silu_and_mul(h), GROUP))):
             ms = cuda_ms(fn, iters)
             gbs = moved / ms / 1e6  # the fused kernel's bytes, for both
             print(f"swiglu {P}x768 {path}: {ms * 1e3:.1f} us ({gbs:.0f} GB/s of the fused "

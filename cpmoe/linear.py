@@ -57,7 +57,7 @@ def fuse_linears(linears: list[Linear]) -> Callable[[torch.Tensor], torch.Tensor
     bias = None if linears[0].bias is None else _fuse_rows(linears, "bias")
     if not fp8:
         return functools.partial(F.linear, weight=weight, bias=bias)
-    from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale
+    from cpmoe.ops.fp8_gemm import fp8_linear, scaled_mm_weight_scale
     scale = _fuse_rows(linears, "weight_scale_inv")
     return functools.partial(fp8_linear, w=weight, w_scale=scale, block=linears[0].block,
                              bias=bias, mm_scale=scaled_mm_weight_scale(scale))

@@ -33,8 +33,8 @@ from tqdm import tqdm
 from cpmoe.config import Fp8Config
 from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
-from cpmoe.quant.formats import (FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid,
-                                 scale_to_float)
+from cpmoe.ops.fp8 import (FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid,
+                           scale_to_float)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                      r"\.weight$")

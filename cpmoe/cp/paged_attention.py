@@ -59,13 +59,14 @@ import os
 import torch
 
 from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
-from cpmoe.ops import _use_triton, pdl_args, triton
-from cpmoe.quant.offers import offer_quantized
+from cpmoe.ops import pdl_args, triton, use_triton
+from cpmoe.ops.fp8 import offer_quantized
 
 if triton is not None:
     import triton.language as tl
 
-    from cpmoe.ops import quantize_rows, wait_for_producer  # FP8 output; dependent launch
+    from cpmoe.ops.fp8 import quantize_rows  # FP8 output
+    from cpmoe.ops.launch import wait_for_producer  # dependent launch
 
 FP8_KV = tuple(d for d in KV_CACHE_DTYPES.values() if d)  # the FP8 pools of --kv-cache-dtype
 _MIN_SPLIT_TOKENS = 128
@@ -117,10 +118,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
     quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
     1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
-    launches no quantization: `quant.offers.offer_quantized`)."""
+    launches no quantization: `ops.fp8.offer_quantized`)."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
     out_dtype = out_dtype or q_BHD.dtype
-    if not _use_triton(q_BHD):
+    if not use_triton(q_BHD):
         o_BHD, lse_BH = paged_decode_attention_ref(q_BHD, k_cache, v_cache, block_table_BP,
                                                    kv_lens_B, scale)
         return o_BHD.to(out_dtype), lse_BH

@@ -54,7 +54,7 @@ class LocalExperts(nn.Module):
             return fused_moe.fused_experts(x_MH, local_ids_MK, weights_MK, self.gate_up_proj,
                                            self.down_proj, scales, self.swiglu_limit)
         if fp8:
-            from cpmoe.quant.experts import fp8_experts
+            from cpmoe.moe.fp8_experts import fp8_experts
             return fp8_experts(self, x_MH, local_ids_MK, weights_MK)
         if x_MH.is_cuda and x_MH.dtype == torch.bfloat16 and _grouped_mm is not None:
             return self._forward_grouped(x_MH, local_ids_MK, weights_MK)
@@ -84,7 +84,7 @@ class LocalExperts(nn.Module):
 
     def sorted_slots(self, local_ids_MK: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """The grouped paths' order (bf16 here, FP8 in quant/experts.py): every (row, slot)
+        """The grouped paths' order (bf16 here, FP8 in moe/fp8_experts.py): every (row, slot)
         pair sorted by local expert, slots of other EP ranks' experts (id -1) last, past the
         last group -> (rows_n: the source row of each of the first n sorted pairs, offs: each
         expert's end among them (int64 [E]), n, rank_MK: where each pair's output row lands,

@@ -33,7 +33,7 @@ import os
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.quant.kernels import quantize_act
+from cpmoe.ops.fp8 import quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -110,7 +110,7 @@ def _block_m(slots: int, experts: int) -> int:
 # - "w8a8": FP8 x FP8 dots, the rows quantized per 1 x 128 group first (`quantize_act`,
 #   one more launch per GEMM, unless the kernel that wrote the rows quantized them too: the
 #   Qwen RMSNorm before the experts does), as the checkpoints' `activation_scheme: dynamic`
-#   and the prefill path (cpmoe/quant/experts.py) do;
+#   and the prefill path (cpmoe/moe/fp8_experts.py) do;
 # - "w8a8-fused": the same numbers, each GEMM program quantizing the rows it reads itself
 #   (no launch; every column tile repeats the work on its rows).
 # "w8a8" is the default: on the H200 at Qwen3-30B-A3B's shape (bench-one-batch, uniform
@@ -182,7 +182,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
 
 if triton is not None:
     # the in-kernel row quantization; programmatic dependent launch
-    from cpmoe.ops import pdl_args, quantize_rows, wait_for_producer
+    from cpmoe.ops import pdl_args
+    from cpmoe.ops.fp8 import quantize_rows
+    from cpmoe.ops.launch import wait_for_producer
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)

@@ -76,6 +76,16 @@ class RouterCalibration:
         weight.copy_((g @ inv_sqrt).to(weight.device, weight.dtype))
 
 
+def block_scales_of(model: torch.nn.Module, param_name: str) -> torch.Tensor:
+    """The scale grid of an FP8 weight parameter (scaling it scales the weight): an FP8
+    linear's `weight` has its `weight_scale_inv`, FP8 experts' `X_proj` their
+    `X_scale_inv` (`quant.modules`' names)."""
+    prefix, _, attr = param_name.rpartition(".")
+    module = model.get_submodule(prefix)
+    return getattr(module, "weight_scale_inv" if attr == "weight"
+                   else attr.removesuffix("_proj") + "_scale_inv")
+
+
 def calibrate_uniform_routing(model, groups: ProcessGroups, run_forward, seed: int = 0
                               ) -> int:
     """Scale the residual writers, then redraw every routed layer's router during one
@@ -85,8 +95,7 @@ def calibrate_uniform_routing(model, groups: ProcessGroups, run_forward, seed: i
     with torch.no_grad():
         for name, param in model.named_parameters():
             if residual_scaled(name) and param.dtype == torch.float8_e4m3fn:
-                from cpmoe.quant.modules import block_scales_of  # FP8: scale the scales
-                block_scales_of(model, name).mul_(RESIDUAL_SCALE)
+                block_scales_of(model, name).mul_(RESIDUAL_SCALE)  # FP8: scale the scales
             elif residual_scaled(name):
                 param.mul_(RESIDUAL_SCALE)
     routers = [m for m in model.modules() if isinstance(m, SoftmaxTopKRouter)]

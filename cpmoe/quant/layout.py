@@ -15,7 +15,7 @@ from cpmoe.config import Fp8Config
 from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
-from cpmoe.quant.formats import MXFP4_BLOCK
+from cpmoe.ops.fp8 import MXFP4_BLOCK
 
 # Never block-quantized whatever modules_to_not_convert says: head and routers.
 ALWAYS_DENSE = ("lm_head", "mlp.gate", "shared_expert_gate")

@@ -25,8 +25,8 @@ import torch.nn as nn
 from cpmoe.config import Fp8Config
 from cpmoe.linear import Linear, param
 from cpmoe.moe.experts import LocalExperts
-from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8, scale_grid
-from cpmoe.quant.kernels import fp8_linear, scaled_mm_weight_scale
+from cpmoe.ops.fp8 import FP8, dequantize, quantize_block_fp8, scale_grid
+from cpmoe.ops.fp8_gemm import fp8_linear, scaled_mm_weight_scale
 from cpmoe.quant.layout import converts
 
 # Linear modules whose weight a model reads directly (DeepSeek-V4's grouped output LoRA):
@@ -153,15 +153,6 @@ def fp8_input_group(module: nn.Module) -> int | None:
         return module.block[1]
     block = getattr(module, "fp8_block", None) if isinstance(module, LocalExperts) else None
     return None if block is None else block[1]
-
-
-def block_scales_of(model: nn.Module, param_name: str) -> torch.Tensor:
-    """The scale grid of an FP8 weight parameter (scaling it scales the weight)."""
-    prefix, _, attr = param_name.rpartition(".")
-    module = model.get_submodule(prefix)
-    if isinstance(module, Fp8Linear):
-        return module.weight_scale_inv
-    return getattr(module, attr.removesuffix("_proj") + "_scale_inv")
 
 
 def fp8_weight_bytes(model: nn.Module) -> int:

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpmoe.quant import kernels
-from cpmoe.quant.formats import dequantize, quantize_block_fp8
+from cpmoe.ops import fp8, fp8_gemm
+from cpmoe.ops.fp8 import dequantize, quantize_block_fp8
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 REF_TOL, FP8_TOL = 1e-2, 5e-2
@@ -46,12 +46,12 @@ def test_fp8_linear_matches_dequantized_bf16(m, n, k):
     torch.manual_seed(0)
     q, s, deq = fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got = kernels.fp8_linear(x, q, s, BLOCK)
-    path = ("skinny" if kernels.skinny_fits(m, q, BLOCK)
-            else kernels.scaled_mm_refusal(m, n, k) or "F.scaled_mm")
+    got = fp8_gemm.fp8_linear(x, q, s, BLOCK)
+    path = ("skinny" if fp8_gemm.skinny_fits(m, q, BLOCK)
+            else fp8_gemm.scaled_mm_refusal(m, n, k) or "F.scaled_mm")
     print(f"\nFP8 linear {m}x{n}x{k}: {path}")
     assert got.dtype == torch.bfloat16
-    assert rel(got, kernels.fp8_linear_ref(x.float(), q, s, BLOCK)) < REF_TOL
+    assert rel(got, fp8_gemm.fp8_linear_ref(x.float(), q, s, BLOCK)) < REF_TOL
     assert rel(got, F.linear(x, deq.to(torch.bfloat16))) < FP8_TOL
 
 
@@ -65,8 +65,8 @@ def test_quantize_act_matches_quantize_act_ref_bit_for_bit(block_m, m, rows):
     x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16) * torch.logspace(
         -4, 4, m, device="cuda")[:, None].to(torch.bfloat16)
     cfg = None if block_m is None else {"BLOCK_M": block_m, "num_warps": 4}
-    q, s = kernels.quantize_act(x, 128, rows, config=cfg)
-    qr, sr = kernels.quantize_act_ref(x, 128)
+    q, s = fp8.quantize_act(x, 128, rows, config=cfg)
+    qr, sr = fp8.quantize_act_ref(x, 128)
     assert torch.equal(q[:m].view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s[:m], sr) and s.stride() == (1, rows)
     assert not q[m:].view(torch.uint8).any() and not s[m:].any()
@@ -86,11 +86,11 @@ def test_add_rms_norm_fp8_rows_match_quantize_act_ref_bit_for_bit(m, hidden):
     out, summed = ops.add_rms_norm(x, r, w, 1e-6, quant_group=128)
     out0, summed0 = ops.add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(out, out0) and torch.equal(summed, summed0)
-    q, s = kernels.quantize_act(out, 128)
-    qr, sr = kernels.quantize_act_ref(out, 128)
+    q, s = fp8.quantize_act(out, 128)
+    qr, sr = fp8.quantize_act_ref(out, 128)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s, sr) and s.stride() == (1, m)
-    assert kernels.quantize_act(out, 128)[0] is q
+    assert fp8.quantize_act(out, 128)[0] is q
 
 
 @cuda
@@ -110,8 +110,8 @@ def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits
                                   quant_group=128)
     o0, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits)
     assert torch.equal(o, o0)
-    q8, s8 = kernels.quantize_act(o.view(B, H * D), 128)
-    qr, sr = kernels.quantize_act_ref(o.view(B, H * D), 128)
+    q8, s8 = fp8.quantize_act(o.view(B, H * D), 128)
+    qr, sr = fp8.quantize_act_ref(o.view(B, H * D), 128)
     assert torch.equal(q8.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s8, sr) and s8.stride() == (1, B)
 
@@ -125,10 +125,10 @@ def test_swiglu_quantize_matches_swiglu_kernel_then_quantize_act_ref(limit, rows
     from cpmoe import ops
     torch.manual_seed(3)
     h = torch.randn(rows, 2 * 768, device="cuda", dtype=torch.bfloat16) * 4
-    q, s = kernels.swiglu_quantize(h, 128, limit)
+    q, s = fp8.swiglu_quantize(h, 128, limit)
     gate, up = h.chunk(2, dim=-1)
     act = ops.silu_and_mul(h) if limit is None else ops.clamped_swiglu(gate, up, limit)
-    qr, sr = kernels.quantize_act_ref(act, 128)
+    qr, sr = fp8.quantize_act_ref(act, 128)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s, sr) and s.stride() == (1, rows)
 
@@ -145,10 +145,10 @@ SKINNY_TOL = 4e-3
 def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """fp8_linear's path for many rows, written out: quantize_act + F.scaled_mm."""
     m = x.shape[0]
-    rows = -(-m // kernels.SCALED_MM_ROWS) * kernels.SCALED_MM_ROWS
-    xq, xs = kernels.quantize_act(x, 128, rows)
+    rows = -(-m // fp8_gemm.SCALED_MM_ROWS) * fp8_gemm.SCALED_MM_ROWS
+    xq, xs = fp8.quantize_act(x, 128, rows)
     return F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128,
-                       kernels.scaled_mm_weight_scale(s), F.ScalingType.BlockWise128x128,
+                       fp8_gemm.scaled_mm_weight_scale(s), F.ScalingType.BlockWise128x128,
                        output_dtype=torch.bfloat16)[:m]
 
 
@@ -160,19 +160,19 @@ def test_skinny_fp8_linear_matches_quantize_act_and_scaled_mm(m, n, k):
     q, s, deq = fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    xq, xs = kernels.quantize_act(x, 128)
-    got = kernels.fp8_linear_skinny(xq, xs, q, s)
+    xq, xs = fp8.quantize_act(x, 128)
+    got = fp8_gemm.fp8_linear_skinny(xq, xs, q, s)
     want = scaled_mm_linear(x, q, s)
-    print(f"\nskinny FP8 {m}x{n}x{k} ({kernels.skinny_config(m, n, k)}): relative error "
+    print(f"\nskinny FP8 {m}x{n}x{k} ({fp8_gemm.skinny_config(m, n, k)}): relative error "
           f"{rel(got, want):.2e} vs scaled_mm, {rel(got, F.linear(x, deq.to(x.dtype))):.2e} "
           f"vs bf16")
     assert got.dtype == torch.bfloat16 and rel(got, want) < SKINNY_TOL
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
     assert rel(got, F.linear(x, deq.to(x.dtype))) < FP8_TOL
     # fp8_linear takes it for these rows; the bias joins before the one rounding
-    assert kernels.skinny_fits(m, q, BLOCK)
-    assert torch.equal(kernels.fp8_linear(x, q, s, BLOCK), got)
-    with_bias = kernels.fp8_linear(x, q, s, BLOCK, bias)
+    assert fp8_gemm.skinny_fits(m, q, BLOCK)
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, BLOCK), got)
+    with_bias = fp8_gemm.fp8_linear(x, q, s, BLOCK, bias)
     assert rel(with_bias, want + bias) < SKINNY_TOL
 
 
@@ -183,15 +183,15 @@ def test_skinny_fp8_linear_replays_in_a_cuda_graph():
     torch.manual_seed(5)
     q, s, _ = fp8_weight(2048, 4096)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    assert kernels.skinny_config(64, 2048, 4096)["SPLIT_K"] > 1
-    assert kernels.skinny_fits(64, q, BLOCK)
-    kernels.fp8_linear(x, q, s, BLOCK)  # compiled outside the capture
+    assert fp8_gemm.skinny_config(64, 2048, 4096)["SPLIT_K"] > 1
+    assert fp8_gemm.skinny_fits(64, q, BLOCK)
+    fp8_gemm.fp8_linear(x, q, s, BLOCK)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = kernels.fp8_linear(x, q, s, BLOCK)
+        y = fp8_gemm.fp8_linear(x, q, s, BLOCK)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    assert torch.equal(y, kernels.fp8_linear(x, q, s, BLOCK))
+    assert torch.equal(y, fp8_gemm.fp8_linear(x, q, s, BLOCK))
 
 
 @cuda
@@ -206,8 +206,8 @@ def test_skinny_split_k_sums_partials_in_split_order_bit_for_bit(m, n, k):
     q, s, _ = fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    xq, xs = kernels.quantize_act(x, 128)
-    cfg = kernels.skinny_config(m, n, k)
+    xq, xs = fp8.quantize_act(x, 128)
+    cfg = fp8_gemm.skinny_config(m, n, k)
     split = cfg["SPLIT_K"]
     assert split == 4
     per = k // 128 // split  # 128-input groups a range
@@ -215,15 +215,15 @@ def test_skinny_split_k_sums_partials_in_split_order_bit_for_bit(m, n, k):
     for r in range(split):
         g = slice(r * per, (r + 1) * per)
         one = dict(cfg, SPLIT_K=1)
-        want += kernels.fp8_linear_skinny(
+        want += fp8_gemm.fp8_linear_skinny(
             xq[:, g.start * 128:g.stop * 128], xs[:, g], q[:, g.start * 128:g.stop * 128],
             s[:, g].contiguous(), None, torch.float32, config=one)
     want = (want + bias.float()).to(torch.bfloat16)
     for _ in range(100):
-        assert torch.equal(kernels.fp8_linear_skinny(xq, xs, q, s, bias), want)
+        assert torch.equal(fp8_gemm.fp8_linear_skinny(xq, xs, q, s, bias), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = kernels.fp8_linear_skinny(xq, xs, q, s, bias)
+        y = fp8_gemm.fp8_linear_skinny(xq, xs, q, s, bias)
     for _ in range(100):
         y.zero_()
         graph.replay()
@@ -239,9 +239,9 @@ def test_grouped_fp8_gemm_matches_dequantized_bf16(rows):
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
     ids = torch.sort(torch.randint(0, E + 1, (rows,), device="cuda")).values  # E: not local
     offs = torch.searchsorted(ids, torch.arange(1, E + 1, device="cuda"))
-    xq, xs = kernels.quantize_act(x, 128)
-    got = kernels.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK)
-    assert rel(got, kernels.grouped_fp8_gemm_ref(xq, xs, q, s, offs, BLOCK,
+    xq, xs = fp8.quantize_act(x, 128)
+    got = fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK)
+    assert rel(got, fp8_gemm.grouped_fp8_gemm_ref(xq, xs, q, s, offs, BLOCK,
                                                  torch.float32)) < REF_TOL
     want = torch.zeros(rows, N, device="cuda", dtype=torch.bfloat16)
     start = 0
@@ -373,14 +373,14 @@ def test_fp8_decode_takes_the_rows_its_producers_quantized(tmp_path, monkeypatch
     assert all(l.input_layernorm.quant_group == 128 == l.post_attention_layernorm.quant_group
                == l.self_attn.o_quant_group for l in layers)
     launches = []
-    real = kernels._quantize_act_kernel
+    real = fp8._quantize_act_kernel
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(kernels, "_quantize_act_kernel", Counted())
+    monkeypatch.setattr(fp8, "_quantize_act_kernel", Counted())
     gen = torch.Generator().manual_seed(0)
     # 520 keys: decode attention splits the rows (stage 2 runs, and quantizes)
     seqs = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 77, 300, 520)]

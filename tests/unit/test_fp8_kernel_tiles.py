@@ -25,7 +25,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 _QUANTIZE = r"""
 import torch
-from cpmoe.quant import kernels as k
+from cpmoe.ops import fp8, fp8_gemm
 FP8 = torch.float8_e4m3fn
 torch.manual_seed(0)
 empty = torch.empty
@@ -44,8 +44,8 @@ def exact_rows(M, K, group):
 
 def check(x, group, rows, cfg, exact):
     M, K = x.shape
-    q, s = k.quantize_act(x, group, rows, config=cfg)
-    qr, sr = k.quantize_act_ref(x, group)
+    q, s = fp8.quantize_act(x, group, rows, config=cfg)
+    qr, sr = fp8.quantize_act_ref(x, group)
     assert q.shape == (rows, K) and s.shape == (rows, K // group) and s.stride() == (1, rows)
     assert torch.equal(s[:M], sr), cfg
     assert torch.equal(s[M:], torch.zeros_like(s[M:]))
@@ -71,7 +71,7 @@ for block_m, warps in ((1, 1), (2, 4), (8, 4), (32, 4)):
             check(x, group, rows, cfg, exact=False)
             cases += 1
 # the default tiles, decode and prefill sizes
-assert k.quantize_config(1)["BLOCK_M"] == 1 and k.quantize_config(16384)["BLOCK_M"] == 32
+assert fp8.quantize_config(1)["BLOCK_M"] == 1 and fp8.quantize_config(16384)["BLOCK_M"] == 32
 check(exact_rows(40, 256, 128), 128, 48, None, exact=True)
 print("quantize tiles ok", cases)
 """
@@ -86,8 +86,8 @@ def test_quantize_act_tiles_match_quantize_act_ref_in_the_interpreter() -> None:
 
 _TAIL = r"""
 import torch
-from cpmoe.quant import kernels as k
-from cpmoe.quant.formats import quantize_block_fp8
+from cpmoe.ops import fp8, fp8_gemm
+from cpmoe.ops.fp8 import quantize_block_fp8
 torch.manual_seed(0)
 empty = torch.empty
 torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))  # garbage output memory
@@ -100,14 +100,14 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
     E, N, K, block = len(offs), 48, 64, (16, 32)
     pairs = [quantize_block_fp8(torch.randn(N, K), block) for _ in range(E)]
     wq, ws = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    aq, a_s = k.quantize_act_ref(torch.randn(P, K), block[1])
+    aq, a_s = fp8.quantize_act_ref(torch.randn(P, K), block[1])
     offs = torch.tensor(offs)
     # 32-column tiles read a weight scale per column (two scale blocks a tile), 16-column
     # tiles one scale a tile (the path of 128 x 128 blocks)
     for dtype, BN in ((torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 16)):
         cfg = {"BM": BM, "BN": BN, "num_warps": 4, "num_stages": 1}
-        got = k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, dtype, config=cfg)
-        want = k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, dtype)
+        got = fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, dtype, config=cfg)
+        want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, dtype)
         L = int(offs[-1])
         assert torch.equal(got[L:], torch.zeros(P - L, N, dtype=dtype)), (P, offs, dtype)
         # bf16: the interpreter's cast truncates (torch's rounds), one bf16 step apart
@@ -128,8 +128,8 @@ def test_grouped_fp8_gemm_zeroes_rows_past_offs_in_uninitialized_memory() -> Non
 _SWIGLU = r"""
 import torch
 from cpmoe import ops
-from cpmoe.quant import kernels as k
-from cpmoe.quant.formats import dequantize
+from cpmoe.ops import fp8, fp8_gemm
+from cpmoe.ops.fp8 import dequantize
 torch.manual_seed(0)
 
 cases = 0
@@ -138,12 +138,12 @@ for P, inter, group in ((37, 256, 128), (5, 96, 32), (1, 128, 128)):
         h = (torch.randn(P, 2 * inter) * 3).to(dtype)
         for limit in (None, 2.0):
             gate, up = h.chunk(2, dim=-1)
-            act = ops.silu_and_mul(h) if limit is None else ops._swiglu(gate, up, limit)
+            act = ops.silu_and_mul(h) if limit is None else ops.activation._swiglu(gate, up, limit)
             for block_m in (1, 4, 16):
                 cfg = dict(BLOCK_M=block_m, num_warps=4)
-                q, s = k.swiglu_quantize(h, group, limit, config=cfg)
+                q, s = fp8.swiglu_quantize(h, group, limit, config=cfg)
                 # the unfused Triton path, bit for bit (the same interpreter casts)
-                qu, su = k.quantize_act(act, group, config=cfg)
+                qu, su = fp8.quantize_act(act, group, config=cfg)
                 assert s.stride() == (1, P) and torch.equal(s, su), (P, dtype, limit)
                 assert torch.equal(q.view(torch.uint8), qu.view(torch.uint8))
                 cases += 1
@@ -155,7 +155,7 @@ for P, inter, group in ((37, 256, 128), (5, 96, 32), (1, 128, 128)):
             # On the GPU (one rounding, RNE casts) tests/gpu/test_fp8_cuda.py asks equality.
             ref = (ops.silu_and_mul_ref(h) if limit is None
                    else ops.clamped_swiglu_ref(gate, up, limit))
-            qr, sr = k.quantize_act_ref(ref, group)
+            qr, sr = fp8.quantize_act_ref(ref, group)
             torch.testing.assert_close(s, sr, rtol=2 ** -5, atol=0)
             # the interpreter's dropped carry (a rounding up to 2^(e+1) gives 2^e) undone
             qf, rf = q.float(), qr.float()
@@ -179,7 +179,7 @@ def test_swiglu_quantize_matches_swiglu_then_quantize_act_in_the_interpreter() -
 _NORM_QUANT = r"""
 import torch
 from cpmoe import ops
-from cpmoe.quant import kernels as k
+from cpmoe.ops import fp8, fp8_gemm
 torch.manual_seed(0)
 
 cases = 0
@@ -192,10 +192,10 @@ for n, hidden, group in ((5, 256, 128), (3, 384, 128), (1, 96, 32)):
         out, summed = ops.add_rms_norm(x, r, w, 1e-6, quant_group=group)
         out0, summed0 = ops.add_rms_norm(x, r, w, 1e-6)  # the pass without quantization
         assert torch.equal(out, out0) and torch.equal(summed, summed0)
-        q, s = k.quantize_act(out, group)  # the offer, taken as is
+        q, s = fp8.quantize_act(out, group)  # the offer, taken as is
         # quantize_act's own kernel on a copy (not the offered memory): bit for bit, the
         # same interpreter casts
-        qu, su = k.quantize_act(out.clone(), group)
+        qu, su = fp8.quantize_act(out.clone(), group)
         assert q is not qu and s.stride() == (1, n) and torch.equal(s, su), (n, hidden)
         assert torch.equal(q.view(torch.uint8), qu.view(torch.uint8)), (n, hidden, dtype)
         cases += 1

@@ -1,6 +1,6 @@
 """FP8 formats (pure torch) and the FP8 Triton kernels in Triton's CPU interpreter.
 
-Formats: cpmoe.quant.formats against the tests' own loop-based dequantization
+Formats: cpmoe.ops.fp8 against the tests' own loop-based dequantization
 (tests/e2e/_fp8_helpers.py): block FP8 with partial last blocks and offsets, ue8m0 scales,
 MXFP4 nibble order and scales, and the block quantizer's round trip.
 
@@ -21,7 +21,7 @@ import importlib.util
 import pytest
 import torch
 
-from cpmoe.quant import formats
+from cpmoe.ops import fp8
 from tests._interpreter import run_interpreted
 from tests.e2e._fp8_helpers import (dequantize_blocks, dequantize_mxfp4, dequantize_ue8m0_blocks,
                                     quantize_blocks, quantize_mxfp4, quantize_ue8m0_blocks)
@@ -33,13 +33,13 @@ def test_block_dequantize_matches_loops(shape, block):
     torch.manual_seed(0)
     q, s = quantize_blocks(torch.randn(shape), block)
     want = dequantize_blocks(q, s, block)
-    assert torch.equal(formats.dequantize(q, s, tuple(block)), want)
+    assert torch.equal(fp8.dequantize(q, s, tuple(block)), want)
     # a slice starting inside a block reads the grid rows covering it, with an offset
     r0, c0 = 3, 5
     rows, cols = slice(r0, shape[0]), slice(c0, shape[1])
     srows = slice(r0 // block[0], None)
     scols = slice(c0 // block[1], None)
-    got = formats.dequantize(q[rows, cols], s[srows, scols], tuple(block),
+    got = fp8.dequantize(q[rows, cols], s[srows, scols], tuple(block),
                              (r0 % block[0], c0 % block[1]))
     assert torch.equal(got, want[rows, cols])
 
@@ -48,21 +48,21 @@ def test_ue8m0_and_mxfp4_dequantize_match_loops():
     torch.manual_seed(1)
     w = torch.randn(24, 64)
     q, e = quantize_ue8m0_blocks(w, [16, 16])
-    assert torch.equal(formats.dequantize(q, e, (16, 16)), dequantize_ue8m0_blocks(q, e, [16, 16]))
+    assert torch.equal(fp8.dequantize(q, e, (16, 16)), dequantize_ue8m0_blocks(q, e, [16, 16]))
     packed, e4 = quantize_mxfp4(w)
     want = dequantize_mxfp4(packed, e4)
-    assert torch.equal(formats.dequantize(packed, e4, formats.MXFP4_BLOCK), want)
+    assert torch.equal(fp8.dequantize(packed, e4, fp8.MXFP4_BLOCK), want)
     assert (want - w).abs().max() <= w.abs().max() / 3  # e2m1 is coarse, but not wrong
 
 
 def test_quantize_block_fp8_round_trip():
     torch.manual_seed(2)
     w = torch.randn(200, 130)
-    q, s = formats.quantize_block_fp8(w, (128, 128))
+    q, s = fp8.quantize_block_fp8(w, (128, 128))
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
-    back = formats.dequantize(q, s, (128, 128))
+    back = fp8.dequantize(q, s, (128, 128))
     assert ((back - w).abs() <= w.abs() * 2 ** -4 + s.max() * 2 ** -9).all()
-    assert torch.equal(formats.quantize_block_fp8(torch.zeros(3, 3))[1], torch.ones(1, 1))
+    assert torch.equal(fp8.quantize_block_fp8(torch.zeros(3, 3))[1], torch.ones(1, 1))
 
 
 def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
@@ -70,41 +70,40 @@ def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
     computes afresh for other memory, a different view, rows written since, padding, another
     group, or once the rows are freed."""
     import gc
-
-    from cpmoe.quant import kernels as k
-    from cpmoe.quant.offers import offer_quantized
+    from cpmoe.ops import fp8
+    from cpmoe.ops.fp8 import offer_quantized
     torch.manual_seed(0)
     x = torch.randn(4, 256)
-    q, s = k.quantize_act_ref(x, 128)
+    q, s = fp8.quantize_act_ref(x, 128)
     q, s = q.clone(), s.t().contiguous().t()
     offer_quantized(x, q, s, 128)
-    got = k.quantize_act(x, 128)
+    got = fp8.quantize_act(x, 128)
     assert got[0] is q and got[1] is s
-    assert k.quantize_act(x.view(4, 256), 128)[0] is q  # another view of the same rows
+    assert fp8.quantize_act(x.view(4, 256), 128)[0] is q  # another view of the same rows
     for other in (x.clone(), x[1:], x.view(8, 128)):
-        assert k.quantize_act(other, 128)[0] is not q
-    assert k.quantize_act(x, 64)[0] is not q and k.quantize_act(x, 128, rows=8)[0] is not q
+        assert fp8.quantize_act(other, 128)[0] is not q
+    assert fp8.quantize_act(x, 64)[0] is not q and fp8.quantize_act(x, 128, rows=8)[0] is not q
     x.mul_(2)  # written since the offer: the old values must not come back
-    q2, s2 = k.quantize_act(x, 128)
+    q2, s2 = fp8.quantize_act(x, 128)
     assert q2 is not q and torch.equal(s2, 2 * s)
     y = torch.randn(2, 128)
-    offer_quantized(y, *k.quantize_act_ref(y, 128), 128)
+    offer_quantized(y, *fp8.quantize_act_ref(y, 128), 128)
     del y
     gc.collect()
     z = torch.randn(2, 128)  # may reuse the freed memory: z's own scales come back
-    assert torch.equal(k.quantize_act(z, 128)[1], k.quantize_act_ref(z, 128)[1])
+    assert torch.equal(fp8.quantize_act(z, 128)[1], fp8.quantize_act_ref(z, 128)[1])
 
 
 _CASES = r"""
 import torch
-from cpmoe.quant import kernels as k
-from cpmoe.quant.formats import dequantize, quantize_block_fp8
+from cpmoe.ops import fp8, fp8_gemm
+from cpmoe.ops.fp8 import dequantize, quantize_block_fp8
 torch.manual_seed(0)
 
 # activation quantization: scales exact, values within one FP8 step
 x = torch.randn(7, 96) * torch.logspace(-2, 2, 7)[:, None]
-q, s = k.quantize_act(x, 32)
-qr, sr = k.quantize_act_ref(x, 32)
+q, s = fp8.quantize_act(x, 32)
+qr, sr = fp8.quantize_act_ref(x, 32)
 assert torch.equal(s, sr) and s.stride() == (1, 7), (s.stride(),)
 # The interpreter's float32 -> fp8 cast drops the carry when rounding up crosses a power of
 # two (126.8 -> 64, not 128; the GPU's cvt is right): only those elements may differ.
@@ -121,28 +120,28 @@ def experts_weights(E, N, K, block):
 for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
                                 (40, 4, 48, 128, (16, 16), [0, 35, 35, 38])):
     wq, ws = experts_weights(E, N, K, block)
-    aq, a_s = k.quantize_act_ref(torch.randn(P, K), block[1])
+    aq, a_s = fp8.quantize_act_ref(torch.randn(P, K), block[1])
     offs = torch.tensor(offs)
-    got = k.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, out_dtype=torch.float32)
-    want = k.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, torch.float32)
+    got = fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, out_dtype=torch.float32)
+    want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[int(offs[-1]):], torch.zeros_like(got[int(offs[-1]):]))
 
 # Below, activations are quantized by the torch reference (the kernel's carry differs in
 # the interpreter, see above), so the GEMM paths are compared exactly.
-import cpmoe.quant.experts as fp8_experts_module
+import cpmoe.moe.fp8_experts as fp8_experts_module
 def act_ref(x, group=128, rows=None):
-    q, s = k.quantize_act_ref(x, group)
+    q, s = fp8.quantize_act_ref(x, group)
     assert rows in (None, x.shape[0])  # padding is for scaled_mm, which is CUDA only
     return q, s.t().contiguous().t()
-k.quantize_act = fp8_experts_module.quantize_act = act_ref
+fp8.quantize_act = fp8_gemm.quantize_act = fp8_experts_module.quantize_act = act_ref
 
 # fp8_linear, Triton path (blocks other than 128 x 128), with bias
 wq, ws = quantize_block_fp8(torch.randn(48, 64), (16, 32))
 x = torch.randn(2, 5, 64)
 bias = torch.randn(48)
-got = k.fp8_linear(x, wq, ws, (16, 32), bias)
-want = k.fp8_linear_ref(x, wq, ws, (16, 32), bias)
+got = fp8_gemm.fp8_linear(x, wq, ws, (16, 32), bias)
+want = fp8_gemm.fp8_linear_ref(x, wq, ws, (16, 32), bias)
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 # LocalExperts with FP8 weights vs the float32 loop on the dequantized weights (FP8
@@ -189,7 +188,7 @@ def test_fp8_kernels_match_references_in_the_interpreter() -> None:
 
 _SKINNY_CASES = r"""
 import torch
-from cpmoe.quant import kernels as k
+from cpmoe.ops import fp8, fp8_gemm
 FP8 = torch.float8_e4m3fn
 torch.manual_seed(0)
 
@@ -233,33 +232,33 @@ for N, K in ((384, 256), (200, 384)):
         for bias in (None, torch.randn(N)):
             cfg = configs[case % len(configs)]
             case += 1
-            xq, xs = k.quantize_act(x, 128)
-            got = k.fp8_linear_skinny(xq, xs, w, w_scale, bias, torch.float32, config=cfg)
+            xq, xs = fp8.quantize_act(x, 128)
+            got = fp8_gemm.fp8_linear_skinny(xq, xs, w, w_scale, bias, torch.float32, config=cfg)
             want = reference(x, w, w_scale, bias)
             assert got.shape == (M, N) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=1e-5,
                                        atol=1e-5 * want.abs().max().item())
-            assert k.skinny_fits(M, w, (128, 128))
+            assert fp8_gemm.skinny_fits(M, w, (128, 128))
             if cfg is None:  # fp8_linear takes it for these rows, over any leading dims
-                lin = k.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
+                lin = fp8_gemm.fp8_linear(x.view(1, M, K), w, w_scale, (128, 128), bias)
                 assert torch.equal(lin.view(M, N), got)
 assert case == 16
 # bf16 out (the default): the interpreter's float32 -> bf16 cast truncates (the GPU's
 # rounds), so within one bf16 step of the float32 result
 x = exact_rows(5, 256)
 w, w_scale = w[:, :256], w_scale[:, :2].contiguous()
-xq, xs = k.quantize_act(x, 128)
-got = k.fp8_linear_skinny(xq, xs, w, w_scale)
+xq, xs = fp8.quantize_act(x, 128)
+got = fp8_gemm.fp8_linear_skinny(xq, xs, w, w_scale)
 assert got.dtype == torch.bfloat16
-torch.testing.assert_close(got.float(), k.fp8_linear_skinny(xq, xs, w, w_scale, None,
+torch.testing.assert_close(got.float(), fp8_gemm.fp8_linear_skinny(xq, xs, w, w_scale, None,
                                                             torch.float32),
                            rtol=2 ** -7, atol=0)
 # not taken: more rows than one tile holds, other blocks, K off the activation groups
-assert not k.skinny_fits(k.SKINNY_ROWS + 1, w, (128, 128))
-assert not k.skinny_fits(5, w, (16, 32)) and not k.skinny_fits(0, w, (128, 128))
-assert not k.skinny_fits(5, torch.empty(128, 200, dtype=FP8), (128, 128))
+assert not fp8_gemm.skinny_fits(fp8_gemm.SKINNY_ROWS + 1, w, (128, 128))
+assert not fp8_gemm.skinny_fits(5, w, (16, 32)) and not fp8_gemm.skinny_fits(0, w, (128, 128))
+assert not fp8_gemm.skinny_fits(5, torch.empty(128, 200, dtype=FP8), (128, 128))
 try:  # rows not quantized
-    k.fp8_linear_skinny(x, xs, w, w_scale)
+    fp8_gemm.fp8_linear_skinny(x, xs, w, w_scale)
     raise AssertionError("float rows were taken")
 except ValueError as e:
     assert "FP8 rows" in str(e)

@@ -19,7 +19,7 @@ import torch
 from cpmoe.loader import LoadError, load_checkpoint, quantized_weight_names
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.layout import ParallelLayout
-from cpmoe.quant.formats import dequantize
+from cpmoe.ops.fp8 import dequantize
 from cpmoe.quant.modules import Fp8Linear, prepare_fp8
 from tests._interpreter import run_interpreted
 from tests.e2e._fp8_helpers import make_fp8_checkpoint
@@ -142,7 +142,7 @@ def test_fused_fp8_projections_equal_the_separate_ones_and_share_their_tensors()
     separate modules' outputs side by side, the modules' weights and scales now views of
     the fused tensors; output widths that are not whole 128-row scale blocks do not fuse."""
     from cpmoe.linear import Linear, fuse_linears
-    from cpmoe.quant.formats import quantize_block_fp8
+    from cpmoe.ops.fp8 import quantize_block_fp8
     from cpmoe.quant.modules import Fp8Linear
     torch.manual_seed(0)
     linears = []

@@ -37,7 +37,7 @@ for M, K, E, H, I in ((3, 2, 4, 48, 40), (40, 4, 3, 160, 72), (5, 3, 8, 32, 16),
                        torch.zeros_like(x))
 # FP8 weights with 128 x 128 block scales (weights-only: x stays float32 here) against the
 # loop over the dequantized weights; 2 x 2 blocks of gate, of up and of down
-from cpmoe.quant.formats import dequantize, quantize_block_fp8
+from cpmoe.ops.fp8 import dequantize, quantize_block_fp8
 E, H, I = 3, 256, 256
 m = LocalExperts(E, H, I, torch.float32)
 torch.nn.init.normal_(m.gate_up_proj, std=0.05)
@@ -77,8 +77,8 @@ _W8A8_CASES = r"""
 import torch
 import torch.nn.functional as F
 from cpmoe.moe import fused_moe
-from cpmoe.quant.formats import FP8, dequantize, quantize_block_fp8
-from cpmoe.quant.kernels import quantize_act_ref
+from cpmoe.ops.fp8 import FP8, dequantize, quantize_block_fp8
+from cpmoe.ops.fp8 import quantize_act_ref
 torch.manual_seed(0)
 
 

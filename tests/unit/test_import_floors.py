@@ -25,7 +25,9 @@ FLOORS = (
     ("engine", ("engine",)),
     ("models", ("models", "loader", "default_model")),
     ("communicator", ("communicator",)),
-    ("kernels", ("cp", "moe", "quant", "ops", "linear", "graph_capture")),
+    ("fp8 modules", ("quant",)),
+    ("layers", ("cp", "moe", "linear")),
+    ("kernels", ("ops", "graph_capture")),
     ("parallel", ("parallel",)),
     ("config", ("config", "context", "_triton", "")),
 )

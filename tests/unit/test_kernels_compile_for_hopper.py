@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cpmoe.moe import fused_moe
-from cpmoe.quant import kernels
+from cpmoe.ops import fp8, fp8_gemm
 
 
 def compile_sm90(fn, pointers, constexprs, unaligned, options):
@@ -81,10 +81,10 @@ for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
         assert "cp.async" in ptx, (slots, gated)
         waits_first(ptx, ("experts", slots, gated))
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
-    cfg = kernels.skinny_config(m, n, k)
+    cfg = fp8_gemm.skinny_config(m, n, k)
     options = launch_options(cfg)
     ptx = compile_sm90(
-        kernels._skinny_fp8_kernel,
+        fp8_gemm._skinny_fp8_kernel,
         {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
          "b_ptr": "*bf16", "part_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"},
         dict(cfg, HAS_BIAS=True, BLOCK_M=max(16, m), UPCAST=False, PDL=True),
@@ -94,9 +94,9 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     # split K: the count releases and acquires the partials, which are read from L2
     split = re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
-cfg = kernels.grouped_fp8_config(16384 * 8, E)
+cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E)
 ptx = compile_sm90(
-    kernels._grouped_fp8_kernel,
+    fp8_gemm._grouped_fp8_kernel,
     {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
      "out_ptr": "*bf16", "starts_ptr": "*i64", "ends_ptr": "*i64", "tile_end_ptr": "*i64",
      "tiles_ptr": "*i64", "tile_expert_ptr": "*i64"},
@@ -109,7 +109,7 @@ assert "cp.async" in ptx and "wgmma" in ptx
 from cpmoe import ops
 from cpmoe.cp import paged_attention
 ptx = compile_sm90(
-    ops._add_rms_norm_kernel,
+    ops.norm._add_rms_norm_kernel,
     {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
      "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
     {"BLOCK": H, "QUANT": True, "GROUP": 128, "PDL": True}, ("n_rows",), {"num_warps": 4})
@@ -130,18 +130,18 @@ for fn, pointers, constexprs, unaligned in (
           "o_ptr": "*fp32", "lse_ptr": "*fp32"},
          {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False,
           "UPCAST": False}, ("bt_sb", "NUM_SPLITS", "GROUP")),
-        (ops._qkv_norm_rope_store_kernel,
+        (ops.norm._qkv_norm_rope_store_kernel,
          {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
           "sin_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "slots_ptr": "*i64"},
          {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64}, ("kv_heads",)),
-        (ops._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
+        (ops.routing._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
          {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
         (fused_moe._align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i32", "counts_ptr": "*i32"},
          {"BLOCK_P": 512}, ("P", "cap")),
         (fused_moe._slot_sum_kernel,
          {"y_ptr": bf16, "ids_ptr": "*i64", "weight_ptr": bf16, "out_ptr": bf16},
          {"K": 8, "BLOCK": 1024}, ()),
-        (kernels._quantize_act_kernel, {"x_ptr": bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+        (fp8._quantize_act_kernel, {"x_ptr": bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
          {"GROUP": 128, "BLOCK_M": 1}, ("M", "R")),
         ):
     ptx = compile_sm90(fn, pointers, dict(constexprs, PDL=True), unaligned, {"num_warps": 4})
@@ -158,7 +158,7 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         {"num_warps": 4, "num_stages": 2})
     waits_first(ptx, ("stage 1", fmt))
     ptx = compile_sm90(
-        ops._qkv_norm_rope_store_kernel,
+        ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
          "sin_ptr": bf16, "k_cache_ptr": fmt, "v_cache_ptr": fmt, "slots_ptr": "*i64"},
         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True,

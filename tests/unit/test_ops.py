@@ -90,7 +90,7 @@ def test_fp8_kv_pools_round_to_nearest_and_saturate() -> None:
 _KERNELS = r"""
 import torch
 from cpmoe import ops
-assert ops._use_triton(torch.zeros(1)), "interpreter not active"
+assert ops.use_triton(torch.zeros(1)), "interpreter not active"
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     h = torch.randn(9, 2 * 40).to(dtype)
@@ -205,7 +205,7 @@ for dtype in (torch.float32, torch.bfloat16):
     gate, up = h.chunk(2, dim=-1)
     gf, uf = gate.float().clamp(max=5.0), up.float().clamp(-5.0, 5.0)
     want = gf * torch.sigmoid(gf) * uf
-    got = ops.clamped_swiglu_triton(gate, up, 5.0)
+    got = ops.activation.clamped_swiglu_triton(gate, up, 5.0)
     tol = 1e-6 if dtype == torch.float32 else 2.0 ** -7
     assert got.dtype == dtype and got.is_contiguous()
     assert ((got.float() - want).abs() <= tol * (want.abs() + 1e-3)).all(), dtype

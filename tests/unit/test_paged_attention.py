@@ -187,7 +187,7 @@ from cpmoe.cp import paged_attention as pa
 sys.path.insert(0, TEST_DIR)
 from test_paged_attention import build_paged
 
-assert ops._use_triton(torch.zeros(1)), "interpreter not active"
+assert ops.use_triton(torch.zeros(1)), "interpreter not active"
 torch.manual_seed(0)
 # error of one rounding to the dtype, relative. bf16: one ulp (2^-7), not half, because the
 # interpreter (Triton 3.9) truncates fp32 -> bf16 where the GPU rounds to nearest
@@ -254,21 +254,21 @@ torch.testing.assert_close(torch.logsumexp(torch.stack([l0, l1]), 0), lse, rtol=
 
 # quant_group == D: stage 2's output also in FP8, one group a head, offered to quantize_act;
 # equal to quantize_act's own kernel on a copy (the same interpreter casts), o unchanged
-from cpmoe.quant import kernels as qk
+from cpmoe.ops import fp8
 for dtype in (torch.bfloat16, torch.float16):
     kc, vc, tb, lb, _, _ = build_paged([40, 0, 90], 16, 2, 32, dtype, 5)
     q = torch.randn(3, 4, 32).to(dtype)
     o, lse = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=2, quant_group=32)
     o_plain, _ = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=2)
     assert torch.equal(o, o_plain)
-    q8, s8 = qk.quantize_act(o.view(3, 128), 32)  # the offer
-    qu, su = qk.quantize_act(o.view(3, 128).clone(), 32)
+    q8, s8 = fp8.quantize_act(o.view(3, 128), 32)  # the offer
+    qu, su = fp8.quantize_act(o.view(3, 128).clone(), 32)
     assert q8 is not qu and s8.stride() == (1, 3) and torch.equal(s8, su)
     assert torch.equal(q8.view(torch.uint8), qu.view(torch.uint8))
     # one split (no stage 2) or a group that is not D: nothing offered (o's offer stays)
     for splits, group in ((1, 32), (2, 16)):
         pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=splits, quant_group=group)
-        assert qk.quantize_act(o.view(3, 128), 32)[0] is q8
+        assert fp8.quantize_act(o.view(3, 128), 32)[0] is q8
 print("paged kernel ok")
 """
 

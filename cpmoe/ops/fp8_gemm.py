@@ -1,11 +1,5 @@
-"""FP8 compute: dynamic per-token-group activation quantization and block-scaled GEMMs.
+"""FP8 compute: block-scaled GEMMs (activations quantized by `fp8.quantize_act`).
 
-- `quantize_act(x, group)`: x [M, K] -> (q float8_e4m3fn [M, K], s float32 [M, K/group]),
-  s = amax(group) / 448 per row and group of `group` inputs (the "1x128" activation recipe).
-  Rows a kernel quantized as it wrote them (`quant.offers.offer_quantized`: the RMSNorm
-  before q/k/v or the experts, decode attention before o_proj) come back as they are.
-- `swiglu_quantize(h, group, limit)`: `quantize_act(silu_and_mul(h), group)` (or of the
-  clamped SwiGLU) in one pass, for the FP8 experts' down GEMM.
 - `fp8_linear(x, w, w_scale, block, bias)`: y = x W^T with W = w * w_scale per [bn, bk]
   block. On CUDA with [128, 128] blocks it is `fp8_linear_skinny` for few rows, else
   `F.scaled_mm` with the BlockWise1x128 / BlockWise128x128 recipes (checked on the H200);
@@ -32,152 +26,13 @@ import warnings
 
 import torch
 
-from cpmoe._triton import import_triton
-from cpmoe.quant.formats import FP8, FP8_MAX, INV_FP8_MAX, dequantize
-from cpmoe.quant.offers import offered
+from cpmoe.ops import launch
+from cpmoe.ops.fp8 import FP8, dequantize, quantize_act, quantize_act_ref
+from cpmoe.ops.launch import pdl_args, tl, triton
 
-triton, tl = import_triton()  # None on CPU-only torch without the interpreter
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter: FP8 dots upcast
 if triton is not None:
-    # the kernels' row quantization (1 x group); programmatic dependent launch
-    from cpmoe.ops import pdl_args, quantize_rows, wait_for_producer
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return triton is not None and (x.is_cuda or _INTERPRET)
-
-
-# ---- activation quantization ------------------------------------------------------------
-
-def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    M, K = x.shape
-    g = x.float().view(M, K // group, group)
-    # times the float32 reciprocal, not "/ 448": what the kernels compute, exactly, on any
-    # device (torch's CUDA division by a scalar multiplies by its reciprocal anyway)
-    s = (g.abs().amax(dim=-1) * INV_FP8_MAX).clamp(min=1e-12)
-    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # IEEE division
-    return q.view(M, K), s
-
-
-def quantize_config(M: int) -> dict:
-    """Tile of `_quantize_act_kernel` for M rows: BLOCK_M rows x one group a program, and
-    its warps. Decode (1-64 rows) is launch-bound whatever the tile, and one row a program
-    keeps its few hundred programs spread over the SMs; prefill (16K-128K rows) wants
-    programs big enough to hide memory latency: 32 rows x 128 bf16 inputs are 8 KB, 16-byte
-    loads, 32 inputs a thread. Between, the tile grows with the rows. bench/fp8_quantize.py
-    on the H200 (bench/results/fp8-quantize-6127e2f.log): 32 rows on 4 warps is the fastest
-    at 16K x 2048 and within 3% of the best at the other prefill shapes (3.0-4.25 TB/s);
-    at decode's shapes every tile takes the same ~23-29 us, the launch."""
-    block_m = 1
-    while block_m < 32 and block_m * 512 < M:
-        block_m *= 2
-    return {"BLOCK_M": block_m, "num_warps": 1 if block_m == 1 else 4}
-
-
-def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
-                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
-    scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
-    both padded to that many rows with zeros (values and scales). config:
-    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
-    M, K = x.shape
-    if K % group:
-        raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
-    rows = M if rows is None else rows
-    taken = offered(x, group) if rows == M else None
-    if taken is not None:
-        return taken
-    if not _use_triton(x) or M == 0:
-        q, s = quantize_act_ref(x, group)
-        pad = rows - M
-        q = torch.cat([q, q.new_zeros(pad, K)]) if pad else q
-        s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
-        return q, s.t().contiguous().t()
-    x = x.contiguous()
-    q = torch.empty(rows, K, dtype=FP8, device=x.device)
-    s_t = torch.empty(K // group, rows, dtype=torch.float32, device=x.device)
-    cfg = config or quantize_config(M)
-    groups = K // group
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * groups,)
-    _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg, **pdl_args(x))
-    return q, s_t.t()
-
-
-if triton is not None:
-    # M, R: sizes that change every step: no specialization on them (Triton would compile a
-    # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["M", "R"])
-    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, M, R, K, GROUP: tl.constexpr,
-                             BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
-        """Program p: rows [BLOCK_M * (p // groups), ..) x group p % groups (neighbouring
-        programs read neighbouring groups of the same rows). Rows in [M, R) are padding:
-        values and scales 0 (their inputs read as 0, so x / s is 0)."""
-        wait_for_producer(PDL)
-        groups = K // GROUP
-        pid = tl.program_id(0)
-        g = pid % groups
-        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = g * GROUP + tl.arange(0, GROUP)
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
-        q, s = quantize_rows(x)
-        tl.store(q_ptr + offs, q, mask=(rows < R)[:, None])
-        # scales stored [K/group, R]: column-major [R, K/group]
-        tl.store(s_ptr + g * R + rows, tl.where(rows < M, s, 0.0), mask=rows < R)
-
-
-def swiglu_quantize_fits(h: torch.Tensor, group: int) -> bool:
-    """Whether `swiglu_quantize` takes packed gate/up rows h [P, 2I] here."""
-    return _use_triton(h) and h.dim() == 2 and h.shape[0] > 0 and h.shape[1] % (2 * group) == 0
-
-
-def swiglu_quantize(h: torch.Tensor, group: int = 128, limit: float | None = None,
-                    config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_act(silu_and_mul(h), group)` in one pass (with limit: of DeepSeek-V4's
-    `clamped_swiglu`), the SwiGLU never written out: h [P, 2I] (gate first) -> (e4m3
-    [P, I], float32 scales [P, I/group] with strides (1, P)). Bit for bit the two Triton
-    kernels' result: the SwiGLU has their expression in float32 and is rounded to h's dtype
-    before it is quantized, as the unfused path stores it. config: `quantize_config`'s."""
-    if not swiglu_quantize_fits(h, group):
-        raise ValueError(f"swiglu_quantize: need [P > 0, 2I] rows, I a multiple of {group}, "
-                         f"on CUDA or the interpreter; got {tuple(h.shape)} on {h.device}")
-    h = h if h.stride(1) == 1 else h.contiguous()
-    P, inter = h.shape[0], h.shape[1] // 2
-    q = torch.empty(P, inter, dtype=FP8, device=h.device)
-    s_t = torch.empty(inter // group, P, dtype=torch.float32, device=h.device)
-    cfg = config or quantize_config(P)
-    grid = (triton.cdiv(P, cfg["BLOCK_M"]) * (inter // group),)
-    _swiglu_quantize_kernel[grid](h, q, s_t, P, inter, h.stride(0),
-                                  0.0 if limit is None else limit, GROUP=group,
-                                  CLAMP=limit is not None, **cfg)
-    return q, s_t.t()
-
-
-if triton is not None:
-    from cpmoe.ops import swiglu_act
-
-    @triton.jit(do_not_specialize=["P"])  # the slots: a size that changes every step
-    def _swiglu_quantize_kernel(h_ptr, q_ptr, s_ptr, P, inter, h_st, limit,
-                                GROUP: tl.constexpr, CLAMP: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
-        """Program p: rows [BLOCK_M * (p // groups), ..) x output group p % groups, as in
-        `_quantize_act_kernel`; the SwiGLU is `ops.swiglu_act`, as in ops' SwiGLU kernel."""
-        groups = inter // GROUP
-        pid = tl.program_id(0)
-        g = pid % groups
-        rows = (pid // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = (rows < P)[:, None]
-        cols = g * GROUP + tl.arange(0, GROUP)
-        at = h_ptr + rows[:, None].to(tl.int64) * h_st + cols[None, :]
-        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(at + inter, mask=ok, other=0.0).to(tl.float32)
-        act = swiglu_act(gate, up, limit, CLAMP)
-        # rounded as the unfused path stores it, so the scales and values are the same
-        act = act.to(h_ptr.dtype.element_ty).to(tl.float32)
-        q, s = quantize_rows(act)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], q, mask=ok)
-        tl.store(s_ptr + g * P + rows, s, mask=rows < P)  # [I/group, P]: column-major
+    from cpmoe.ops.launch import wait_for_producer
 
 
 # ---- block-scaled grouped GEMM ----------------------------------------------------------
@@ -518,7 +373,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                mm_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (w * w_scale)^T (+ bias) in x's dtype; x [.., K], w fp8 [N, K]. mm_scale:
     `scaled_mm_weight_scale(w_scale)` made ahead (else made here, per call)."""
-    if not _use_triton(x):
+    if not launch.use_triton(x):
         return fp8_linear_ref(x, w, w_scale, block, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

@@ -3,9 +3,9 @@
 Every (row, slot) pair is sorted by local expert as on the bf16 grouped path
 (`LocalExperts.sorted_slots`: other ranks' slots, id -1, sort last and are skipped by the
 kernel), the rows are quantized per 1 x bk group and gathered, and two block-scaled grouped FP8
-GEMMs (kernels.grouped_fp8_gemm) run gate/up and down with the experts' own activation in
+GEMMs (`ops.fp8_gemm.grouped_fp8_gemm`) run gate/up and down with the experts' own activation in
 between (so DeepSeek-V4's clamped SwiGLU is kept): LocalExperts' own SwiGLU (plain or
-clamped) and the down GEMM's quantization are one kernel (kernels.swiglu_quantize, the bits
+clamped) and the down GEMM's quantization are one kernel (`ops.fp8.swiglu_quantize`, the bits
 of the SwiGLU kernel and quantize_act); an overridden activation runs, then quantize_act.
 Each row's weighted sum of its slots' outputs follows (`ops.weighted_row_sum`). With EP and
 many slots (prefill) the local slot count is read once so other ranks' slots are not
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from cpmoe.ops import weighted_row_sum
-from cpmoe.quant.kernels import (grouped_fp8_gemm, quantize_act, swiglu_quantize,
-                                 swiglu_quantize_fits)
+from cpmoe.ops.fp8 import quantize_act, swiglu_quantize, swiglu_quantize_fits
+from cpmoe.ops.fp8_gemm import grouped_fp8_gemm
 
 
 def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,

@@ -1,0 +1,292 @@
+"""Norms, rotary embeddings and the K/V store: one Triton kernel each on CUDA, the torch
+reference elsewhere.
+
+- `norm_rope(x, weight, eps, cos, sin)`: per-head RMSNorm (optional) then rotary embedding
+  of x [T, heads, D] (the Qwen3 q/k path).
+- `qkv_norm_rope_store(qkv, ...)`: the decode step's q/k/v in one pass over the fused QKV
+  projection's rows: q and k through `norm_rope`, k and v written into the paged cache at
+  their slots -> q. `to_kv_cache` / `kv_max`: how a K/V pool of a dtype stores a value.
+- `add_rms_norm(x, residual, weight, eps)`: the residual add and the RMSNorm after it
+  -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops);
+  optionally also the normed rows in FP8 for the GEMM after it (`quant_group`).
+- `rms_norm_fp32_weight(x, weight, eps)`: RMSNorm with a float32 weight applied before the
+  one rounding to x's dtype (DeepSeek-V4's norms).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpmoe.ops import launch
+from cpmoe.ops.fp8 import offer_quantized
+from cpmoe.ops.launch import pdl_args, tl, triton
+
+if triton is not None:
+    from cpmoe.ops.fp8 import quantize_rows
+    from cpmoe.ops.launch import wait_for_producer
+
+
+# ---- q/k norm + rotary -------------------------------------------------------------------
+
+def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] with two equal halves (rotate-half convention)."""
+    xf = x.float()
+    if weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    if not launch.use_triton(x) or x.shape[0] == 0:
+        return norm_rope_ref(x, weight, eps, cos, sin)
+    T, heads, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(T,)](x, out, weight if weight is not None else x, cos, sin,
+                            x.stride(0), eps, heads, HAS_NORM=weight is not None,
+                            HEADS=triton.next_power_of_2(heads), HALF=D // 2)
+    return out
+
+
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a K/V pool of `dtype` stores it: an FP8 pool (--kv-cache-dtype fp8_e4m3 /
+    fp8_e5m2, scale 1) saturates at the format's largest finite value, as the GPU's
+    conversion does (torch's e5m2 cast would overflow to inf), and rounds to nearest even."""
+    fmax = kv_max(dtype)
+    return x.float().clamp(-fmax, fmax).to(dtype) if fmax else x.to(dtype)
+
+
+def kv_max(dtype: torch.dtype) -> float:
+    """The kernels' saturation bound for a K/V pool of `dtype` (0.0: a 16/32-bit pool)."""
+    return torch.finfo(dtype).max if dtype.itemsize == 1 else 0.0
+
+
+def qkv_norm_rope_store_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
+                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                            ) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) * D]; caches [pages, page, kv_heads, D]; slots [T] flat
+    slot ids. -> q [T, heads, D] after norm_rope; k (norm_rope'd) and v land in the caches."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q = norm_rope_ref(q.reshape(T, heads, D), q_weight, eps, cos, sin)
+    k = norm_rope_ref(k.reshape(T, kv_heads, D), k_weight, eps, cos, sin)
+    k_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(k, k_cache.dtype)
+    v_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(v.reshape(T, kv_heads, D), v_cache.dtype)
+    return q
+
+
+def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
+                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                        eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                        ) -> torch.Tensor:
+    """See qkv_norm_rope_store_ref; one Triton program per row on CUDA."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    if (not launch.use_triton(qkv) or T == 0 or (q_weight is None) != (k_weight is None)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos,
+                                       sin, k_cache, v_cache, slots)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty((T, heads, D), dtype=qkv.dtype, device=qkv.device)
+    _qkv_norm_rope_store_kernel[(T,)](
+        qkv, q, q_weight if q_weight is not None else qkv,
+        k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
+        qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
+        HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
+        HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), **pdl_args(qkv))
+    return q
+
+
+# ---- residual add + RMSNorm ----------------------------------------------------------
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weight * normalized(x + residual), x + residual); the sum in x's dtype."""
+    r = residual + x
+    rf = r.float()
+    rf = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * rf.to(x.dtype), r
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float, quant_group: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ref in one pass (one Triton program per row) on CUDA. quant_group (a
+    power of two dividing the row): the pass also quantizes the normed rows to FP8 per
+    1 x quant_group, as `quantize_act` does, and offers them to it
+    (`fp8.offer_quantized`: the FP8 GEMM reading these rows next launches no
+    quantization of its own); another group quantizes nothing."""
+    if not launch.use_triton(x) or x.shape[0] == 0 or x.dim() != 2:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    x, residual = x.contiguous(), residual.contiguous()
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    quant = (quant_group is not None and hidden % quant_group == 0
+             and quant_group & (quant_group - 1) == 0)  # groups tile the row's power of two
+    q = s_t = out  # any pointer when not quantizing
+    if quant:
+        q = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+        s_t = torch.empty(hidden // quant_group, n, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(n,)](x, residual, weight, out, summed, q, s_t, n, hidden, eps,
+                               BLOCK=block, QUANT=quant,
+                               GROUP=quant_group if quant else block, **pdl_args(x))
+    if quant:
+        offer_quantized(out, q, s_t.t(), quant_group)
+    return out, summed
+
+
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(weight * x / rms(x)) with a float32 weight, rounded once to x's dtype (DeepSeek-V4's
+    RMSNorm, `layers.RMSNorm`), one Triton program per row of x [..., N]: x read once, the
+    result written once (the torch expression writes a float32 copy, its square, the normed
+    copy, the weighted copy and the rounded result)."""
+    N = x.shape[-1]
+    if weight.shape != (N,) or weight.dtype != torch.float32:
+        raise ValueError(f"rms_norm_fp32_weight: need a float32 weight [{N}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    rows = x.reshape(-1, N)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] and N:
+        _rms_norm_fp32w_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), N, eps,
+                                                  BLOCK=triton.next_power_of_2(N),
+                                                  num_warps=8 if N >= 4096 else 4)
+    return out.view(x.shape)
+
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_fp32w_kernel(x_ptr, w_ptr, out_ptr, x_st, N, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_st + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * N + cols, (w * (x * rstd)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _rope_heads(src, w_ptr, cos_ptr, sin_ptr, t, eps, d, mask,
+                    HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+        """Heads at src + h * 2 HALF + d (h [heads, 1], d [1, HALF]) -> rotated halves."""
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+            r = (1.0 / tl.sqrt(ms + eps))[:, None]
+            x1 = x1 * r * tl.load(w_ptr + d).to(tl.float32)
+            x2 = x2 * r * tl.load(w_ptr + HALF + d).to(tl.float32)
+        c = tl.load(cos_ptr + t * (2 * HALF) + d).to(tl.float32)
+        s = tl.load(sin_ptr + t * (2 * HALF) + d).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, x_row_stride, eps,
+                          heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+                          HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        a, b = _rope_heads(x_ptr + t * x_row_stride + h * (2 * HALF) + d, w_ptr, cos_ptr,
+                           sin_ptr, t, eps, d, mask, HAS_NORM, HALF)
+        dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _to_kv(x, q_ptr, pool_ptr, KV_MAX: tl.constexpr):
+        """x rounded to q's dtype, then to the pool's (`to_kv_cache`)."""
+        x = x.to(q_ptr.dtype.element_ty).to(tl.float32)
+        if KV_MAX > 0:
+            x = tl.clamp(x, -KV_MAX, KV_MAX)
+        return x.to(pool_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+                                    k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
+                                    heads, kv_heads, HAS_NORM: tl.constexpr,
+                                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                                    HALF: tl.constexpr, KV_MAX: tl.constexpr = 0.0,
+                                    PDL: tl.constexpr = False):
+        """KV_MAX > 0: FP8 pools; k and v, rounded to q's dtype first (as the torch path
+        rounds them), saturate at +-KV_MAX (`to_kv_cache`)."""
+        wait_for_producer(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF)[None, :]
+        row = qkv_ptr + t * row_stride
+        # q: norm + rope -> q_ptr [T, heads, D]
+        h = tl.arange(0, HEADS)[:, None]
+        mask = h < heads
+        a, b = _rope_heads(row + h * (2 * HALF) + d, qw_ptr, cos_ptr, sin_ptr, t, eps, d,
+                           mask, HAS_NORM, HALF)
+        dst = q_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=mask)
+        # k: norm + rope -> the cache slot; v: copied to its slot
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        g = tl.arange(0, KV_HEADS)[:, None]
+        kv_mask = g < kv_heads
+        k_src = row + heads * (2 * HALF) + g * (2 * HALF) + d
+        a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, d, kv_mask, HAS_NORM,
+                           HALF)
+        k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
+        tl.store(k_dst, _to_kv(a, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
+        tl.store(k_dst + HALF, _to_kv(b, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
+        v_src = k_src + kv_heads * (2 * HALF)
+        v_dst = v_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
+        tl.store(v_dst, _to_kv(tl.load(v_src, mask=kv_mask, other=0.0), q_ptr, v_cache_ptr,
+                               KV_MAX), mask=kv_mask)
+        tl.store(v_dst + HALF, _to_kv(tl.load(v_src + HALF, mask=kv_mask, other=0.0), q_ptr,
+                                      v_cache_ptr, KV_MAX), mask=kv_mask)
+
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows,
+                             hidden, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                             GROUP: tl.constexpr, PDL: tl.constexpr = False):
+        """QUANT: the normed row, once written, read back as [BLOCK / GROUP, GROUP] groups
+        and quantized (`quantize_rows`) into q [n_rows, hidden] and its scales
+        s [hidden / GROUP, n_rows]. Read back, not reshaped: a reshape lets the compiler
+        lay out the whole row anew, which reorders the sum of squares (at c6507ec the
+        normed values then differed from the plain pass's by a bf16 step at times)."""
+        wait_for_producer(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (r + x).to(sum_ptr.dtype.element_ty)  # rounded as the separate add rounds it
+        tl.store(sum_ptr + row * hidden + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
+        y = (sf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        if QUANT:
+            tl.debug_barrier()  # the row's stores, by every thread, before any reads it
+            g = tl.arange(0, BLOCK // GROUP)
+            at = row * hidden + g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            in_row = (g < hidden // GROUP)[:, None]
+            q, scale = quantize_rows(tl.load(out_ptr + at, mask=in_row, other=0.0).to(
+                tl.float32))
+            tl.store(q_ptr + at, q, mask=in_row)
+            tl.store(s_ptr + g * n_rows + row, scale, mask=g < hidden // GROUP)
