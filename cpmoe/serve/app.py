@@ -58,9 +58,13 @@ class _Run:
         self.events: list[TokenEvent] = []
         self.reason = "cancelled"  # what release() records unless the request ends normally
 
-    async def step(self) -> tuple[str, TokenEvent, str | None]:
-        """-> (text piece, token event, finish reason or None) for the next token."""
+    async def step(self) -> tuple[str, TokenEvent | None, str | None]:
+        """-> (text piece, token event, finish reason or None) for the next token; the event
+        is None when the server aborted the request (it is stopping: finish "abort")."""
         ev = await self.stream.next()
+        if ev is None:
+            self.reason = "abort"
+            return self.text.finish(), None, self.reason
         self.ids.append(ev.token)
         self.events.append(ev)
         piece = self.text.add(ev.token)
@@ -272,7 +276,8 @@ def _best(runs: list[_Run], results: list[tuple[str, str]], n: int
     kept = []
     for p in range(0, len(runs), per):
         group = list(zip(runs[p:p + per], results[p:p + per]))
-        group.sort(key=lambda g: -sum(e.logprob for e in g[0].events) / len(g[0].events))
+        group.sort(key=lambda g: -sum(e.logprob for e in g[0].events)
+                   / max(1, len(g[0].events)))
         kept += group[:n]
     return kept
 
@@ -296,7 +301,8 @@ async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[TokenEvent], str |
     want_ids = run.job.return_token_ids or run.state.tokenizer is None
     while finish is None:
         piece, ev, finish = await run.step()
-        pending.append(ev)
+        if ev is not None:
+            pending.append(ev)
         if piece or finish is not None or want_ids:
             yield piece, pending, finish
             pending = []
