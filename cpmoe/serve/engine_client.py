@@ -134,7 +134,10 @@ class EngineClient:
         self.metrics.waiting += 1
         self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens,
                                    stream=job.index, ignore_eos=job.ignore_eos,
-                                   kv_need=job.kv_need, logprobs=job.logprobs)))
+                                   kv_need=job.kv_need, logprobs=job.logprobs,
+                                   stop_ids=job.stop_token_ids, grammar=job.grammar,
+                                   prompt_logprobs=job.logprobs if job.prompt_logprobs
+                                   else None)))
         return stream
 
     def abort_all(self) -> int:

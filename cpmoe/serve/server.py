@@ -135,7 +135,8 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
     try:
         limits = Limits(name, cfg.vocab_size, context,
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
-                        opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size)
+                        opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size,
+                        opts.tool_call_parser, opts.reasoning_parser)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                         timeout_graceful_shutdown=5), client, exit_)
