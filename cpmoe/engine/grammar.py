@@ -20,7 +20,8 @@ Invariants:
 - JSON (schemas, json_object, tool arguments) is generated without optional whitespace
   (separators ", " and ": "): a model, or random weights, cannot spend its tokens on blanks.
 
-xgrammar is imported only when the first grammar arrives (its import costs ~2 s).
+xgrammar (`pip install 'cpmoe[structured]'`) is imported only when the first grammar arrives
+(its import costs ~2 s); without it a grammar is refused with a GrammarError saying so.
 """
 
 from __future__ import annotations
@@ -50,9 +51,18 @@ class GrammarSpec:
     text: str = ""
 
 
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError:
+        raise GrammarError("structured output needs xgrammar (pip install "
+                           "'cpmoe[structured]')") from None
+    return xgrammar
+
+
 def json_schema_ebnf(schema: dict | str) -> str:
     """The EBNF of a JSON schema (strict, no optional whitespace); raises GrammarError."""
-    import xgrammar as xgr
+    xgr = _xgr()
     text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
         return str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
@@ -68,7 +78,7 @@ def check_grammar(spec: GrammarSpec) -> None:
 
 
 def _grammar(spec: GrammarSpec):
-    import xgrammar as xgr
+    xgr = _xgr()
     try:
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False,
