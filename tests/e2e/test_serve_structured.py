@@ -10,7 +10,10 @@ log_softmax of HF transformers' logits for the prompt (float32).
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,7 +23,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e._serve_helpers import (  # noqa: F401 -- shared module fixtures
-    Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
+    REPO_ROOT, Reference, Server, cache_dir, model_dir, ready_servers, reference, tokenizer)
 
 PROMPT = "Context parallel prefill"
 PERSON = {"type": "object", "properties": {
@@ -280,3 +283,25 @@ def test_bad_structured_or_sampling_value_gets_one_400_naming_it(server, endpoin
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
     assert "\n" not in err["message"]
+
+
+# ---- bench-serving --json-schema -----------------------------------------------------------------
+
+def test_bench_serving_json_schema_sends_it_with_every_request(server, tmp_path):
+    """Each answer is `{"ok": true}` or `{"ok": false}` and EOS (13 or 14 tokens of the byte
+    tokenizer): the schema reached the server with every request and ended it early."""
+    schema = tmp_path / "ok.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"]}))
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "cpmoe.cli", "bench-serving", "--base-url", server.url,
+         "--vocab-size", "256", "--num-prompts", "4", "--random-input-len", "8",
+         "--random-output-len", "40", "--json-schema", str(schema), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 4 and result["summary"]["failed"] == 0
+    assert {r["tokens"] for r in result["requests"]} <= {13, 14}
+    assert result["header"]["json_schema"] == str(schema)
