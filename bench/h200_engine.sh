@@ -5,6 +5,8 @@
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
+#   bash bench/h200_engine.sh structured OUT_DIR  # 64 JSON-schema streams vs the same without
+#                                               # (needs the xgrammar + apache-tvm-ffi wheels)
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
 #   bash bench/h200_engine.sh fp8-prefill OUT_DIR  # FP8 vs bf16 prefill at 16K and 64K
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
@@ -26,11 +28,11 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|fp8|fp8-prefill|v4)
+  smoke|decode|serving|prefix|structured|fp8|fp8-prefill|v4)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8 | fp8-prefill |" \
-          "v4)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | prefix | structured | fp8 |" \
+          "fp8-prefill | v4)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -120,6 +122,55 @@ PY
     step serving-long-prompt python3 -m cpmoe.cli bench-serving --dataset random \
       --random-input-len 256 --random-output-len 1200 --num-prompts 32 \
       --long-prompt-len 65536 --out "$out/serving-long-prompt.json" --launch "${serve[@]}"
+    ;;
+  structured)
+    # issue 47: 64 concurrent JSON-schema streams against the same run without a grammar
+    # (output tok/s at least 80% of it). The tokenizer is byte-level over the whole vocabulary
+    # (the 256 bytes, then words "t<id>", EOS at the config's ids), so grammars can spell JSON
+    # and every token streams text. With random weights a JSON string almost never closes
+    # (one allowed token of ~150K does), so both runs generate their whole output length.
+    model=$(mktemp -d)
+    step structured-model python3 - "$model" <<'PY'
+import json, pathlib, sys
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from cpmoe.bench.spec import SHAPES
+dst = pathlib.Path(sys.argv[1])
+cfg = SHAPES["qwen3-30b-a3b"]
+(dst / "config.json").write_text(json.dumps(cfg))
+bos, eos = cfg["bos_token_id"], cfg["eos_token_id"]
+alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+vocab = {c: i for i, c in enumerate(alphabet)}
+for i in range(len(alphabet), cfg["vocab_size"]):
+    vocab[{bos: "<|endoftext|>", eos: "<|im_end|>"}.get(i, f"t{i}")] = i
+tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.add_special_tokens([AddedToken("<|endoftext|>", special=True),
+                        AddedToken("<|im_end|>", special=True)])
+PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                        pad_token="<|endoftext|>").save_pretrained(dst)
+PY
+    serve=(--model "$model" --load-format dummy --routing uniform)
+    load=(--dataset random --random-input-len 256 --random-output-len 256 --num-prompts 256
+          --max-concurrency 64)
+    step structured-plain python3 -m cpmoe.cli bench-serving "${load[@]}" \
+      --out "$out/structured-plain.json" --launch "${serve[@]}"
+    step structured-json python3 -m cpmoe.cli bench-serving "${load[@]}" \
+      --json-schema "$(dirname "$0")/structured-schema.json" \
+      --out "$out/structured-json.json" --launch "${serve[@]}"
+    step structured-compare python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+plain, js = (json.loads((out / f"structured-{r}.json").read_text())["summary"]
+             for r in ("plain", "json"))
+ratio = js["output_token_throughput"] / plain["output_token_throughput"]
+print(f"output tok/s: no grammar {plain['output_token_throughput']:.0f}, JSON schema "
+      f"{js['output_token_throughput']:.0f} ({ratio:.2f}x, target >= 0.80); output tokens "
+      f"{plain['total_output_tokens']} / {js['total_output_tokens']}; TPOT p50 "
+      f"{plain['tpot_s']['p50'] * 1e3:.1f} / {js['tpot_s']['p50'] * 1e3:.1f} ms")
+sys.exit(0 if ratio >= 0.8 else 1)
+PY
     ;;
   fp8)
     step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py

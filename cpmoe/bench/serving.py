@@ -6,7 +6,9 @@ flags; its port is chosen at run time and it is stopped at the end). Requests go
 `/v1/completions` as token-id prompts with `stream: true`, `ignore_eos: true` and
 `max_tokens` = the request's output length, so every request produces exactly its tokens;
 `--max-concurrency` caps requests in flight, `--request-rate` (requests/s, Poisson) paces
-arrivals (default: all at once).
+arrivals (default: all at once). `--json-schema FILE`: every request also asks for output
+matching that JSON schema (`response_format` json_schema, structured output); a request
+then ends when its JSON is complete, so it counts as done with at most its output length.
 
 Datasets: `random` (input lengths uniform in [ratio * L, L], random token ids; outputs
 likewise) and `shared-prefix` (GSM8K-like by default: one 700-token few-shot prefix shared
@@ -70,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below it (default: the launched model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="a JSON schema every request's output must match (structured output)")
     p.add_argument("--out", type=Path, required=True, help="JSON file of the results")
     p.add_argument("--plot", action="store_true", help="PNG of the latencies next to --out")
     p.add_argument("--long-prompt-len", type=int, default=None,
@@ -120,11 +124,30 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
              length(args.random_output_len)) for _ in range(args.num_prompts)]
 
 
-async def _one(connect, url: str, model: str, prompt: list[int], out_len: int) -> Outcome:
-    """One streamed completion on its own connection (`connect()`: a new client)."""
+def read_json_schema(path: Path | None) -> dict | None:
+    """--json-schema FILE -> the `response_format` requests carry (None without it)."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BenchError(f"--json-schema {path}: not a readable JSON file ({e})") from None
+    if not isinstance(schema, dict):
+        raise BenchError(f"--json-schema {path}: expected a JSON schema object, got "
+                         f"{type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema,
+                                                   "strict": True}}
+
+
+async def _one(connect, url: str, model: str, prompt: list[int], out_len: int,
+               response_format: dict | None = None) -> Outcome:
+    """One streamed completion on its own connection (`connect()`: a new client); with
+    `response_format` its grammar may end it before out_len tokens."""
     res = Outcome(len(prompt), out_len)
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if response_format is not None:
+        body["response_format"] = response_format
     start = last = time.perf_counter()
 
     async def trace(event: str, info: dict) -> None:  # httpcore's connection events
@@ -156,7 +179,8 @@ async def _one(connect, url: str, model: str, prompt: list[int], out_len: int) -
                     res.itl.append(now - last)
                 last = now
         res.latency = time.perf_counter() - start
-        res.ok = res.tokens == out_len
+        res.ok = (res.tokens == out_len if response_format is None
+                  else 0 < res.tokens <= out_len)
         if not res.ok:
             res.error = f"{res.tokens} tokens, asked {out_len}"
     except Exception as e:  # noqa: BLE001 -- a failed request is a result
@@ -166,7 +190,7 @@ async def _one(connect, url: str, model: str, prompt: list[int], out_len: int) -
 
 async def run_load(url: str, model: str, requests: list[tuple[list[int], int]],
                    concurrency: int | None, rate: float, seed: int,
-                   long_prompt: list[int] | None = None
+                   long_prompt: list[int] | None = None, response_format: dict | None = None
                    ) -> tuple[list[Outcome], float, dict | None]:
     import httpx
     from tqdm import tqdm
@@ -186,7 +210,7 @@ async def run_load(url: str, model: str, requests: list[tuple[list[int], int]],
 
     async def guarded(prompt, out_len) -> Outcome:
         async with limit:
-            res = await _one(connect, url, model, prompt, out_len)
+            res = await _one(connect, url, model, prompt, out_len, response_format)
         bar.update(1)
         return res
 
@@ -322,6 +346,7 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     if vocab is None:
         raise BenchError("--base-url: give --vocab-size (token ids are drawn below it)")
     requests = make_requests(args, vocab)
+    response_format = read_json_schema(args.json_schema)
     server = Launched(args.launch) if args.launch is not None else None
     try:
         url = server.url if server else args.base_url.rstrip("/")
@@ -332,7 +357,8 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
             long_prompt = [rng.randrange(vocab) for _ in range(args.long_prompt_len)]
         profile = _start_profile(url, args.profile_num_steps) if args.profile else None
         results, wall, long = asyncio.run(run_load(url, model, requests, args.max_concurrency,
-                                                   args.request_rate, args.seed, long_prompt))
+                                                   args.request_rate, args.seed, long_prompt,
+                                                   response_format))
         if profile is not None and args.profile_num_steps is None:
             _post(url, "/stop_profile", None)
         metrics = _scrape(url)
@@ -363,6 +389,7 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
             **({f"gsp_{k}": getattr(args, f"gsp_{k}") for k in (
                 "system_prompt_len", "question_len", "output_len", "num_groups")}
                if args.dataset == "shared-prefix" else {}),
+            "json_schema": str(args.json_schema) if args.json_schema else None,
             "server": args.launch or url,
             "profile": profile}
     args.out.write_text(json.dumps({"header": head, "summary": summary,

@@ -8,9 +8,17 @@ same order. Rank 0 then samples one token for each row that completed a prompt o
 and hands the tokens to the frontend. Tokens to feed into the next decode travel inside the
 next plan, so no other rank samples, and the plan is the only per-step message.
 
-A row's penalties and min_tokens are applied to its logits before the choice
-(logits.py); requests that ask for logprobs get log_softmax of the row's raw logits for the
-chosen token and the top k in their TokenEvent, computed on rank 0 only.
+A row's penalties, logit_bias and min_tokens are applied to its logits before the choice
+(logits.py); requests that ask for logprobs get log_softmax of the row's logits (after a
+grammar's mask, before penalties) for the chosen token and the top k in their TokenEvent,
+computed on rank 0 only. Requests that ask for prompt logprobs have every row of their
+prompt's extend scored (StepPlan.prompt_logits): log_softmax at each prompt position for the
+next prompt token, handed out with the request's first token.
+
+Grammars (structured output, grammar.py): each step, rank 0 fills the bitmask of the rows
+whose request has one on the host, after the forward was launched (so on a GPU the fill runs
+while the device computes), and applies it to the step's logits on the device before the
+choice; a matcher advances when its token reaches the host.
 
 Overlap (SGLang's overlap schedule; `--disable-overlap-schedule` turns it off): when every
 row of a step is a plain greedy choice, rank 0 takes the argmax on the device, every rank
@@ -19,6 +27,9 @@ rows (placeholders in the plan, see scheduler.py), and the copy to the host is w
 only after the next step was planned and launched. The host's planning then runs while the
 device computes, instead of between steps. Rows that sample, adjust logits or return
 logprobs (and steps an observer watches) take the tokens to the host first, as before.
+Greedy rows with a grammar overlap too: a step's masks need the previous step's tokens, so
+rank 0 waits for those after launching the step's forward, advances the matchers, fills the
+masks while the forward runs, and masks the logits before the argmax on the device.
 
 Sampling stream of a request: `(seed, stream, tokens generated so far)`: prompt i of a
 generate batch uses stream i, choice i of a served request (n choices, several prompts)
@@ -31,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +50,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError
-from cpmoe.engine.logits import adjust_logits, token_logprobs
+from cpmoe.engine.grammar import GrammarBackend, GrammarError, apply_token_bitmask
+from cpmoe.engine.logits import adjust_logits, prompt_logprobs, token_logprobs
 from cpmoe.engine.profiler import ProfileCommand, StepProfiler
 from cpmoe.engine.runner import ModelRunner, Segment, StepTimes
 from cpmoe.engine.sampling import sample
@@ -171,10 +184,12 @@ class DeviceTokens:
         return self._host.tolist()
 
 
-def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> StepOutput:
+def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None,
+             masks: Callable[[StepPlan], torch.Tensor | None] | None = None) -> StepOutput:
     """Every rank: free, fork cached prefixes, then the decode forward and the extend
-    forward of the plan. On rank 0 (sched given) -> the logits of the rows to sample; with
-    plan.overlap, every rank keeps rank 0's greedy tokens as the next step's feed."""
+    forward of the plan. On rank 0 (sched given) -> the logits of the rows to sample, masked
+    by `masks(plan)` (the grammars' bitmask of those rows, or None); with plan.overlap,
+    every rank keeps rank 0's greedy tokens as the next step's feed."""
     start = time.perf_counter()
     assert runner.kv is not None
     for rid in plan.free:
@@ -186,7 +201,14 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     if plan.decode:
         parts.append(runner.decode([r for r, _ in plan.decode], [t for _, t in plan.decode]))
     if plan.extend:
-        logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend])
+        scored = set(plan.prompt_logits)
+        full = [i for i, (rid, _, _) in enumerate(plan.extend) if rid in scored]
+        logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend], full=full)
+        if full:
+            if sched is not None:
+                _score_prompts(sched, [plan.extend[i] for i in full],
+                               logits[len(plan.extend):])
+            logits = logits[:len(plan.extend)]
         if sched is not None:  # the sequences whose prompt this step completes
             done = [i for i, (rid, ids, s) in enumerate(plan.extend)
                     if s + len(ids) == len(sched.running[rid].tokens)]
@@ -197,11 +219,28 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None) -> St
     out = None
     if parts and sched is not None:
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        mask = masks(plan) if masks is not None else None
+        if mask is not None:
+            out = apply_token_bitmask(out, mask)
     sampled = None
     if plan.overlap:
         mine = out.argmax(dim=-1) if out is not None else None
         sampled = DeviceTokens(runner.share_tokens(mine, plan.samples))
     return StepOutput(out, plan.kind, start, sampled)
+
+
+def _score_prompts(sched: Scheduler, segments: list[tuple[int, list[int], int]],
+                   logits: torch.Tensor) -> None:
+    """Rank 0: the prompt log-probabilities of these extend segments (their every row's
+    logits, segment after segment) into their requests' `prompt_lps`."""
+    at = 0
+    for rid, ids, start in segments:
+        req = sched.running[rid]
+        targets = req.prompt[start + 1:start + len(ids) + 1]
+        entries = prompt_logprobs(logits[at:at + len(ids)], targets, req.prompt_logprobs or 0)
+        del req.prompt_lps[start:]  # a prompt prefilled again (preempted) replaces its own
+        req.prompt_lps.extend(entries)
+        at += len(ids)
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[Request],
@@ -258,13 +297,16 @@ class Driver:
     def __init__(self, runner: ModelRunner, sched: Scheduler, frontend: Frontend,
                  idle_tick_s: float = 0.5,
                  observe: Callable[[torch.Tensor], None] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, grammars: GrammarBackend | None = None) -> None:
         self.runner, self.sched, self.frontend = runner, sched, frontend
         self.idle_tick_s, self.observe = idle_tick_s, observe
         self.overlap = overlap and observe is None
+        self.grammars = grammars
         self.stopping = False
         # an overlapped step whose tokens are not on the host yet: (its rows, its tokens)
         self._in_flight: tuple[list, DeviceTokens] | None = None
+        self._advanced = False  # the in-flight step's tokens went into their matchers
+        self._failed: list[Request] = []  # requests whose grammar failed to compile
         self._profile: ProfileCommand | None = None  # for the next plan
         layout = runner.layout
         self._cp_coords = [layout.coords(r)["attn_cp"] for r in range(layout.world_size)]
@@ -273,7 +315,7 @@ class Driver:
         timeout = 0.0 if self.sched.has_work() else self.idle_tick_s
         for msg in self.frontend.poll(timeout):
             if msg[0] == "add":
-                self.sched.add(msg[1])
+                self._add(msg[1])
             elif msg[0] == "cancel":
                 self.sched.cancel(msg[1])
             elif msg[0] == "profile":
@@ -301,9 +343,64 @@ class Driver:
             plan, self._profile = dataclasses.replace(plan, profile=self._profile), None
         return plan
 
+    def _add(self, req: Request) -> None:
+        if req.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("a request with a grammar reached an engine without one")
+            req.matcher = self.grammars.row(req.grammar)
+        self.sched.add(req)
+
+    def masks(self, plan: StepPlan) -> torch.Tensor | None:
+        """Rank 0, after the step's forward was launched: the bitmask of its sampled rows, or
+        None if no row has a grammar. The in-flight step's tokens advance the matchers
+        first; a request whose grammar failed to compile is cancelled (finish "abort")."""
+        rows = self.sched.sample_rows(plan)
+        if self.grammars is None or all(req.matcher is None for req in rows):
+            return None
+        self._advance_in_flight()
+        for req in rows:
+            if req.matcher is not None:
+                try:
+                    req.matcher.ready()
+                except (GrammarError, RuntimeError, ValueError) as e:
+                    self._fail(req, e)
+        return self.grammars.fill([req.matcher for req in rows])
+
+    def _fail(self, req: Request, err: Exception) -> None:
+        """Its row samples unconstrained this step; `_drop_failed` then cancels it."""
+        print(f"cpmoe: request {req.rid}: its grammar does not compile ({err}); aborted",
+              file=sys.stderr, flush=True)
+        req.matcher = None
+        self._failed.append(req)
+
+    def _drop_failed(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """After a step was accounted: cancel the requests whose grammar failed, their
+        tokens replaced by one event with finish "abort"."""
+        failed, self._failed = {req.rid: req for req in self._failed}, []
+        events = [ev for ev in events if ev.rid not in failed]
+        eos = min(self.sched.eos_ids, default=0)
+        for rid, req in failed.items():
+            if not req.done:
+                self.sched.cancel(rid)
+            events.append(TokenEvent(rid, eos, "abort"))
+        return events
+
+    @staticmethod
+    def _advance(reqs: list[Request], tokens: list[int]) -> None:
+        for req, token in zip(reqs, tokens, strict=True):
+            if req.matcher is not None and not req.done:
+                req.matcher.accept(token)
+
+    def _advance_in_flight(self) -> None:
+        if self._in_flight is not None and not self._advanced:
+            rows, sampled = self._in_flight
+            self._advance([req for req, _ in rows], sampled.tolist())
+            self._advanced = True
+
     def _land(self) -> list[TokenEvent]:
         """The in-flight step's tokens, once on the host -> its events."""
         assert self._in_flight is not None
+        self._advance_in_flight()
         (rows, sampled), self._in_flight = self._in_flight, None
         return self.sched.resolve(rows, sampled.tolist())
 
@@ -321,9 +418,12 @@ class Driver:
         events = self._land() if self._in_flight is not None else []
         if plan.overlap:
             assert out.sampled is not None
-            self._in_flight = (rows, out.sampled)
+            self._in_flight, self._advanced = (rows, out.sampled), False
         elif rows:
+            self._advance(reqs, tokens)
             events += self.sched.resolve(rows, tokens, logprobs)
+        if self._failed:
+            events = self._drop_failed(events)
         kv = self.runner.kv
         # pages only the prefix cache holds are evictable: reported apart, as SGLang does
         cached = [n * kv.page_size for n in kv.cached_pages]
@@ -373,7 +473,7 @@ def engine_loop(runner: ModelRunner, driver: Driver | None) -> object:
             if plan.stop:
                 return plan.result
             with profiler.step(number, plan.kind, counted=plan.kind != "idle"):
-                out = run_step(runner, plan, sched)
+                out = run_step(runner, plan, sched, driver.masks if driver else None)
                 if driver is not None:
                     driver.finish_step(plan, out)
     except BaseException:  # a failing rank: no device sync, no trace to write

@@ -5,7 +5,9 @@ Penalties follow the OpenAI / vLLM definitions, on one row `logits_V` of a reque
   c[j] the count of token j in the request's generated tokens so far;
 - repetition (CTRL / HF / vLLM): every token of the prompt or the output so far has
   `l[j] /= p` where l[j] > 0 and `l[j] *= p` otherwise;
-- min_tokens: the EOS ids are impossible (-inf) while fewer tokens were generated.
+- logit_bias (OpenAI): `l[j] += bias[j]` for the listed tokens;
+- min_tokens: the EOS ids and the request's stop token ids are impossible (-inf) while fewer
+  tokens were generated (vLLM's rule).
 
 Log-probabilities are those of the model's raw logits (vLLM's default "raw_logprobs"): the
 row's log_softmax before penalties or temperature, so a client can check them against the
@@ -34,9 +36,29 @@ def adjust_logits(logits_V: torch.Tensor, req: Request,
         ids = torch.tensor(req.output, dtype=torch.int64, device=out.device)
         counts = torch.bincount(ids, minlength=out.numel()).to(out.dtype)
         out -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
-    if req.generated < p.min_tokens and eos_ids and not req.ignore_eos:
-        out[torch.tensor(sorted(eos_ids), dtype=torch.int64, device=out.device)] = -float("inf")
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        out[torch.tensor(ids, dtype=torch.int64, device=out.device)] += torch.tensor(
+            bias, dtype=out.dtype, device=out.device)
+    if req.generated < p.min_tokens:
+        stops = set(req.stop_ids) | (set() if req.ignore_eos else set(eos_ids))
+        if stops:
+            out[torch.tensor(sorted(stops), dtype=torch.int64, device=out.device)] = -float("inf")
     return out
+
+
+def prompt_logprobs(logits_LV: torch.Tensor, targets: list[int], top: int
+                    ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Rows of consecutive prompt positions and the prompt token after each (`targets`, at
+    most one per row) -> (log-probability of that token, the `top` most likely) per target,
+    under log_softmax of the raw rows in float32 (one copy to the host)."""
+    lp = torch.log_softmax(logits_LV[:len(targets)].float(), dim=-1)
+    ids = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [(c, ()) for c in chosen]
+    vals, best = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    return [(c, tuple(zip(b, v))) for c, b, v in zip(chosen, best.tolist(), vals.tolist())]
 
 
 def token_logprobs(logits_V: torch.Tensor, token: int, top: int

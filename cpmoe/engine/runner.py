@@ -323,10 +323,13 @@ class ModelRunner:
         return self.extend([Segment(k, s) for k, s in zip(keys, seqs)], last_only)
 
     @torch.no_grad()
-    def extend(self, segments: list[Segment], last_only: bool = True) -> torch.Tensor:
+    def extend(self, segments: list[Segment], last_only: bool = True,
+               full: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
         """New tokens of several sequences, each after its `start` cached tokens, CP-split
         over the ranks -> logits (float32) of each segment's last token [B, V] (last_only)
-        or of every new token in flat order."""
+        or of every new token in flat order. `full` (with last_only): segments (indices)
+        whose every token's logits follow the B last rows, segment after segment; every
+        rank must pass the same (the LM head may gather over ranks)."""
         t0 = time.perf_counter()
         cp = self.groups.attn_cp
         strategy, kv = self.layout.cp_strategy, self.kv
@@ -353,7 +356,11 @@ class ModelRunner:
             raise ValueError("extending cached sequences needs a KV cache (allocate_kv)")
         last = self._batch_to_device(batch, torch.tensor(split.cu_seqlens[1:]) - 1)
         hidden = self.model.hidden_states(batch)
-        if last_only:
+        if last_only and full:
+            cu = split.cu_seqlens
+            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in full]).to(last.device)
+            hidden = hidden[torch.cat([last, rows])]
+        elif last_only:
             hidden = hidden[last]
         logits = self.model.logits(hidden).float()
         self.times.prefill_s += time.perf_counter() - t0

@@ -1,4 +1,8 @@
-"""Token choice: greedy, or temperature / top-k / top-p sampling that is reproducible.
+"""Token choice: greedy, or temperature / top-k / top-p / min-p sampling that is reproducible.
+
+Top-k, top-p and min-p each keep a prefix of the tokens sorted by probability (after the
+temperature); the choice is from the shortest of the three, renormalized. min-p keeps the
+tokens at least min_p times as likely as the most likely one (vLLM's and SGLang's rule).
 
 A sampled token depends only on (seed, prompt index, step) and the logits: the random number
 comes from a generator seeded with those three, and is turned into a token by inverse CDF
@@ -23,7 +27,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0  # EOS is impossible before this many tokens
+    min_tokens: int = 0  # EOS (and the request's stop token ids) impossible before this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (sampling)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"--min-p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -43,9 +51,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """The row's logits depend on its history (penalties, min_tokens)."""
+        """The row's logits are changed before the choice (penalties, min_tokens, bias)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or bool(self.logit_bias))
 
 
 def _uniform(seed: int, prompt: int, step: int) -> float:
@@ -69,6 +78,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
             # smallest prefix whose mass reaches top_p (at least one token)
             reach = int(torch.searchsorted(torch.cumsum(p, 0), params.top_p).item()) + 1
             keep = min(keep, reach)
+        if params.min_p > 0.0:  # a prefix too (p is sorted), whatever the renormalization
+            keep = min(keep, int((p >= params.min_p * p[0]).sum().item()))
         p = p[:keep] / p[:keep].sum()
         u = _uniform(params.seed, prompt, step)
         idx = min(int(torch.searchsorted(torch.cumsum(p, 0), u).item()), keep - 1)

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 from cpmoe.cp.kv_cache import PagedKVCache, PageRelease
 from cpmoe.cp.split import balancing_rotation, rank_counts
+from cpmoe.engine.grammar import GrammarSpec
 from cpmoe.engine.profiler import ProfileCommand
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
@@ -78,11 +79,24 @@ class Request:
     ignore_eos: bool = False  # run to max_tokens (load tests, benchmarks)
     kv_need: int = 0  # KV slots on the busiest CP rank at its longest (reported, not used)
     logprobs: int | None = None  # None: none; k: the token's log-probability and the top k
+    stop_ids: tuple[int, ...] = ()  # tokens that end it as EOS does (`stop_token_ids`)
+    grammar: GrammarSpec | None = None  # what its output must match (engine/grammar.py)
+    prompt_logprobs: int | None = None  # k: each prompt token's log-probability and top k
     output: list[int] = field(default_factory=list)
     cached: int = 0  # tokens of prompt + output held in the KV cache
     cached_prompt: int = 0  # prompt tokens taken from the prefix cache at admission
     admitted: int = 0  # admission order (preemption takes the newest)
     done: bool = False  # finished or cancelled: rows still in flight for it are dropped
+    # rank 0's per-request state: the grammar's matcher (the driver sets it on arrival) and
+    # the prompt log-probabilities so far (entry i: prompt token i + 1)
+    matcher: object = field(default=None, repr=False, compare=False)
+    prompt_lps: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def ends_on_eos(self) -> bool:
+        """EOS ends it: unless ignore_eos, and always under a grammar (a complete grammar
+        allows only EOS)."""
+        return not self.ignore_eos or self.grammar is not None
 
     @property
     def tokens(self) -> list[int]:
@@ -126,6 +140,8 @@ class StepPlan:
     decode: list[tuple[int, int]] = field(default_factory=list)
     overlap: bool = False  # the step's tokens stay on the device for the next step's feed
     samples: int = 0  # with overlap: how many rows it samples (the shared tensor's length)
+    # ids of extend segments whose every row's logits rank 0 needs (prompt logprobs)
+    prompt_logits: list[int] = field(default_factory=list)
     stop: bool = False  # leave the engine loop
     result: object = None  # with stop: what the loop returns on every rank
     profile: ProfileCommand | None = None  # open or close a profiler window before the step
@@ -147,8 +163,10 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One sampled token of a request; `finish` is "stop" (EOS), "length" or None.
-    With `Request.logprobs`: the token's log-probability and the top (token, logprob)."""
+    """One sampled token of a request; `finish` is "stop" (EOS or a stop token id), "length"
+    or None. With `Request.logprobs`: the token's log-probability and the top (token,
+    logprob). With `Request.prompt_logprobs`, the request's first event carries (logprob,
+    top) of every prompt token after the first."""
 
     rid: int
     token: int
@@ -156,6 +174,7 @@ class TokenEvent:
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
     cached_tokens: int | None = None  # with finish: prompt tokens the prefix cache gave
+    prompt_logprobs: tuple[tuple[float, tuple], ...] | None = None
 
 
 class Scheduler:
@@ -250,9 +269,11 @@ class Scheduler:
         # pages and force the next preemption
         extend = self._extend_segments(step, admit=not preempted)
         freed = set(step.free)
+        scored = [rid for rid, _, _ in extend if self.running[rid].prompt_logprobs is not None
+                  and not self.running[rid].output]
         return StepPlan(free=step.free, cache=[k for k in cache if k not in freed],
                         fork=step.forks, extend=extend,
-                        decode=[(r.rid, r.last_token) for r in decode])
+                        decode=[(r.rid, r.last_token) for r in decode], prompt_logits=scored)
 
     def _evict(self, step: "_StepPages") -> bool:
         """Free the least recently used finished entry this step does not fork from."""
@@ -279,7 +300,7 @@ class Scheduler:
     def _match(self, req: Request) -> tuple[int | None, int]:
         """The cache entry holding the longest prefix of the request's tokens, and its
         length, up to all but the last token (whose logits the step must compute)."""
-        if self.index is None:
+        if self.index is None or req.prompt_logprobs is not None:  # every row is scored
             return None, 0
         key, n = self.index.match(req.tokens)
         n = min(n, len(req.tokens) - 1)
@@ -341,7 +362,7 @@ class Scheduler:
     def _shares_inflight(self, req: Request, hit: int) -> bool:
         """Whether `req` should wait for a prompt being prefilled that holds DEFER_SHARED
         more of its tokens than the index does (a waiting request holds no cache)."""
-        if self.inflight is None:
+        if self.inflight is None or req.prompt_logprobs is not None:
             return False
         _, shared = self.inflight.match(req.tokens)
         return min(shared, len(req.tokens) - 1) - hit >= DEFER_SHARED
@@ -419,13 +440,15 @@ class Scheduler:
             if req.done:  # finished by EOS a step earlier, or cancelled
                 continue
             req.output[at] = token
-            eos = token in self.eos_ids and not req.ignore_eos
-            finish = ("stop" if eos else "length" if at + 1 >= req.max_tokens else None)
+            stop = (token in self.eos_ids and req.ends_on_eos) or token in req.stop_ids
+            finish = ("stop" if stop else "length" if at + 1 >= req.max_tokens else None)
             if finish is not None:
                 self._finish(req, at)
             cached = req.cached_prompt if finish is not None else None
+            prompt = (tuple(req.prompt_lps) if at == 0 and req.prompt_logprobs is not None
+                      else None)
             events.append(TokenEvent(req.rid, token, finish, None if lp is None else lp[0],
-                                     None if lp is None else lp[1], cached))
+                                     None if lp is None else lp[1], cached, prompt))
         return events
 
     def _finish(self, req: Request, at: int) -> None:

@@ -21,6 +21,7 @@ import torch
 from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
                                  prepare_runner, radix_cache)
 from cpmoe.engine.generate import generate
+from cpmoe.engine.grammar import GrammarBackend
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.scheduler import Scheduler, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
@@ -95,10 +96,13 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
                           radix=radix_cache(runner, opts),
                           policy=opts.schedule_policy)
         frontend = LinkFrontend(spec, pids, sizes)
+        grammars = GrammarBackend(spec.model_dir, runner.config.vocab_size, spec.eos_ids,
+                                  pin_memory=runner.device.type == "cuda")
         driver = Driver(runner, sched, frontend, spec.idle_tick_s,
-                        overlap=not opts.disable_overlap_schedule)
+                        overlap=not opts.disable_overlap_schedule, grammars=grammars)
     try:
         engine_loop(runner, driver)
     finally:
         if driver is not None:
             frontend.conn.close()
+            grammars.close()

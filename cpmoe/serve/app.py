@@ -32,6 +32,7 @@ from cpmoe.engine.profiler import ACTIVITIES, DEFAULT_DIR, ProfileCommand
 from cpmoe.engine.scheduler import TokenEvent
 from cpmoe.serve import logprobs as lp
 from cpmoe.serve import protocol as api
+from cpmoe.serve.chat_output import ChatOutput
 from cpmoe.serve.detokenize import TextStream
 from cpmoe.serve.engine_client import EngineClient, EngineDown, QueueFull, RequestStream
 from cpmoe.serve.metrics import Metrics
@@ -57,13 +58,22 @@ class _Run:
         self.ids: list[int] = []
         self.events: list[TokenEvent] = []
         self.reason = "cancelled"  # what release() records unless the request ends normally
+        # chat answers parsed for reasoning or tool calls (--reasoning-parser, tools)
+        self.chat = (ChatOutput(job.reasoning, job.tool_calls)
+                     if job.reasoning or job.tool_calls else None)
 
-    async def step(self) -> tuple[str, TokenEvent, str | None]:
-        """-> (text piece, token event, finish reason or None) for the next token."""
+    async def step(self) -> tuple[str, TokenEvent | None, str | None]:
+        """-> (text piece, token event, finish reason or None) for the next token; the event
+        is None when the server aborted the request (it is stopping: finish "abort")."""
         ev = await self.stream.next()
+        if ev is None:
+            self.reason = "abort"
+            return self.text.finish(), None, self.reason
         self.ids.append(ev.token)
         self.events.append(ev)
-        piece = self.text.add(ev.token)
+        # a stop token id ends the answer outside its text (SGLang trims it)
+        trimmed = ev.finish == "stop" and ev.token in self.job.stop_token_ids
+        piece = "" if trimmed else self.text.add(ev.token)
         if self.text.stopped:
             self.reason = "stop"
         elif ev.finish is not None:
@@ -82,6 +92,18 @@ class _Run:
 
     def release(self) -> None:
         self.state.client.release(self.stream, self.reason)
+
+    def deltas(self, piece: str, finish: str | None) -> list[dict]:
+        """A chat piece -> its message deltas (the parsers' output, or the piece)."""
+        if self.chat is None:
+            return [{"content": piece}] if piece else []
+        out = self.chat.feed(piece)
+        return out + self.chat.finish() if finish is not None else out
+
+    def finish_reason(self, finish: str) -> str:
+        """OpenAI's "tool_calls" for an answer that ended with calls."""
+        calls = self.chat is not None and self.chat.calls > 0
+        return "tool_calls" if calls and finish == "stop" else finish
 
 
 def _usage(runs: list[_Run]) -> dict:
@@ -272,7 +294,8 @@ def _best(runs: list[_Run], results: list[tuple[str, str]], n: int
     kept = []
     for p in range(0, len(runs), per):
         group = list(zip(runs[p:p + per], results[p:p + per]))
-        group.sort(key=lambda g: -sum(e.logprob for e in g[0].events) / len(g[0].events))
+        group.sort(key=lambda g: -sum(e.logprob for e in g[0].events)
+                   / max(1, len(g[0].events)))
         kept += group[:n]
     return kept
 
@@ -285,8 +308,21 @@ def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bo
     if job.logprobs is not None and job.show_logprobs:
         logprobs = (lp.chat_logprobs(state.tokenizer, run.events) if chat else
                     lp.completion_logprobs(state.tokenizer, run.events, len(job.echo or "")))
-    make = api.chat_choice if chat else api.completion_choice
-    return make(text, finish, ids, index, logprobs)
+    if not chat:
+        if job.prompt_logprobs and logprobs is not None and run.events:
+            logprobs = lp.joined(_prompt_logprobs(state, run), logprobs)
+        return api.completion_choice(text, finish, ids, index, logprobs)
+    message = ({"role": "assistant", "content": text} if run.chat is None
+               else run.chat.message(run.deltas(text, finish)))
+    return api.chat_choice(message, run.finish_reason(finish), ids, index, logprobs)
+
+
+def _prompt_logprobs(state: ServeState, run: _Run) -> dict | None:
+    """The prompt's part of a completion's logprobs (echo), from its first token event."""
+    entries = run.events[0].prompt_logprobs if run.events else None
+    if entries is None:
+        return None
+    return lp.prompt_completion_logprobs(state.tokenizer, run.job.prompt_ids, entries)
 
 
 async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[TokenEvent], str | None]]:
@@ -296,7 +332,8 @@ async def _tokens(run: _Run) -> AsyncIterator[tuple[str, list[TokenEvent], str |
     want_ids = run.job.return_token_ids or run.state.tokenizer is None
     while finish is None:
         piece, ev, finish = await run.step()
-        pending.append(ev)
+        if ev is not None:
+            pending.append(ev)
         if piece or finish is not None or want_ids:
             yield piece, pending, finish
             pending = []
@@ -307,10 +344,12 @@ async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncItera
     job = run.job
     want_ids = job.return_token_ids or state.tokenizer is None
     offset = len(job.echo or "")
+    echo = not chat and job.echo
     if chat:
         yield api.chat_delta({"role": "assistant", "content": ""}, None, index=job.index)
-    elif job.echo:
+    elif echo and not job.prompt_logprobs:  # else with the prompt's logprobs, once known
         yield api.completion_choice(job.echo, None, [] if want_ids else None, job.index)
+        echo = False
     async for piece, events, finish in _tokens(run):
         ids = [ev.token for ev in events] if want_ids else None
         logprobs = None
@@ -319,12 +358,20 @@ async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncItera
                         lp.completion_logprobs(state.tokenizer, events, offset))
         offset += len(piece)
         if not chat:
+            if echo:
+                yield api.completion_choice(job.echo, None, [] if want_ids else None, job.index,
+                                            _prompt_logprobs(state, run))
+                echo = False
             yield api.completion_choice(piece, finish, ids, job.index, logprobs)
             continue
-        if piece or want_ids or logprobs is not None:
-            yield api.chat_delta({"content": piece}, None, ids, job.index, logprobs)
+        deltas = run.deltas(piece, finish)
+        if not deltas and (want_ids or logprobs is not None):
+            deltas = [{"content": ""}]
+        for i, delta in enumerate(deltas):  # ids and logprobs ride on the first
+            yield api.chat_delta(delta, None, ids if i == 0 else None, job.index,
+                                 logprobs if i == 0 else None)
         if finish is not None:
-            yield api.chat_delta({}, finish, index=job.index)
+            yield api.chat_delta({}, run.finish_reason(finish), index=job.index)
 
 
 async def _stream(state: ServeState, runs: list[_Run], head: dict, chat: bool

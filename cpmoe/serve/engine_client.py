@@ -13,6 +13,9 @@ Invariants:
 - `waiting` counts requests accepted but without a first token; `submit` refuses
   (`QueueFull`) once it reaches `max_queue`.
 - A cancelled or finished request leaves `_streams`, so late tokens for it are dropped.
+- Once the server stops (`abort_all`), every running request ends with finish "abort" and
+  later `submit`s raise `EngineDown`; steps that arrive after the event loop closed are
+  dropped (nobody reads them).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class QueueFull(RuntimeError):
     pass
 
 
+ABORTED = "abort"  # what a stream's queue holds when the server stops under it
+
+
 @dataclass
 class RequestStream:
     rid: int
@@ -52,11 +58,12 @@ class RequestStream:
     first: float | None = None
     last: float | None = None
 
-    async def next(self) -> TokenEvent:
+    async def next(self) -> TokenEvent | None:
+        """The next token, or None once the server aborted the request (it is stopping)."""
         event = await self.queue.get()
         if event is None:
             raise EngineDown("the engine failed")
-        return event
+        return None if event == ABORTED else event
 
 
 class EngineClient:
@@ -73,7 +80,8 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, RequestStream] = {}
         self._next_rid = 0
-        self._stopping = False
+        self._stopping = False  # the engine was told to stop
+        self._draining = False  # the server stops: no new requests
         self.failure: BaseException | None = None
         self.sizes: dict = {}  # the engine's kv_capacity (token slots per rank), graph_bytes
         self._world = world  # torchrun: this process is rank 0 of that world, no pool
@@ -106,7 +114,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and not self._stopping
+        return self.failure is None and not (self._stopping or self._draining)
 
     # ---- event loop side ---------------------------------------------------------------------
     def submit(self, job: Job, arrived: float | None = None) -> RequestStream:
@@ -126,8 +134,19 @@ class EngineClient:
         self.metrics.waiting += 1
         self._send(("add", Request(rid, job.prompt_ids, job.params, job.max_tokens,
                                    stream=job.index, ignore_eos=job.ignore_eos,
-                                   kv_need=job.kv_need, logprobs=job.logprobs)))
+                                   kv_need=job.kv_need, logprobs=job.logprobs,
+                                   stop_ids=job.stop_token_ids, grammar=job.grammar,
+                                   prompt_logprobs=job.logprobs if job.prompt_logprobs
+                                   else None)))
         return stream
+
+    def abort_all(self) -> int:
+        """The server stops: end every running request with finish "abort" (each is then
+        released, which cancels it on the engine) and refuse new ones -> how many."""
+        self._draining = True
+        for stream in self._streams.values():
+            stream.queue.put_nowait(ABORTED)
+        return len(self._streams)
 
     def profile(self, cmd: ProfileCommand) -> None:
         """Open (or close) a profiler window on every rank from the engine's next step."""
@@ -142,7 +161,7 @@ class EngineClient:
         if stream.first is None:
             self.metrics.waiting -= 1
         self.metrics.finished[reason] += 1
-        if self.alive:
+        if self.failure is None:
             self._send(("cancel", stream.rid))
 
     def _send(self, msg: tuple) -> None:
@@ -200,8 +219,7 @@ class EngineClient:
             self.failure = err
             self.metrics.engine_up = False
             self._ready.set()
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all)
+            self._post(self._fail_all)
             self._on_failure()
 
     def _read_link(self) -> None:
@@ -215,10 +233,21 @@ class EngineClient:
                     self.metrics.kv_capacity = self.sizes["kv_capacity"]
                     self.metrics.engine_up = True
                     self._ready.set()
-                elif msg[0] == "step" and self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._on_step, msg[1], msg[2])
+                elif msg[0] == "step":
+                    self._post(self._on_step, msg[1], msg[2])
         except (EOFError, OSError):
             return  # rank 0 ended: the pool thread knows why
+
+    def _post(self, fn: Callable, *args: object) -> None:
+        """Run fn(*args) on the event loop, if one runs: before it starts and after it closed
+        (a stopping server) there is no request left to tell."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed meanwhile (checking first would race the close)
+            pass
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the engine loop on every rank and close the pool (idempotent). An engine that

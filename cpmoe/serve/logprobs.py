@@ -66,3 +66,26 @@ def chat_logprobs(tokenizer, events: list) -> dict[str, Any]:
 
     return {"content": [{**entry(ev.token, ev.logprob),
                          "top_logprobs": [entry(t, lp) for t, lp in ev.top]} for ev in events]}
+
+
+def prompt_completion_logprobs(tokenizer, prompt_ids: list[int], entries: tuple) -> dict:
+    """The legacy completions shape for an echoed prompt: its tokens from offset 0, each
+    with (logprob, top) from `entries` (one per prompt token after the first, which has
+    none: null, as OpenAI gives it)."""
+    tokens = [_piece(tokenizer, t) for t in prompt_ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens,
+            "token_logprobs": [None] + [lp for lp, _ in entries],
+            "top_logprobs": [None] + [{_piece(tokenizer, t): v for t, v in top}
+                                      for _, top in entries],
+            "text_offset": offsets}
+
+
+def joined(first: dict | None, second: dict) -> dict:
+    """Two legacy-shape logprobs one after the other (the prompt's, then the answer's)."""
+    if first is None:
+        return second
+    return {key: first[key] + second[key] for key in second}

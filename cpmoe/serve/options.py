@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+REASONING_PARSERS = ("qwen3",)  # serve/reasoning.py (SGLang's names)
+TOOL_CALL_PARSERS = ("qwen25",)  # serve/tool_calls.py
+
 
 class BindError(RuntimeError):
     """The server's host/port cannot be bound (a user error: exit 2)."""
@@ -21,6 +24,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat max_tokens when the request gives none (completions: 16)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer (as SGLang): token-id prompts in, token ids out")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="parse chat answers for tool calls in this model family's format "
+                        "and serve tools / tool_choice (qwen25: <tool_call>{json}</tool_call>)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="return a chat answer's <think>...</think> part as reasoning_content")
     p.add_argument("--decode-log-interval", type=int, default=40,
                    help="log a 'Decode batch.' line every N decode steps (0: never); "
                         "every prefilling step logs a 'Prefill batch.' line")
@@ -35,12 +43,14 @@ class ServeOptions:
     default_max_tokens: int
     skip_tokenizer_init: bool = False
     decode_log_interval: int = 40
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         opts = cls(args.host, args.port, args.served_model_name, args.max_queue,
                    args.default_max_tokens, args.skip_tokenizer_init,
-                   args.decode_log_interval)
+                   args.decode_log_interval, args.tool_call_parser, args.reasoning_parser)
         if not 0 <= opts.port < 65536:
             raise ValueError(f"--port {opts.port}: expected 0..65535")
         if opts.decode_log_interval < 0:

@@ -4,8 +4,8 @@ Validation: a malformed body, a known field of the wrong type, an empty prompt o
 out-of-range value is an `ApiError` (HTTP 400 with an OpenAI-style error body naming the
 field), raised before anything reaches the engine. Unknown fields are ignored with a logged
 warning (as vLLM does). Fields the API defines but cpmoe does not implement (tools, JSON
-response formats, beam search, ...) are accepted at their no-op value only (`_NO_OPS`),
-otherwise refused with a 400 naming the field and the value.
+beam search, ...) are accepted at their no-op value only (`_NO_OPS`), otherwise refused
+with a 400 naming the field and the value. Structured output and tools: structured.py.
 
 A request becomes one `Job` per choice: every prompt of a completions request, `n` choices
 each; choice i samples from stream i of the seed.
@@ -13,8 +13,13 @@ each; choice i samples from stream i of the seed.
 Defaults follow the OpenAI API: temperature 1, top_p 1, completions max_tokens 16. Without a
 `seed` a random one is drawn, so a request is reproducible exactly when it names its seed.
 Extensions (as in vLLM): `top_k` (0 or -1: no limit), `return_token_ids` (the choice then
-carries `token_ids`, the generated ids including a final EOS) and `ignore_eos` (generate
-max_tokens tokens whatever comes).
+carries `token_ids`, the generated ids including a final EOS), `ignore_eos` (generate
+max_tokens tokens whatever comes; a grammar still ends the answer when it is complete),
+`min_p`, and `stop_token_ids` (tokens that end the answer as EOS does: finish "stop", the
+token in `token_ids` but not in the text, as SGLang trims it; impossible before
+min_tokens). `logit_bias` (OpenAI): token id (a string) -> a bias in [-100, 100] added to
+its logit. Completions `echo` with `logprobs`: the prompt's tokens come first in the
+logprobs, each with its log-probability given the tokens before it (the first: null).
 """
 
 from __future__ import annotations
@@ -32,13 +37,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cpmoe.context import over_context
 from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, kv_slots_needed, over_capacity
+from cpmoe.engine.grammar import GrammarSpec
 from cpmoe.engine.sampling import SamplingParams
+from cpmoe.serve.structured import (NamedToolChoice, RequestError, ResponseFormat, Structure,
+                                    Tool, structure)
 
 SEED_LIMIT = 1 << 63  # seeds are non-negative 64-bit integers
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat)
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 log = logging.getLogger("cpmoe.serve")
 
 
@@ -88,12 +98,15 @@ class _Common(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's structured-output fields
+    ebnf: str | None = None
     user: str | None = None
     return_token_ids: bool | None = None
     ignore_eos: bool | None = None
     # known, accepted only at the value that changes nothing (see _NO_OPS)
-    min_p: float | None = None
-    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -131,15 +144,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: only for an assistant message
     name: str | None = None
-    tool_calls: list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (to the template)
+    tool_call_id: str | None = None  # a tool message: the call it answers
     refusal: str | None = None
-
-
-class ResponseFormat(_Strict):
-    type: str
 
 
 class ChatRequest(_Common):
@@ -147,9 +157,8 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
@@ -163,11 +172,10 @@ class ChatRequest(_Common):
 # A known field cpmoe does not implement: accepted at the values listed (its no-op), else a
 # 400 naming the field and the value.
 _NO_OPS: dict[str, tuple[object, ...]] = {
-    "min_p": (0.0, 0), "stop_token_ids": ([],), "skip_special_tokens": (True,),
+    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
-    "use_beam_search": (False,), "length_penalty": (1.0, 1), "logit_bias": ({},),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
-    "chat_template": (), "reasoning_effort": (), "modalities": (["text"],),
+    "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "suffix": ("",), "chat_template": (), "reasoning_effort": (), "modalities": (["text"],),
     "prompt_logprobs": (), "continuous_usage_stats": (False,),
 }
 
@@ -183,10 +191,6 @@ def _refuse_unsupported(req: _Common) -> None:
                               + (f" (only {', '.join(map(repr, _NO_OPS[name]))})"
                                  if _NO_OPS[name] else ""), where, "unsupported_value")
     if isinstance(req, ChatRequest):
-        fmt = req.response_format
-        if fmt is not None and fmt.type != "text":
-            raise bad_request(f"response_format type={fmt.type!r} is not supported by cpmoe "
-                              f"(only 'text')", "response_format", "unsupported_value")
         if req.echo:
             raise bad_request("echo=True is not supported for chat", "echo",
                               "unsupported_value")
@@ -194,9 +198,9 @@ def _refuse_unsupported(req: _Common) -> None:
             if m.content is None and m.role != "assistant":
                 raise bad_request(f"messages[{i}].content: null is allowed only for an "
                                   f"assistant message", "messages")
-            if m.tool_calls:
-                raise bad_request(f"messages[{i}].tool_calls is not supported by cpmoe",
-                                  "messages", "unsupported_value")
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only an assistant message "
+                                  f"makes tool calls", "messages")
 
 
 def ignored_fields(req: _Common) -> list[str]:
@@ -256,6 +260,8 @@ class Limits:
     default_chat_max_tokens: int
     page_size: int = DEFAULT_PAGE_SIZE
     chunked_prefill_size: int = 0
+    tool_call_parser: str | None = None  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,11 @@ class Job:
     n: int = 1  # choices per prompt the client asked for
     best_of: int = 1  # > 1: one of best_of candidates of its prompt (the best n are kept)
     show_logprobs: bool = True  # False: logprobs taken only to rank best_of candidates
+    grammar: GrammarSpec | None = None  # structured output (structured.py)
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: bool = False  # completions echo + logprobs: the prompt's come first
+    reasoning: bool = False  # chat: split reasoning_content off (--reasoning-parser)
+    tool_calls: bool = False  # chat: parse the answer for tool calls (--tool-call-parser)
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -321,14 +332,26 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int
     return out
 
 
-def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it (text content; calls and call ids as given)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str)
+                           else "".join(p.text for p in m.content or [])}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def chat_prompt(req: ChatRequest, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """`tools`: given to the template (it renders them as the model expects)."""
     if tokenizer is None:
         raise _no_tokenizer("chat", "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(p.text for p in m.content or [])} for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     kwargs.setdefault("add_generation_prompt", req.add_generation_prompt is not False)
     if req.continue_final_message:
         kwargs.update(continue_final_message=True, add_generation_prompt=False)
@@ -339,6 +362,33 @@ def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
                           f"{e}", "chat_template_kwargs" if req.chat_template_kwargs
                           else "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template placed any BOS
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias: {len(bias)} tokens; at most {MAX_LOGIT_BIAS}",
+                          "logit_bias")
+    out = []
+    for key, value in bias.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id in [0, "
+                              f"{vocab_size})", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias[{key!r}]={value}: expected a bias in [-100, 100]",
+                              "logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
+
+
+def _stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    bad = [t for t in ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids: token id {bad[0]} outside [0, {vocab_size})",
+                          "stop_token_ids")
+    return tuple(sorted(set(ids or [])))
 
 
 def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
@@ -363,10 +413,12 @@ def make_job(req: _Common, prompt_ids: list[int], default_max_tokens: int,
                             1.0 if req.top_p is None else req.top_p, top_k, seed,
                             req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                             1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                            req.min_tokens or 0)
+                            req.min_tokens or 0, _logit_bias(req.logit_bias, limits.vocab_size),
+                            req.min_p or 0.0)
     return Job(prompt_ids, params, max_tokens, need, _stops(req.stop), bool(req.stream),
                bool(req.stream_options and req.stream_options.include_usage),
-               bool(req.return_token_ids), bool(req.ignore_eos))
+               bool(req.return_token_ids), bool(req.ignore_eos),
+               stop_token_ids=_stop_token_ids(req.stop_token_ids, limits.vocab_size))
 
 
 def _choices(job: Job, n: int, first: int, logprobs: int | None, echo: str | None,
@@ -381,15 +433,26 @@ def _choices(job: Job, n: int, first: int, logprobs: int | None, echo: str | Non
                                 show_logprobs=logprobs is not None) for i in range(best_of)]
 
 
-def _check_common(req: _Common, tokenizer) -> None:
+def _check_common(req: _Common, tokenizer, limits: Limits) -> Structure:
+    """-> the request's grammar and tool use (structured.py)."""
     _refuse_unsupported(req)
     if tokenizer is None and req.stop:
         raise _no_tokenizer("stop", "stop")
+    chat = isinstance(req, ChatRequest)
+    try:
+        found = structure(req.response_format, req.regex, req.ebnf,
+                          req.tools if chat else None, req.tool_choice if chat else None,
+                          req.parallel_tool_calls if chat else None, limits.tool_call_parser)
+    except RequestError as e:
+        raise bad_request(str(e), e.param) from None
+    if found.grammar is not None and tokenizer is None:
+        raise _no_tokenizer("structured output", "response_format")
+    return found
 
 
 def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[Job]:
     """-> one Job per choice: every prompt in order, n choices each."""
-    _check_common(req, tokenizer)
+    found = _check_common(req, tokenizer, limits)
     n = req.n or 1
     best_of = req.best_of or n
     if best_of < n:
@@ -398,9 +461,6 @@ def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[J
         raise bad_request(f"best_of={best_of} > n={n} cannot stream (as OpenAI)", "best_of")
     if req.echo and tokenizer is None:
         raise _no_tokenizer("echo", "echo")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo=True with logprobs is not supported by cpmoe (no prompt "
-                          "logprobs)", "echo", "unsupported_value")
     if req.logprobs is not None and tokenizer is None:
         raise _no_tokenizer("logprobs", "logprobs")
     jobs = []
@@ -408,21 +468,25 @@ def completion_jobs(req: CompletionRequest, tokenizer, limits: Limits) -> list[J
         echo = None
         if req.echo:
             echo = text if text is not None else tokenizer.decode(ids)
-        jobs += _choices(make_job(req, ids, 16, limits), n, len(jobs), req.logprobs, echo,
-                         best_of)
+        job = dataclasses.replace(make_job(req, ids, 16, limits), grammar=found.grammar,
+                                  prompt_logprobs=bool(req.echo) and req.logprobs is not None)
+        jobs += _choices(job, n, len(jobs), req.logprobs, echo, best_of)
     return jobs
 
 
 def chat_jobs(req: ChatRequest, tokenizer, limits: Limits) -> list[Job]:
     """-> one Job per choice (n of them)."""
-    _check_common(req, tokenizer)
+    found = _check_common(req, tokenizer, limits)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
     if req.top_logprobs and not req.logprobs:
         raise bad_request(f"top_logprobs={req.top_logprobs} needs logprobs=true",
                           "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    job = make_job(req, chat_prompt(req, tokenizer), limits.default_chat_max_tokens, limits)
+    job = make_job(req, chat_prompt(req, tokenizer, found.template_tools),
+                   limits.default_chat_max_tokens, limits)
+    job = dataclasses.replace(job, grammar=found.grammar, tool_calls=found.tool_calls,
+                              reasoning=limits.reasoning_parser is not None)
     return _choices(job, req.n or 1, 0, logprobs, None)
 
 
@@ -455,10 +519,12 @@ def completion_choice(text: str, finish: str | None, token_ids: list[int] | None
     return _choice({"text": text}, finish, token_ids, index, logprobs)
 
 
-def chat_choice(text: str, finish: str | None, token_ids: list[int] | None = None,
-                index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
-    return _choice({"message": {"role": "assistant", "content": text}}, finish, token_ids,
-                   index, logprobs)
+def chat_choice(message: dict[str, Any], finish: str | None,
+                token_ids: list[int] | None = None, index: int = 0,
+                logprobs: dict | None = None) -> dict[str, Any]:
+    """`message`: the assistant message (role, content, maybe reasoning_content and
+    tool_calls)."""
+    return _choice({"message": message}, finish, token_ids, index, logprobs)
 
 
 def chat_delta(delta: dict[str, str], finish: str | None, token_ids: list[int] | None = None,

@@ -4,7 +4,9 @@ Order: the HTTP socket is bound first (a taken port fails before any rank is spa
 the ranks load the model, then the server accepts requests; the line
 "cpmoe: serving <model> at http://HOST:PORT" on stderr says it is ready.
 
-Exit: 0 after SIGINT/SIGTERM (the engine loop is stopped and the ranks leave cleanly). When a
+Exit: 0 after SIGINT/SIGTERM, with one line on stderr: running requests end at once with
+finish_reason "abort" (streams get their last chunk and [DONE]), new ones get 503, then the
+engine loop is stopped and the ranks leave cleanly. When a
 rank fails, requests get 503 for `FAILURE_GRACE_S` (so in-flight clients and health checks
 learn why), then the server stops and the root error (`RankFailure`) propagates to the CLI,
 which prints it and exits 1.
@@ -76,6 +78,27 @@ class _Exit:
         self.loop.call_later(FAILURE_GRACE_S, lambda: setattr(server, "should_exit", True))
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also ends the running requests on the first SIGINT/SIGTERM:
+    otherwise its graceful shutdown waits for long streams, then cuts them mid-response."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient, exit_: _Exit) -> None:
+        super().__init__(config)
+        self.client, self.exit_ = client, exit_
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        loop = self.exit_.loop
+        if first and loop is not None:  # a signal handler must not touch the loop's queues
+            loop.call_soon_threadsafe(self._abort, sig)
+
+    def _abort(self, sig: int) -> None:
+        n = self.client.abort_all()
+        print(f"cpmoe: {signal.Signals(sig).name}: stopping ({n} running request(s) aborted)",
+              file=sys.stderr, flush=True)
+
+
 def serve_in_world(info: RankInfo, opts: ServeOptions, engine: EngineOptions,
                    layout: ParallelLayout, model_dir: Path, cfg, context: int, device: str,
                    dtype: torch.dtype, tokenizer) -> int:
@@ -112,10 +135,11 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
     try:
         limits = Limits(name, cfg.vocab_size, context,
                         client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
-                        opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size)
+                        opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size,
+                        opts.tool_call_parser, opts.reasoning_parser)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                               timeout_graceful_shutdown=5))
+        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=5), client, exit_)
         exit_.server = server
         print(f"cpmoe: serving {name} at http://{host}:{port} ({layout.world_size} rank(s), "
               f"pids {metrics.rank_pids})", file=sys.stderr, flush=True)

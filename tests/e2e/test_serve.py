@@ -344,11 +344,58 @@ def test_full_queue_gets_503_and_waiting_requests_run_after(servers, reference, 
     assert server.wait_idle()['cpmoe_kv_slots_used{rank="0"}'] == 0
 
 
-def test_sigterm_stops_server_cleanly(servers):
+def test_prompt_logprobs_and_a_grammar_answer_on_tp4_equal_one_rank(servers):
+    """Prompt logprobs score every prompt row of a CP-split extend (StepPlan.prompt_logits,
+    gathered over the ranks); a grammar's mask applies on rank 0 only."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y", "z"]},
+                                               "b": {"type": "integer", "minimum": 0,
+                                                     "maximum": 999}},
+              "required": ["a", "b"]}
+    got = []
+    for layout in ("tp4", "tp1"):
+        client = _client(servers[layout])
+        r = client.completions.create(model=servers[layout].model, prompt=PROMPTS[1],
+                                      max_tokens=2, temperature=0, echo=True, logprobs=1)
+        g = client.completions.create(
+            model=servers[layout].model, prompt=PROMPTS[0], max_tokens=60, temperature=0,
+            extra_body={"response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "s", "schema": schema}}})
+        got.append((r.choices[0].logprobs, g.choices[0].text))
+    (tp4, text4), (tp1, text1) = got
+    assert tp4.tokens == tp1.tokens and tp4.token_logprobs[0] is None
+    assert tp4.token_logprobs[1:] == pytest.approx(tp1.token_logprobs[1:], abs=1e-5)
+    assert text4 == text1 and set(json.loads(text4)) == {"a", "b"}
+
+
+def test_sigterm_while_streaming_aborts_requests_and_exits_0_without_traceback(servers):
+    """issue 44 item 4: a stream in progress and a request queued behind it (max 1 running)
+    both end with finish_reason "abort" (the stream with its [DONE]); the server exits 0,
+    logs one line for the stop and no traceback, and leaves no process behind."""
     server = servers["tp1"]
     pids = server.processes()
     assert len(pids) >= 2  # the server and its rank
-    assert server.stop() == 0, server.stderr()
+    body = {"model": server.model, "prompt": "in flight", "max_tokens": 500,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            queued = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body,
+                                 timeout=60)
+            deadline = time.monotonic() + 30
+            while server.metrics()["cpmoe_requests_waiting"] < 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        late = queued.result()
+    assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "abort"
+    assert server.proc.wait(30) == 0, server.stderr()
+    err = server.stderr()
+    assert "Traceback" not in err, err
+    assert err.count("cpmoe: SIGTERM: stopping (2 running request(s) aborted)") == 1, err
     deadline = time.monotonic() + 15
     while server.processes() and time.monotonic() < deadline:
         time.sleep(0.2)

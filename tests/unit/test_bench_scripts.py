@@ -102,3 +102,12 @@ def test_engine_smoke_fails_on_failing_tests_and_still_takes_the_figures(tmp_pat
 def test_an_unknown_part_is_refused(tmp_path, script):
     rc, _, calls = _run(tmp_path, script, "nonsense")
     assert rc == 2 and calls == []
+
+
+def test_structured_part_runs_the_json_schema_load_and_the_same_load_without(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "structured")
+    assert rc == 0, (out / "structured-compare.log").read_text()
+    runs = [c for c in calls if "bench-serving" in c]
+    assert len(runs) == 2 and "--json-schema" not in runs[0]
+    schema = runs[1].split("--json-schema ")[1].split()[0]
+    assert Path(schema).is_file() and runs[0].split("--out")[0] == runs[1].split("--json")[0]

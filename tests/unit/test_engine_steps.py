@@ -43,9 +43,9 @@ def test_generate_overlapped_equals_synced_steps(monkeypatch):
     overlapped: list[bool] = []
     step = engine.run_step
 
-    def spy(runner, plan, sched):
+    def spy(runner, plan, sched, *rest):
         overlapped.append(plan.overlap)
-        return step(runner, plan, sched)
+        return step(runner, plan, sched, *rest)
 
     monkeypatch.setattr(engine, "run_step", spy)
     got = generate(runner, prompts, 12, (eos,), options=EngineOptions(**OPTS))
@@ -112,9 +112,9 @@ def test_the_step_loop_runs_with_what_existed_before_it_out_of_the_collector(mon
     frozen: list[int] = []
     step = engine.run_step
 
-    def spy(runner, plan, sched):
+    def spy(runner, plan, sched, *rest):
         frozen.append(gc.get_freeze_count())
-        return step(runner, plan, sched)
+        return step(runner, plan, sched, *rest)
 
     monkeypatch.setattr(engine, "run_step", spy)
     assert gc.get_freeze_count() == 0
@@ -133,9 +133,9 @@ def test_serving_warm_up_runs_a_batch_through_the_engine_loop_and_frees_it(monke
     plans = []
     step = engine.run_step
 
-    def spy(runner, plan, sched):
+    def spy(runner, plan, sched, *rest):
         plans.append(plan)
-        return step(runner, plan, sched)
+        return step(runner, plan, sched, *rest)
 
     monkeypatch.setattr(engine, "run_step", spy)
     warm_up_serving(runner, EngineOptions(**OPTS))
