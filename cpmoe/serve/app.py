@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from cpmoe.engine.profiler import ACTIVITIES, DEFAULT_DIR, ProfileCommand
 from cpmoe.engine.scheduler import TokenEvent
 from cpmoe.serve import logprobs as lp
+from cpmoe.serve import jobs, responses
 from cpmoe.serve import protocol as api
 from cpmoe.serve.chat_output import ChatOutput
 from cpmoe.serve.detokenize import TextStream
@@ -42,7 +43,7 @@ from cpmoe.serve.metrics import Metrics
 class ServeState:
     client: EngineClient
     tokenizer: object
-    limits: api.Limits
+    limits: jobs.Limits
     metrics: Metrics
     on_loop_ready: Callable[[asyncio.AbstractEventLoop], None]
     prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
@@ -52,7 +53,7 @@ class ServeState:
 class _Run:
     """One accepted choice being read from the engine: tokens -> text pieces."""
 
-    def __init__(self, state: ServeState, stream: RequestStream, job: api.Job) -> None:
+    def __init__(self, state: ServeState, stream: RequestStream, job: jobs.Job) -> None:
         self.state, self.stream, self.job = state, stream, job
         self.text = TextStream(state.tokenizer, job.stop, job.params.min_tokens)
         self.ids: list[int] = []
@@ -108,7 +109,7 @@ class _Run:
 
 def _usage(runs: list[_Run]) -> dict:
     firsts = [r for r in runs if r.job.first_of_prompt]
-    return api.usage(sum(r.stream.prompt_tokens for r in firsts), sum(len(r.ids) for r in runs),
+    return responses.usage(sum(r.stream.prompt_tokens for r in firsts), sum(len(r.ids) for r in runs),
                      sum(r.stream.cached_tokens for r in firsts))
 
 
@@ -211,15 +212,15 @@ def _profile(state: ServeState, raw: bytes, start: bool) -> JSONResponse:
                          "num_steps": cmd.num_steps})
 
 
-def _prepare(state: ServeState, raw: bytes, chat: bool) -> list[api.Job]:
+def _prepare(state: ServeState, raw: bytes, chat: bool) -> list[jobs.Job]:
     """Request body -> one Job per choice, or ApiError. Blocking (JSON, schema, tokenizer):
     runs on `state.prepare_pool`, never on the event loop."""
     req = api.parse_body(raw, api.ChatRequest if chat else api.CompletionRequest)
     if req.model not in (None, state.limits.model_name):
         raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{state.limits.model_name!r}", "model", "model_not_found")
-    api.warn_ignored(req, "chat" if chat else "completions")
-    return (api.chat_jobs if chat else api.completion_jobs)(req, state.tokenizer, state.limits)
+    jobs.warn_ignored(req, "chat" if chat else "completions")
+    return (jobs.chat_jobs if chat else jobs.completion_jobs)(req, state.tokenizer, state.limits)
 
 
 async def _generate(state: ServeState, request: Request, endpoint: str) -> Response:
@@ -243,12 +244,12 @@ async def _generate(state: ServeState, request: Request, endpoint: str) -> Respo
         state.metrics.requests[(endpoint, e.status)] += 1
         return _error(e)
     state.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in jobs if j.first_of_prompt)
-    rid = api.new_id("chatcmpl" if chat else "cmpl")
+    rid = responses.new_id("chatcmpl" if chat else "cmpl")
     name = state.limits.model_name
     if jobs[0].stream:
         state.metrics.requests[(endpoint, 200)] += 1
         kind = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": kind, "created": api.now(), "model": name}
+        head = {"id": rid, "object": kind, "created": responses.now(), "model": name}
         return StreamingResponse(_stream(state, runs, head, chat),
                                  media_type="text/event-stream")
     return await _respond(state, request, runs, rid, name, endpoint)
@@ -282,7 +283,7 @@ async def _respond(state: ServeState, request: Request, runs: list[_Run], rid: s
     choices = [_final_choice(state, run, text, finish, chat, index)
                for index, (run, (text, finish)) in enumerate(kept)]
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                         "created": api.now(), "model": name, "choices": choices,
+                         "created": responses.now(), "model": name, "choices": choices,
                          "usage": _usage(runs)})
 
 
@@ -311,10 +312,10 @@ def _final_choice(state: ServeState, run: _Run, text: str, finish: str, chat: bo
     if not chat:
         if job.prompt_logprobs and logprobs is not None and run.events:
             logprobs = lp.joined(_prompt_logprobs(state, run), logprobs)
-        return api.completion_choice(text, finish, ids, index, logprobs)
+        return responses.completion_choice(text, finish, ids, index, logprobs)
     message = ({"role": "assistant", "content": text} if run.chat is None
                else run.chat.message(run.deltas(text, finish)))
-    return api.chat_choice(message, run.finish_reason(finish), ids, index, logprobs)
+    return responses.chat_choice(message, run.finish_reason(finish), ids, index, logprobs)
 
 
 def _prompt_logprobs(state: ServeState, run: _Run) -> dict | None:
@@ -346,9 +347,9 @@ async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncItera
     offset = len(job.echo or "")
     echo = not chat and job.echo
     if chat:
-        yield api.chat_delta({"role": "assistant", "content": ""}, None, index=job.index)
+        yield responses.chat_delta({"role": "assistant", "content": ""}, None, index=job.index)
     elif echo and not job.prompt_logprobs:  # else with the prompt's logprobs, once known
-        yield api.completion_choice(job.echo, None, [] if want_ids else None, job.index)
+        yield responses.completion_choice(job.echo, None, [] if want_ids else None, job.index)
         echo = False
     async for piece, events, finish in _tokens(run):
         ids = [ev.token for ev in events] if want_ids else None
@@ -359,19 +360,19 @@ async def _choice_chunks(state: ServeState, run: _Run, chat: bool) -> AsyncItera
         offset += len(piece)
         if not chat:
             if echo:
-                yield api.completion_choice(job.echo, None, [] if want_ids else None, job.index,
+                yield responses.completion_choice(job.echo, None, [] if want_ids else None, job.index,
                                             _prompt_logprobs(state, run))
                 echo = False
-            yield api.completion_choice(piece, finish, ids, job.index, logprobs)
+            yield responses.completion_choice(piece, finish, ids, job.index, logprobs)
             continue
         deltas = run.deltas(piece, finish)
         if not deltas and (want_ids or logprobs is not None):
             deltas = [{"content": ""}]
         for i, delta in enumerate(deltas):  # ids and logprobs ride on the first
-            yield api.chat_delta(delta, None, ids if i == 0 else None, job.index,
+            yield responses.chat_delta(delta, None, ids if i == 0 else None, job.index,
                                  logprobs if i == 0 else None)
         if finish is not None:
-            yield api.chat_delta({}, run.finish_reason(finish), index=job.index)
+            yield responses.chat_delta({}, run.finish_reason(finish), index=job.index)
 
 
 async def _stream(state: ServeState, runs: list[_Run], head: dict, chat: bool

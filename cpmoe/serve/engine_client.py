@@ -34,7 +34,7 @@ from cpmoe.engine.scheduler import Request, TokenEvent
 from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankInfo, RankPool
 from cpmoe.serve.metrics import BatchLog, Metrics
-from cpmoe.serve.protocol import Job
+from cpmoe.serve.jobs import Job
 
 
 class EngineDown(RuntimeError):

@@ -35,7 +35,7 @@ from cpmoe.serve.app import ServeState, build_app
 from cpmoe.serve.engine_client import EngineClient
 from cpmoe.serve.metrics import BatchLog, Metrics
 from cpmoe.serve.options import BindError, ServeOptions
-from cpmoe.serve.protocol import Limits
+from cpmoe.serve.jobs import Limits
 
 FAILURE_GRACE_S = 1.0
 
