@@ -28,7 +28,8 @@ from cpmoe.engine.scheduler import SCHEDULE_POLICIES
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import check_model_fit, load_model_config, model_class
 from cpmoe.moe.dispatch import MissingBackendError
-from cpmoe.parallel.launch import RankFailure, launch, peer_loss, torchrun_rank
+from cpmoe.parallel.failures import RankFailure, peer_loss
+from cpmoe.parallel.launch import launch, torchrun_rank
 from cpmoe.parallel.layout import BACKENDS, CP_STRATEGIES, LayoutError, ParallelLayout
 from cpmoe.serve.options import add_serve_arguments
 

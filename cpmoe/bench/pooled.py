@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from cpmoe.bench.timing import is_oom
-from cpmoe.parallel.launch import RankFailure, RankPool
+from cpmoe.parallel.failures import RankFailure
+from cpmoe.parallel.launch import RankPool
 
 OOM = "out of memory"
 

@@ -33,18 +33,19 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cpmoe.parallel.cpus import set_cpu_threads
+from cpmoe.parallel.failures import (RankFailure, failure, report_failure, unpickled)
 
 _POLL_S = 0.1  # parent wake-up period when nothing happens (a death wakes it at once anyway)
 _KILL_GRACE_S = 0.5  # SIGTERM -> SIGKILL grace when aborting
@@ -58,21 +59,6 @@ _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 # cpmoe (an installed one, where the owner runs a checkout). cpmoe and the task modules
 # import in the rank after multiprocessing set the owner's sys.path: ~0.1-0.3 CPU-s.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
-
-
-class RankFailure(RuntimeError):
-    """A rank raised or died; ``str()`` is one summary line followed by the rank's traceback.
-    ``error``: the exception the rank raised, when it could be pickled back (so a caller can
-    tell a user error, e.g. a bad checkpoint, from a bug by its type), else None."""
-
-    def __init__(self, rank: int, summary: str, remote_traceback: str | None = None,
-                 error: BaseException | None = None) -> None:
-        super().__init__(f"{summary}\n{remote_traceback.rstrip()}" if remote_traceback else summary)
-        self.rank, self.summary, self.remote_traceback = rank, summary, remote_traceback
-        self.error = error
-
-    def __reduce__(self) -> tuple[Any, ...]:  # default pickling replays args: wrong signature
-        return (RankFailure, (self.rank, self.summary, self.remote_traceback, self.error))
 
 
 @dataclass(frozen=True)
@@ -95,63 +81,11 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device(kind, local_rank if kind == "cuda" else None)
 
 
-def _fail(conn: Connection, err: BaseException) -> NoReturn:
-    """Report err to the parent, then leave without interpreter teardown."""
-    try:
-        conn.send(("error", _headline(err), "".join(traceback.format_exception(err)),
-                   time.monotonic(), _pickled(err)))
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a broken stream must not mask the error
-                stream.flush()
-        os._exit(1)  # destructors of a group whose peers are mid-collective could block
-
-
 def torchrun_rank() -> int | None:
     """This process's global rank when torchrun (or any env:// launcher) started it."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"])
     return None
-
-
-# How a peer's death reads in this rank's collectives (gloo's tcp transport, NCCL's
-# DistBackendError): the peer's own log holds the root error, this one adds nothing.
-_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "Connection refused", "NCCL communicator was aborted")
-
-
-def peer_loss(err: BaseException | None) -> str | None:
-    """How a collective failed because another rank went away ("Connection reset by peer"),
-    or None when `err` is not that."""
-    backend_error = getattr(dist, "DistBackendError", ())
-    if not isinstance(err, RuntimeError) or not (isinstance(err, backend_error)
-                                                 or "gloo" in str(err)):
-        return None
-    return next((text for text in _PEER_LOSS if text in str(err)), None)
-
-
-def _headline(err: BaseException) -> str:
-    lines = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
-def _failure(rank: int, err: BaseException) -> RankFailure:
-    return RankFailure(rank, f"rank {rank} failed: {_headline(err)}",
-                       "".join(traceback.format_exception(err)), err)
-
-
-def _pickled(err: BaseException) -> bytes | None:
-    try:
-        return pickle.dumps(err, pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001  (an unpicklable error still reports its traceback)
-        return None
-
-
-def _unpickled(raw: bytes | None) -> BaseException | None:
-    try:
-        return None if raw is None else pickle.loads(raw)
-    except Exception:  # noqa: BLE001  (e.g. a class the parent cannot import)
-        return None
 
 
 @contextlib.contextmanager
@@ -191,48 +125,6 @@ def _context(kind: str) -> Any:
     return ctx
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota
-    (containers often show every host core while their quota allows a few)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = n or 1
-    for path, parse in (("/sys/fs/cgroup/cpu.max", _quota_v2),
-                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", _quota_v1)):
-        try:
-            quota = parse(Path(path))
-        except (OSError, ValueError, IndexError):
-            continue
-        if quota is not None:
-            n = min(n, max(1, int(quota)))
-        break
-    return n
-
-
-def _quota_v2(path: Path) -> float | None:
-    limit, period = path.read_text().split()[:2]
-    return None if limit == "max" else int(limit) / int(period)
-
-
-def _quota_v1(path: Path) -> float | None:
-    limit = int(path.read_text())
-    period = int((path.parent / "cpu.cfs_period_us").read_text())
-    return None if limit <= 0 else limit / period
-
-
-# A GPU rank's CPU work is launching kernels plus per-step metadata on small tensors; there
-# wide OpenMP teams only cost wake-ups. Measured on the lent H200 machine (32 CPUs, no
-# quota, one 64K-token prefill): host time before the first kernel 92 ms with 32 threads,
-# 12-17 ms with 1-4, each small op 6-12 ms with 32 (bench/phase_times.py --threads).
-GPU_RANK_MAX_THREADS = 4
-
-
-def set_cpu_threads(ranks_on_host: int, kind: str = "cpu") -> None:
-    """Give each rank of this host an equal share of the CPUs it may use (at most
-    GPU_RANK_MAX_THREADS for a GPU rank)."""
-    share = max(1, available_cpus() // max(1, ranks_on_host))
-    torch.set_num_threads(min(share, GPU_RANK_MAX_THREADS) if kind == "cuda" else share)
-
-
 def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: float,
                  owner_env: dict[str, str], env: dict[str, str], owner: Connection,
                  tasks: Connection, results: Connection) -> None:
@@ -258,7 +150,7 @@ def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: fl
                                 timeout=timeout)
         info = RankInfo(rank, world_size, _rank_device(kind, rank))
     except BaseException as err:
-        _fail(results, err)
+        report_failure(results, err)
     results.send(("ready", 0, None))
     while True:
         try:
@@ -271,7 +163,7 @@ def _worker_main(rank: int, world_size: int, kind: str, port: int, timeout_s: fl
             fn, args, kwargs = pickle.loads(msg[2])
             out = pickle.dumps(fn(info, *args, **kwargs), pickle.HIGHEST_PROTOCOL)
         except BaseException as err:
-            _fail(results, err)
+            report_failure(results, err)
         results.send(("ok", msg[1], out))
     dist.destroy_process_group()  # then multiprocessing flushes stdio and exits with code 0
 
@@ -407,7 +299,7 @@ class RankPool:
                 raise RankFailure(deaths[0], f"rank {deaths[0]} died: exit code {code}{sig}")
             if errors:
                 _, rank, headline, tb, err = min(errors, key=lambda e: e[:2])  # earliest
-                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb, _unpickled(err))
+                raise RankFailure(rank, f"rank {rank} failed: {headline}", tb, unpickled(err))
             if deadline is not None and time.monotonic() > deadline:
                 for rank in pending:  # a hang is a bug: faulthandler prints each rank's stacks
                     with contextlib.suppress(OSError, AttributeError):  # gone, or no SIGUSR1
@@ -451,7 +343,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
         try:
             return fn(RankInfo(rank, world_size, _rank_device(kind, local_rank)), *args, **kwargs)
         except Exception as err:  # noqa: BLE001  (re-raised as RankFailure, as from a pool)
-            raise _failure(rank, err) from None
+            raise failure(rank, err) from None
         finally:
             dist.destroy_process_group()  # a clean exit: NCCL warns about undestroyed groups
     if world_size == 1:  # no process group: single-rank code paths must not need one

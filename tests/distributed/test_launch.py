@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 
 import _launch_helpers as h
-from cpmoe.parallel.launch import RankFailure, RankPool, launch
+from cpmoe.parallel.failures import RankFailure
+from cpmoe.parallel.launch import RankPool, launch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
