@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cpmoe"
 # Top to bottom: each floor and the top-level modules and packages of cpmoe on it ("" is
 # cpmoe/__init__.py).
 FLOORS = (
-    ("entry points", ("cli", "check", "serve", "bench")),
+    ("entry points", ("cli", "check", "serve", "bench", "estimate")),
     ("engine", ("engine",)),
     ("models", ("models", "loader", "default_model")),
     ("communicator", ("communicator",)),
