@@ -4,7 +4,10 @@
 
 prints one markdown row per recorded (file, layout, length): measured seconds, predicted
 seconds and the error (predicted / measured - 1), then the files it left out and why (other
-models, FP8 weights or FP8 attention, which the bf16 rates do not describe). The records'
+models, FP8 weights or FP8 attention, which the bf16 rates do not describe); then the decode
+steps of DECODE_FILES (bf16 `bench-one-batch --routing uniform` runs on one GPU: the latest
+one at batch 1 and 64, and the batch 16 / 256 and 32K-context runs), each at its mean
+context, the prompt plus half the output. The records'
 weights are random, and their router sends 79% of a layer's slots to 8 experts, so at EP 2
 the busier rank computes 1.22x the mean slots (`python3 -m bench.expert_load`,
 bench/results/profile-20261130.log); the prediction uses that imbalance for EP > 1.
@@ -22,6 +25,8 @@ from cpmoe.estimate import cost, rates as rates_mod
 from cpmoe.estimate.report import estimate
 
 RANDOM_ROUTER_EP2_IMBALANCE = 1.22  # busiest EP rank / mean slots, profile-20261130.log
+DECODE_FILES = ("verify-dec-bf16-d28a8e6.json", "one-batch-1k-edb9375.json",
+                "one-batch-32k-edb9375.json")
 
 
 def records(results: Path) -> tuple[list[dict], list[str]]:
@@ -79,6 +84,24 @@ def table(rows: list[dict], r: rates_mod.Rates) -> list[str]:
     return out
 
 
+def decode_table(results: Path, r: rates_mod.Rates) -> list[str]:
+    out = ["| file | batch | context | measured ms | predicted ms | error |",
+           "|---|---|---|---|---|---|"]
+    for name in DECODE_FILES:
+        data = json.loads((results / name).read_text())
+        head = data["header"]
+        m = cost.ModelShape.from_config(parse_config(head["config"], name))
+        for row in data["rows"]:
+            if row.get("engine") != "cpmoe" or not row.get("decode_ms"):
+                continue
+            context = row["input_len"] + head["output_len"] // 2
+            p = estimate(m, parse_layout("tp=1").layout, r, context,
+                         row["batch"])["decode_step_s"] * 1e3
+            out.append(f"| {name} | {row['batch']} | {context:,} | {row['decode_ms']:.2f} | "
+                       f"{p:.2f} | {p / row['decode_ms'] - 1:+.1%} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m cpmoe.estimate.validate")
     ap.add_argument("--results", type=Path, default=Path("bench/results"))
@@ -96,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(rows, r)))
     for s in skipped:
         print(f"left out: {s}")
+    print()
+    print("\n".join(decode_table(args.results, r)))
     return 0
 
 
