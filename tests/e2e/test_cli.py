@@ -42,7 +42,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cpmoe.cli import escape_text
+from cpmoe.cli.run import escape_text
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
