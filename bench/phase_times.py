@@ -26,7 +26,7 @@ import torch
 from cpmoe.bench.spec import SHAPES, parse_layout
 from cpmoe import communicator
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models import qwen_moe
+from cpmoe.models.qwen_moe import model as qwen_moe
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo, RankPool

@@ -1,6 +1,6 @@
 """Top-k picks of the V4 indexer's scores on the GPU: a stable descending sort (the picks'
 reference order) against torch.topk over fp32 scores and over the int64 order keys that
-`deepseek_v4_indexer.indexer_topk` ranks (unique keys, so topk is deterministic and picks
+`indexer.indexer_topk` ranks (unique keys, so topk is deterministic and picks
 what the sort picks), at row-block shapes of a 64K-token prefill (16384 CSA entries, top-512).
 
     python3 -m bench.topk_probe > bench/results/topk-probe-<commit>.log

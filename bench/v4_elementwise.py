@@ -25,7 +25,7 @@ import argparse
 import torch
 
 from cpmoe import ops
-from cpmoe.models.deepseek_v4_rope import head_norm_rope_
+from cpmoe.models.deepseek_v4.rope import head_norm_rope_
 from cpmoe.models.layers import apply_interleaved_rope, rms_norm_ref, unweighted_rms_norm
 
 EPS = 1e-6

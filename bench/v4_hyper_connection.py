@@ -1,5 +1,5 @@
 """DeepSeek-V4's hyper-connection stream arithmetic on the GPU: the Triton kernels
-(cpmoe/models/deepseek_v4_hc.py) against the torch expressions they replaced, with the HBM
+(cpmoe/models/deepseek_v4/hyper_connection.py) against the torch expressions they replaced, with the HBM
 floor of each.
 
     python3 -m bench.v4_hyper_connection
@@ -26,11 +26,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from cpmoe.models import deepseek_v4_hc as hc
+from cpmoe.models.deepseek_v4 import hyper_connection as hc
 # the model's own torch branches, what the kernels replace on CUDA in 16 bits
-from cpmoe.models.deepseek_v4 import _collapse_torch as torch_collapse
-from cpmoe.models.deepseek_v4 import _flat_rms
-from cpmoe.models.deepseek_v4 import _merge_torch as torch_merge
+from cpmoe.models.deepseek_v4.model import _collapse_torch as torch_collapse
+from cpmoe.models.deepseek_v4.model import _flat_rms
+from cpmoe.models.deepseek_v4.model import _merge_torch as torch_merge
 
 SWEEP = {"block_t": (1, 2, 4, 8), "block_h": (256, 512, 1024), "num_warps": (4, 8)}
 MIX_SWEEP = {"block_t": (16, 32, 64), "block_k": (32, 64, 128), "num_warps": (4, 8)}

@@ -1,5 +1,5 @@
 """DeepSeek-V4 prefill's lightning-indexer scores on the GPU: the Triton kernel
-(cpmoe/models/deepseek_v4_indexer.py) against the fp32 matmul path it replaced (the scorer's
+(cpmoe/models/deepseek_v4/indexer.py) against the fp32 matmul path it replaced (the scorer's
 torch branch: [rows, heads, entries] fp32 dot products, relu, weights, sum over heads), both
 over the row blocks the prefill plan makes for them.
 
@@ -28,8 +28,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from cpmoe.models import deepseek_v4_indexer as indexer
-from cpmoe.models.deepseek_v4_prefill import rows_per_block
+from cpmoe.models.deepseek_v4 import indexer
+from cpmoe.models.deepseek_v4.prefill import rows_per_block
 
 SWEEP = {"block_t": (32, 64, 128), "block_c": (32, 64, 128, 256), "num_warps": (4, 8),
          "num_stages": (1, 2, 3)}

@@ -1,5 +1,5 @@
 """DeepSeek-V4 prefill's sparse sink attention on the GPU: the Triton kernel that walks each
-row's index list (cpmoe/models/deepseek_v4_sparse.py) against the gather + fp32
+row's index list (cpmoe/models/deepseek_v4/sparse.py) against the gather + fp32
 `sink_attention` path it replaced, both over the row blocks the prefill plan makes for them.
 
     python3 -m bench.v4_sparse_attention
@@ -25,8 +25,8 @@ import argparse
 
 import torch
 
-from cpmoe.models import deepseek_v4_sparse as sparse
-from cpmoe.models.deepseek_v4_prefill import rows_per_block, sink_attention
+from cpmoe.models.deepseek_v4 import sparse
+from cpmoe.models.deepseek_v4.prefill import rows_per_block, sink_attention
 
 SWEEP = {"block_h": (16, 32, 64), "block_n": (16, 32, 64), "num_warps": (4, 8),
          "num_stages": (1, 2, 3)}

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from cpmoe.cp.kv_cache import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.rank_tasks import RunSpec, build_runner
-from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
+from cpmoe.models.deepseek_v4.indexer import ReferenceTopK
 from cpmoe.moe.router import SoftmaxTopKRouter
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
@@ -165,7 +165,7 @@ class IndexerMargins(_Margins):
     margin at its top-k cut, the k-th minus the (k+1)-th best visible score of its row; a
     near-tie below near_tie x max(1, |k-th score|). Scores exactly tied at 0 (every head's
     q.k <= 0) are no near-tie: the reference's own top-k decides them, and cpmoe takes it
-    (`deepseek_v4_indexer.topk_as_reference`) -- unless another layout computes one of them
+    (`indexer.topk_as_reference`) -- unless another layout computes one of them
     as a tiny non-zero, which this cannot see. A row with no more visible entries than k
     has no cut (margin inf)."""
 

@@ -1,6 +1,6 @@
 """What every model's config parsing shares: reading config.json, its architecture name,
 the FP8 `quantization_config`, checked integer fields, `--dtype`. Each model's own config is
-parsed in one place next to the model (models/qwen_moe_config.py, models/deepseek_v4_config.py).
+parsed in one place next to the model (models/qwen_moe/config.py, models/deepseek_v4/config.py).
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def _tiny_weights(cfg: dict[str, object]) -> dict[str, torch.Tensor]:
     overrides are honoured), drawn in that table's order from a generator seeded with
     ``_SEED``: norms around 1, the embedding with std 1, linear weights with std
     1/sqrt(fan_in), the router twice that so top-k routing is decisive, biases small."""
-    from cpmoe.models.qwen_moe_config import parse_qwen_moe
-    from cpmoe.models.qwen_moe import checkpoint_shapes
+    from cpmoe.models.qwen_moe.config import parse_qwen_moe
+    from cpmoe.models.qwen_moe.model import checkpoint_shapes
 
     gen = torch.Generator(device="cpu").manual_seed(_SEED)
     out: dict[str, torch.Tensor] = {}

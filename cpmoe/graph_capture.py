@@ -1,5 +1,5 @@
 """CUDA graph capture shared by the decode graphs of every model (the engine's paged ones,
-engine/cuda_graph.py, and DeepSeek-V4's, models/deepseek_v4_graph.py): the batch-size
+engine/cuda_graph.py, and DeepSeek-V4's, models/deepseek_v4/graph.py): the batch-size
 buckets a graph is captured for, and one capture (a warm-up run, then the captured run).
 """
 

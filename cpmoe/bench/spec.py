@@ -17,8 +17,8 @@ from pathlib import Path
 
 from cpmoe.config import read_json_file
 from cpmoe.bench.v4_flops import v4_prefill_flops
-from cpmoe.models.deepseek_v4_config import DeepseekV4Config
-from cpmoe.models.qwen_moe_config import ARCHITECTURES, QwenMoeConfig
+from cpmoe.models.deepseek_v4.config import DeepseekV4Config
+from cpmoe.models.qwen_moe.config import ARCHITECTURES, QwenMoeConfig
 from cpmoe.models.registry import check_model_fit, config_from_dict
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 

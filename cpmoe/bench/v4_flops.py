@@ -33,7 +33,7 @@ count against torch's FLOP counter plus a per-query brute force.
 
 from __future__ import annotations
 
-from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from cpmoe.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
 V4_FLOPS_FORMULA = (
     "DeepSeek-V4 model_flops = sum over layers of per-token matmuls (hyper-connection mixing, "

@@ -68,7 +68,7 @@ class CausalLMHead(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} uses the engine's paged K/V cache")
 
     def can_capture_decode(self) -> bool:
-        """A paged model's decode step never syncs with the host (models/qwen_moe.py)."""
+        """A paged model's decode step never syncs with the host (models/qwen_moe/model.py)."""
         return True
 
     def decode_graphs(self, runner, max_bs: int, max_context: int):

@@ -8,19 +8,19 @@ from typing import Any, Callable
 
 from cpmoe.config import ConfigError, architecture_of, read_config_json
 from cpmoe.models.base import ModelConfig
-from cpmoe.models.qwen_moe_config import parse_qwen_moe
+from cpmoe.models.qwen_moe.config import parse_qwen_moe
 from cpmoe.moe.dispatch import check_backend_available
 from cpmoe.parallel.layout import ParallelLayout
 
 
 def _qwen() -> tuple[Callable, type]:
-    from cpmoe.models.qwen_moe import QwenMoeForCausalLM
+    from cpmoe.models.qwen_moe.model import QwenMoeForCausalLM
     return parse_qwen_moe, QwenMoeForCausalLM
 
 
 def _deepseek_v4() -> tuple[Callable, type]:
-    from cpmoe.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+    from cpmoe.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from cpmoe.models.deepseek_v4.config import parse_deepseek_v4
     return parse_deepseek_v4, DeepseekV4ForCausalLM
 
 

@@ -12,7 +12,7 @@ The indexer has 2 heads, as few as a real indexer could: a score is exactly 0 wh
 heads' q.k are negative (relu), for about 1 in 4 (query, entry) pairs, so most top-k
 choices past 32 entries are made among tied zeros. transformers' `topk` picks among them by
 the whole row (its length included): the tests prove that cpmoe picks what it picks, in
-every batch composition and layout (`deepseek_v4_indexer.topk_as_reference`), which a
+every batch composition and layout (`indexer.topk_as_reference`), which a
 fixture with many heads would leave untested.
 
 Variants (same seed, so they differ only where named):

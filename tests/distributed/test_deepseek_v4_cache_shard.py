@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.models.deepseek_v4_cache import sequence_bytes
+from cpmoe.models.deepseek_v4.cache import sequence_bytes
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models.deepseek_v4_config import check_v4_layout
+from cpmoe.models.deepseek_v4.config import check_v4_layout
 from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import LayoutError, ParallelLayout

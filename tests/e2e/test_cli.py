@@ -42,7 +42,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cpmoe.cli import escape_text
+from cpmoe.cli.run import escape_text
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
@@ -79,7 +79,7 @@ _fault = os.environ.get("CPMOE_E2E_FAULT")  # "rank:layer": that rank's Qwen lay
 with open("/proc/self/cmdline", "rb") as _f:
     _helper = b"resource_tracker" in _f.read()  # it never runs a model: no torch import
 if _fault and not _helper:
-    from cpmoe.models import qwen_moe as _qwen
+    from cpmoe.models.qwen_moe import model as _qwen
     _rank, _layer = map(int, _fault.split(":"))
     _forward = _qwen.QwenMoeDecoderLayer.forward
 

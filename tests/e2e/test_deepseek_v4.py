@@ -26,8 +26,8 @@ from safetensors import safe_open
 from cpmoe.config import ConfigError
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models.deepseek_v4 import checkpoint_param_name
-from cpmoe.models.deepseek_v4_config import (CSA, DECODE_CACHE_NOTE, HCA, SLIDING,
+from cpmoe.models.deepseek_v4.model import checkpoint_param_name
+from cpmoe.models.deepseek_v4.config import (CSA, DECODE_CACHE_NOTE, HCA, SLIDING,
                                               parse_deepseek_v4)
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._v4_tasks import make_v4_model

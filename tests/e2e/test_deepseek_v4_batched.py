@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models import deepseek_v4_prefill
+from cpmoe.models.deepseek_v4 import prefill
 from cpmoe.parallel.groups import ProcessGroups
 from tests.distributed._v4_tasks import make_v4_model
 
@@ -49,16 +49,16 @@ def test_v4_small_row_blocks_match_one_block(runner, seqs, monkeypatch):
     one_block = runner.prefill(seqs)
     # per row max(40 keys x (4 heads + 32), 2 index heads x 183 entries) = 1,440 elements:
     # 45-row blocks, 17 of them over the 738 rows
-    monkeypatch.setattr(deepseek_v4_prefill, "_BLOCK_ELEMS", 1 << 16)
+    monkeypatch.setattr(prefill, "_BLOCK_ELEMS", 1 << 16)
     plan_blocks = []
-    build = deepseek_v4_prefill.PrefillPlan.build
+    build = prefill.PrefillPlan.build
 
     def spy(*args, **kwargs):
         plan = build(*args, **kwargs)
         plan_blocks.append(plan.blocks)
         return plan
 
-    monkeypatch.setattr(deepseek_v4_prefill.PrefillPlan, "build", spy)
+    monkeypatch.setattr(prefill.PrefillPlan, "build", spy)
     blocked = runner.prefill(seqs)
     assert len(plan_blocks[0]) > 10 and any(s1 - s0 > 1 for _, _, s0, s1 in plan_blocks[0])
     diff = (blocked - one_block).abs().max().item()

@@ -23,7 +23,7 @@ import torch
 
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
+from cpmoe.models.deepseek_v4.graph import V4DecodeGraphs
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.parallel.groups import ProcessGroups
 

@@ -327,7 +327,7 @@ def test_demo_generate_says_the_weights_are_random_and_prints_no_control_charact
 
 
 def test_escape_text_keeps_newlines_and_escapes_control_characters():
-    from cpmoe.cli import escape_text
+    from cpmoe.cli.run import escape_text
     assert escape_text("a\nb\tc") == "a\nb\tc"
     assert escape_text("x\x1b[2Jy\x07\x7f") == "x\\x1b[2Jy\\x07\\x7f"
     assert escape_text("é€<|im_start|>") == "é€<|im_start|>"

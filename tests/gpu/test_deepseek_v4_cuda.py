@@ -16,7 +16,7 @@ hyper-connections and MoE (measured errors sit near 1e-2); indexer picks may dif
 scores nearly tie, which the whole-matrix norm absorbs.
 
 - prefill attention's two branches: every layer's `prefill_attention` of the bf16 prefill is
-  run both with the sparse Triton kernel (the CUDA default, `deepseek_v4_sparse.py`) and
+  run both with the sparse Triton kernel (the CUDA default, `deepseek_v4/sparse.py`) and
   with the gather + fp32 `sink_attention` reference branch (forced), on the same inputs;
   the kernel's result goes on. Elementwise, with u = 2^-8, delta the fp32 error bound of a
   score and attn(|k|) = sum_n p_n |k_n| from the kernel's own inputs:
@@ -27,7 +27,7 @@ scores nearly tie, which the whole-matrix norm absorbs.
   700-token logits by 9e-2, the 33-token ones not at all).
 
 - the indexer's two branches: every call of the indexer's top-k in the bf16 prefill
-  (`deepseek_v4_indexer.py`, the CUDA default; once per CSA layer and row block) has its
+  (`deepseek_v4/indexer.py`, the CUDA default; once per CSA layer and row block) has its
   kernel's scores checked against the scorer's fp32 torch branch on the same inputs,
   elementwise within (3 dI + 2 h + 4) 2^-24 scale sum_h |w| (|q| . |k|) (derived in
   tests/gpu/test_v4_indexer_cuda.py), -inf exactly where not visible, and its picks against
@@ -124,7 +124,7 @@ def prefill_small_v4_bf16() -> None:
 
 @cuda
 def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
-    from cpmoe.models import deepseek_v4_attention, deepseek_v4_prefill as prefill
+    from cpmoe.models.deepseek_v4 import model, prefill
     from tests.gpu.test_v4_sparse_attention_cuda import abs_attention
 
     kernel, applies, attention = (prefill.sparse_sink_attention, prefill.kernel_applies,
@@ -156,7 +156,7 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
     monkeypatch.setattr(prefill, "sparse_sink_attention", kernel_with_bounds)
     monkeypatch.setattr(prefill, "kernel_applies",
                         lambda device, dtype: use_kernel[0] and applies(device, dtype))
-    monkeypatch.setattr(deepseek_v4_attention, "prefill_attention", both_branches)
+    monkeypatch.setattr(model, "prefill_attention", both_branches)
     prefill_small_v4_bf16()
     print(f"V4 prefill attention, kernel vs reference branch, error / bound per layer: {worst}")
     assert len(worst) == SMALL_V4["num_hidden_layers"], worst
@@ -166,12 +166,12 @@ def test_v4_prefill_sparse_kernel_branch_matches_reference_branch(monkeypatch):
 @cuda
 def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
     from bench.v4_indexer import torch_scores
-    from cpmoe.models import deepseek_v4_attention
+    from cpmoe.models.deepseek_v4 import attention
     from tests.gpu.test_v4_indexer_cuda import score_bound
 
-    from cpmoe.models.deepseek_v4_indexer import indexer_scores
+    from cpmoe.models.deepseek_v4.indexer import indexer_scores
 
-    kernel, worst = deepseek_v4_attention.indexer_topk, []
+    kernel, worst = attention.indexer_topk, []
 
     def checked(q, keys, w, scale, bounds, k):
         """The kernel's scores, checked against the torch branch's scores of the same
@@ -192,7 +192,7 @@ def test_v4_prefill_indexer_kernel_matches_torch_scores(monkeypatch):
         assert torch.equal(picks, torch.where(visible.gather(1, order), order, -1))
         return picks
 
-    monkeypatch.setattr(deepseek_v4_attention, "indexer_topk", checked)
+    monkeypatch.setattr(attention, "indexer_topk", checked)
     prefill_small_v4_bf16()
     print(f"V4 prefill indexer, kernel vs torch scores, error / bound per call: {worst}")
     assert len(worst) == 2, worst  # CSA layers 1 and 3, one row block each

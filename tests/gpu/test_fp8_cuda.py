@@ -406,7 +406,7 @@ def test_fp8_decode_takes_the_rows_its_producers_quantized(tmp_path, monkeypatch
     # and up, two) and down (the LM head stays bf16); fused: down a layer, and the first
     # layer's q/k/v (its input norm has no residual to add: F.rms_norm)
     print(f"\nquantize_act launches in 3 decode steps: {n_separate} separate, {n_fused} fused")
-    from cpmoe.models.qwen_moe import QwenMoeSparseBlock
+    from cpmoe.models.qwen_moe.model import QwenMoeSparseBlock
     dense = sum(not isinstance(l.mlp, QwenMoeSparseBlock) for l in layers)
     assert n_separate == 3 * (4 * len(layers) + dense)
     assert n_fused == 3 * (len(layers) + 1)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4_hc) on CUDA in 16 bits
+"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4.hyper_connection) on CUDA in 16 bits
 against float32 torch on the same values, and the bf16 V4 model with them against float32.
 Skipped without a GPU; on the GPU machine:
 `python3 -m pytest tests/gpu/test_v4_hyper_connection_cuda.py -q -s`.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix
+from cpmoe.models.deepseek_v4.hyper_connection import hc_collapse, hc_merge, hc_mix
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = pytest.mark.usefixtures("exact_fp32_matmul")  # the fp32 references
@@ -103,8 +103,8 @@ def test_mix_matches_float64(H, dtype) -> None:
 def test_weights_match_the_torch_branch_in_float64() -> None:
     """hc_weights (sigmoids, softmax and 20 Sinkhorn sweeps in one kernel) against the
     model's torch branch run in float64 on the same mix: within 1e-5 relative."""
-    from cpmoe.models.deepseek_v4 import DeepseekV4HyperConnection
-    from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+    from cpmoe.models.deepseek_v4.model import DeepseekV4HyperConnection
+    from cpmoe.models.deepseek_v4.config import parse_deepseek_v4
     from tests._v4_tiny import tiny_v4
 
     hcm = DeepseekV4HyperConnection(parse_deepseek_v4(tiny_v4(HC))).cuda()
@@ -121,7 +121,7 @@ def test_weights_match_the_torch_branch_in_float64() -> None:
 
 @cuda
 def test_v4_bf16_with_hc_kernels_matches_float32(monkeypatch) -> None:
-    from cpmoe.models import deepseek_v4 as v4
+    from cpmoe.models.deepseek_v4 import model as v4
     from tests.gpu.test_deepseek_v4_cuda import LENGTHS, TOL, _rel, run_both
 
     calls = []

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's lightning-indexer score kernel (cpmoe.models.deepseek_v4_indexer) on CUDA in
+"""DeepSeek-V4's lightning-indexer score kernel (cpmoe.models.deepseek_v4.indexer) on CUDA in
 16 bits against the fp32 torch path it replaces (`bench.v4_indexer.torch_scores`, the
 scorer's torch branch) on the same values. Skipped without a GPU; on the GPU machine:
 `python3 -m pytest tests/gpu/test_v4_indexer_cuda.py -q`.
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from bench.v4_indexer import torch_scores
-from cpmoe.models.deepseek_v4_indexer import indexer_scores, indexer_topk
+from cpmoe.models.deepseek_v4.indexer import indexer_scores, indexer_topk
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -106,7 +106,7 @@ def test_topk_temporaries_fit_the_prefill_plans_count(entries) -> None:
     """`indexer_topk`'s C-sized temporaries (the kernel's int64 order keys, then
     torch.topk's) peak within what `rows_per_block` counts for them: _KERNEL_INDEX_ELEMS
     fp32-sized elements an entry of a row."""
-    from cpmoe.models import deepseek_v4_prefill as prefill
+    from cpmoe.models.deepseek_v4 import prefill
 
     rows, dev = 200, torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's in-place query norm + RoPE kernel (cpmoe.models.deepseek_v4_rope) on CUDA in
+"""DeepSeek-V4's in-place query norm + RoPE kernel (cpmoe.models.deepseek_v4.rope) on CUDA in
 bf16 against the torch expressions it replaces (`unweighted_rms_norm`, then
 `apply_interleaved_rope`; the inverse rotation with -sin). Skipped without a GPU; on the GPU
 machine: `python3 -m pytest tests/gpu/test_v4_rope_cuda.py -q`.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.models.deepseek_v4_rope import head_norm_rope_
+from cpmoe.models.deepseek_v4.rope import head_norm_rope_
 from cpmoe.models.layers import apply_interleaved_rope, unweighted_rms_norm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's sparse sink-attention kernel (cpmoe.models.deepseek_v4_sparse) on CUDA in
+"""DeepSeek-V4's sparse sink-attention kernel (cpmoe.models.deepseek_v4.sparse) on CUDA in
 16 bits against the float32 torch reference `sink_attention` on the same values, gathered.
 Skipped without a GPU; on the GPU machine:
 `python3 -m pytest tests/gpu/test_v4_sparse_attention_cuda.py -q`.
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from bench.v4_sparse_attention import csa_rows
-from cpmoe.models.deepseek_v4_prefill import sink_attention
-from cpmoe.models.deepseek_v4_sparse import sparse_sink_attention
+from cpmoe.models.deepseek_v4.prefill import sink_attention
+from cpmoe.models.deepseek_v4.sparse import sparse_sink_attention
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

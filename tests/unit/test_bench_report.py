@@ -161,7 +161,7 @@ def test_long_prompt_interference_splits_gaps_at_its_window_and_reports_a_failur
     """Gaps that overlap the long prompt's [sent, done] window count as 'during'; the ratio
     is the p99 of those over 2 x (its TTFT / its chunks); a long prompt that failed gives
     no ratio and a line that says so, not a crash."""
-    from cpmoe.bench.serving import Outcome, _long_line, interference
+    from cpmoe.bench.serving_report import Outcome, interference, long_line
     stream = Outcome(8, 8, ok=True, chunk_times=[0.0, 1.0, 5.0, 5.5, 9.0])
     long = {"prompt_len": 300, "sent": 2.0, "done": 5.2, "ttft_s": 3.0, "error": ""}
     got = interference([stream], long, 100)
@@ -171,13 +171,13 @@ def test_long_prompt_interference_splits_gaps_at_its_window_and_reports_a_failur
     assert got["p99_itl_vs_2x_step"] == 2.0
     failed = interference([stream], {**long, "ttft_s": 0.0, "error": "HTTP 400"}, 100)
     assert failed["p99_itl_vs_2x_step"] is None and failed["step_s"] is None
-    assert "FAILED: HTTP 400" in _long_line(failed)
+    assert "FAILED: HTTP 400" in long_line(failed)
 
 
 def test_ttft_breakdown_line_reports_the_parts_and_skips_a_run_without_successes():
     """The report's TTFT line gives the client's send delay beside the server's own TTFT and
     intake; a run where every request failed has no TTFT to break down (no crash)."""
-    from cpmoe.bench.serving import Outcome, report, summarize
+    from cpmoe.bench.serving_report import Outcome, report, summarize
     ok = Outcome(8, 2, ok=True, tokens=2, ttft=0.5, sent=0.125, latency=0.75)
     s = {**summarize([ok], 1.0), "server_ttft_s": 0.25, "server_intake_s": 0.0625}
     assert ("TTFT mean 500.0 ms here: request on the wire after 125.0 ms; the server's own "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from cpmoe.check import CheckReport, IndexerMargins, RoutingMargins, _compare
-from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
+from cpmoe.models.deepseek_v4.indexer import ReferenceTopK
 from cpmoe.moe.router import SoftmaxTopKRouter
 
 

@@ -379,7 +379,7 @@ def test_model_fit_ignores_moe_rules_for_dense_models():
 def test_check_model_fit_dense_intermediate():
     """Dense MLP layers are sharded over attention TP (ParallelLayout.check_model, given
     the dense layers by check_model_fit)."""
-    from cpmoe.models.qwen_moe_config import QwenMoeConfig
+    from cpmoe.models.qwen_moe.config import QwenMoeConfig
     from cpmoe.models.registry import check_model_fit
 
     def cfg(intermediate: int, mlp_only: tuple[int, ...]) -> QwenMoeConfig:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from cpmoe.config import ConfigError
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.loader import LoadError, load_checkpoint
-from cpmoe.models.qwen_moe import QwenMoeForCausalLM
+from cpmoe.models.qwen_moe.model import QwenMoeForCausalLM
 from cpmoe.models.registry import check_model_fit, load_model_config
 from cpmoe.parallel.groups import Group, ProcessGroups
 from cpmoe.parallel.layout import GROUP_KINDS, ParallelLayout

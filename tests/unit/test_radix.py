@@ -140,7 +140,8 @@ def test_lpm_keeps_arrival_order_past_the_fallback_queue_length():
 
 def test_schedule_policy_is_an_engine_flag_and_refuses_unknown_ones(capsys):
     import pytest
-    from cpmoe.cli import build_parser, engine_options
+    from cpmoe.cli import build_parser
+    from cpmoe.cli.flags import engine_options
     parser = build_parser()
     assert engine_options(parser.parse_args(["serve"])).schedule_policy == "fcfs"
     args = parser.parse_args(["serve", "--schedule-policy", "lpm"])
@@ -160,7 +161,8 @@ def test_without_radix_finished_requests_are_freed():
 
 
 def test_disable_radix_cache_is_an_engine_flag_of_generate_check_and_serve():
-    from cpmoe.cli import build_parser, engine_options
+    from cpmoe.cli import build_parser
+    from cpmoe.cli.flags import engine_options
     parser = build_parser()
     for command in ("generate", "check", "serve"):
         extra = ["--prompt", "x"] if command == "generate" else []

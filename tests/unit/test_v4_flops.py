@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cpmoe.bench import v4_flops
 from cpmoe.bench.spec import model_flops
-from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, parse_deepseek_v4
+from cpmoe.models.deepseek_v4.config import CSA, HCA, SLIDING, parse_deepseek_v4
 from tests.distributed._v4_tasks import V4_CONFIG
 
 LENGTHS = [300, 7, 129]

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4_hc) in Triton's CPU
+"""DeepSeek-V4's hyper-connection kernels (cpmoe.models.deepseek_v4.hyper_connection) in Triton's CPU
 interpreter against the torch expressions of their formulas written here (a subprocess:
 TRITON_INTERPRET is read at import; skipped without Triton), the model's kernel branch
 (forced on in float32) against its torch branch, and the input checks.
@@ -28,7 +28,7 @@ import importlib.util
 import pytest
 import torch
 
-from cpmoe.models import deepseek_v4_hc as hc
+from cpmoe.models.deepseek_v4 import hyper_connection as hc
 from tests._interpreter import run_interpreted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -36,7 +36,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 _KERNELS = r"""
 import torch
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_weights
+from cpmoe.models.deepseek_v4.hyper_connection import hc_collapse, hc_merge, hc_mix, hc_weights
 
 g = torch.Generator().manual_seed(0)
 U = 2.0 ** -24
@@ -154,8 +154,8 @@ def test_kernels_match_torch_formulas_in_the_interpreter() -> None:
 _MIX = r"""
 import torch
 import torch.nn.functional as F
-from cpmoe.models.deepseek_v4 import _flat_rms
-from cpmoe.models.deepseek_v4_hc import hc_mix
+from cpmoe.models.deepseek_v4.model import _flat_rms
+from cpmoe.models.deepseek_v4.hyper_connection import hc_mix
 
 g = torch.Generator().manual_seed(0)
 T, c, H, eps = 5, 4, 4096, 1e-6
@@ -182,7 +182,8 @@ def test_mix_with_the_rms_after_the_linear_is_within_1e5_of_flat_rms() -> None:
 _MODEL = r"""
 import torch
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models import deepseek_v4 as v4, deepseek_v4_hc as hc
+from cpmoe.models.deepseek_v4 import model as v4
+from cpmoe.models.deepseek_v4 import hyper_connection as hc
 from cpmoe.parallel.groups import ProcessGroups
 from tests._v4_tiny import tiny_v4
 
@@ -260,7 +261,7 @@ def test_benchmark_references_are_the_models_torch_branches_and_cli_on_cpu() -> 
     bit; its floor counts h and out once each way; its arguments parse; without CUDA it
     exits with one clear line."""
     from bench import v4_hyper_connection as bench
-    from cpmoe.models import deepseek_v4 as v4
+    from cpmoe.models.deepseek_v4 import model as v4
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 4, 24, generator=g).bfloat16()

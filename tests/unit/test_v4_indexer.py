@@ -1,4 +1,4 @@
-"""DeepSeek-V4's lightning-indexer score kernel (cpmoe.models.deepseek_v4_indexer) in Triton's
+"""DeepSeek-V4's lightning-indexer score kernel (cpmoe.models.deepseek_v4.indexer) in Triton's
 CPU interpreter against a float64 evaluation of its formula (a subprocess: TRITON_INTERPRET
 is read at import; skipped without Triton), plus its input checks and `select_visible`
 through the kernel branch against the reference branch.
@@ -29,12 +29,12 @@ import importlib.util
 import pytest
 import torch
 
-from cpmoe.models import deepseek_v4_indexer as indexer
+from cpmoe.models.deepseek_v4 import indexer
 from tests._interpreter import run_interpreted
 
 _KERNEL = r"""
 import torch
-from cpmoe.models.deepseek_v4_indexer import indexer_scores, indexer_topk
+from cpmoe.models.deepseek_v4.indexer import indexer_scores, indexer_topk
 
 g = torch.Generator().manual_seed(0)
 
@@ -118,8 +118,8 @@ def test_kernel_matches_float64_formula_in_the_interpreter() -> None:
 
 _SELECT = r"""
 import torch
-from cpmoe.models import deepseek_v4_attention as attention
-from cpmoe.models.deepseek_v4_config import parse_deepseek_v4
+from cpmoe.models.deepseek_v4 import attention
+from cpmoe.models.deepseek_v4.config import parse_deepseek_v4
 
 CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
@@ -219,7 +219,7 @@ def test_benchmark_reference_is_the_scorers_torch_branch_and_cli_on_cpu() -> Non
     causal mask opens entry c at position 4c + 3; its arguments parse; without CUDA it exits
     with one clear line."""
     from bench import v4_indexer as bench
-    from cpmoe.models.deepseek_v4_attention import DeepseekV4IndexerScorer
+    from cpmoe.models.deepseek_v4.attention import DeepseekV4IndexerScorer
 
     g = torch.Generator().manual_seed(0)
     scorer = DeepseekV4IndexerScorer(24, 6, 32, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's in-place query norm + interleaved RoPE kernel (cpmoe.models.deepseek_v4_rope)
+"""DeepSeek-V4's in-place query norm + interleaved RoPE kernel (cpmoe.models.deepseek_v4.rope)
 in Triton's CPU interpreter against torch float32 formulas written here (a subprocess:
 TRITON_INTERPRET is read at import; skipped without Triton), and the model's kernel branch
 (forced on in float32) against its torch branch.
@@ -23,7 +23,7 @@ import importlib.util
 import pytest
 import torch
 
-from cpmoe.models import deepseek_v4_rope as rope
+from cpmoe.models.deepseek_v4 import rope
 from tests._interpreter import run_interpreted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -31,7 +31,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 _KERNEL = r"""
 import torch
-from cpmoe.models.deepseek_v4_rope import head_norm_rope_
+from cpmoe.models.deepseek_v4.rope import head_norm_rope_
 
 g = torch.Generator().manual_seed(0)
 U = 2.0 ** -24
@@ -98,7 +98,8 @@ def test_head_norm_rope_matches_float32_formula_in_the_interpreter() -> None:
 _MODEL = r"""
 import torch
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models import deepseek_v4_attention as att, deepseek_v4_rope
+from cpmoe.models.deepseek_v4 import attention as att
+from cpmoe.models.deepseek_v4 import rope
 from cpmoe.parallel.groups import ProcessGroups
 from tests._v4_tiny import tiny_v4
 
@@ -116,7 +117,7 @@ def run():
 
 want = run()
 calls = []
-real = deepseek_v4_rope.head_norm_rope_
+real = rope.head_norm_rope_
 
 
 def spy(*a, **k):

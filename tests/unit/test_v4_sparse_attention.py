@@ -1,4 +1,4 @@
-"""DeepSeek-V4's sparse sink-attention kernel (cpmoe.models.deepseek_v4_sparse) in Triton's
+"""DeepSeek-V4's sparse sink-attention kernel (cpmoe.models.deepseek_v4.sparse) in Triton's
 CPU interpreter against the torch reference `sink_attention` on the gathered keys (a
 subprocess: TRITON_INTERPRET is read at import; skipped without Triton), plus its input
 checks and the dispatch rule of prefill.
@@ -27,13 +27,13 @@ import importlib.util
 import pytest
 import torch
 
-from cpmoe.models import deepseek_v4_sparse as sparse
+from cpmoe.models.deepseek_v4 import sparse
 from tests._interpreter import run_interpreted
 
 _KERNEL = r"""
 import torch
-from cpmoe.models.deepseek_v4_prefill import sink_attention
-from cpmoe.models.deepseek_v4_sparse import sparse_sink_attention
+from cpmoe.models.deepseek_v4.prefill import sink_attention
+from cpmoe.models.deepseek_v4.sparse import sparse_sink_attention
 
 g = torch.Generator().manual_seed(0)
 
@@ -114,7 +114,7 @@ def test_kernel_matches_sink_attention_in_the_interpreter() -> None:
 _PREFILL = r"""
 import torch
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.models import deepseek_v4_prefill as prefill
+from cpmoe.models.deepseek_v4 import prefill
 from cpmoe.parallel.groups import ProcessGroups
 from tests._v4_tiny import tiny_v4
 
@@ -201,7 +201,7 @@ def test_kernel_blocks_are_sized_without_gathered_keys() -> None:
     index lists, 8 elements a key, over the indexer's order keys and top-k, 4 an entry) and
     182 without: the gathered keys and scores, not the indexer's dot products, bound the
     torch path's blocks. At 64K tokens (16384 entries) the indexer bounds the kernels'."""
-    from cpmoe.models.deepseek_v4_prefill import rows_per_block
+    from cpmoe.models.deepseek_v4.prefill import rows_per_block
 
     assert rows_per_block(640, 64, 512, 64, 1024, kernel=True) == (1 << 26) // (640 * 8)
     assert rows_per_block(640, 64, 512, 64, 1024, kernel=False) == (1 << 26) // (640 * 576)

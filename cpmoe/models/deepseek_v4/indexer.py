@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe._triton import import_triton
-from cpmoe.models.deepseek_v4_sparse import fp32_dots
+from cpmoe.models.deepseek_v4.sparse import fp32_dots
 
 triton, tl = import_triton()
 

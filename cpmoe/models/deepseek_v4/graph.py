@@ -24,8 +24,8 @@ import torch
 
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.graph_capture import batch_buckets, capture
-from cpmoe.models.deepseek_v4_cache import V4Cache, _owned
-from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, DecodeStep
+from cpmoe.models.deepseek_v4.cache import V4Cache, _owned
+from cpmoe.models.deepseek_v4.state import ENTRY_PAGE, DecodeStep
 
 MIN_CONTEXT_BUCKET = 512
 

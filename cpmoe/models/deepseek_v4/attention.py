@@ -3,7 +3,7 @@ and value), partial interleaved RoPE, a per-head attention sink, a sliding windo
 layer, compressed KV (CSA: rate 4 chosen by the lightning indexer's top-k; HCA: rate 128,
 all causal entries), and the grouped low-rank output projection. HF parameter names.
 
-CP prefill (exact for any split strategy; `deepseek_v4_prefill.py`). Queries stay CP-local.
+CP prefill (exact for any split strategy; `deepseek_v4/prefill.py`). Queries stay CP-local.
 The K side of a layer (sliding-window KV rows, compressor and indexer projections of every
 token) is what crosses chunk boundaries, so each rank projects its own rows and ONE
 all-gather over ATTN_CP (`communicator.gather_output`, flat order) replicates those
@@ -11,8 +11,8 @@ per-token rows on every rank; every rank then pools the compressed KV and indexe
 every sequence of the batch in one gather (replicated compute) and its local queries attend
 by their global positions, all sequences at once.
 
-Decode (`deepseek_v4_decode.py`), every row at once over the static cache tensors
-(`deepseek_v4_state.py`). Each rank holds, per sequence, the last W-1 KV rows and the
+Decode (`deepseek_v4/decode.py`), every row at once over the static cache tensors
+(`deepseek_v4/state.py`). Each rank holds, per sequence, the last W-1 KV rows and the
 projected rows of the still-open window(s) (replicated, bounded) and its share of the
 compressed entries (entry c on CP rank c % attn_cp). A step writes the new token's rows,
 pools the window the token completes (its owner keeps the entry), and merges every rank's
@@ -40,13 +40,10 @@ from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
 from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rope,
                                  default_inv_freq, unweighted_rms_norm)
-from cpmoe.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, RopeSpec
-from cpmoe.models.deepseek_v4_decode import decode_attention
-from cpmoe.models.deepseek_v4_indexer import ReferenceTopK, indexer_topk
-from cpmoe.models.deepseek_v4_prefill import PrefillPlan, prefill_attention
-from cpmoe.models.deepseek_v4_rope import head_norm_rope_
-from cpmoe.models.deepseek_v4_sparse import kernel_applies
-from cpmoe.models.deepseek_v4_state import DecodeStep
+from cpmoe.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeSpec
+from cpmoe.models.deepseek_v4.indexer import ReferenceTopK, indexer_topk
+from cpmoe.models.deepseek_v4.rope import head_norm_rope_
+from cpmoe.models.deepseek_v4.sparse import kernel_applies
 from cpmoe.parallel.groups import ProcessGroups
 
 # ---- RoPE ------------------------------------------------------------------------------------
@@ -200,9 +197,9 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         window has closed) of its sequence's total[t] entries in this forward (from lo[t];
         keys_Ed need only reach the last visible one); rows_T: the rows' indices among the
         forward's local rows. In float32 the picks are the reference's, ties included
-        (`deepseek_v4_indexer.topk_as_reference`: its row of total[t] entries). On CUDA in 16 bits one kernel scores and masks, and a top-k over
+        (`indexer.topk_as_reference`: its row of total[t] entries). On CUDA in 16 bits one kernel scores and masks, and a top-k over
         keys that order as a stable sort does picks (equal scores to the lower entry,
-        `deepseek_v4_indexer.indexer_topk`)."""
+        `indexer.indexer_topk`)."""
         q = _rotate(self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim), cos, sin)
         k = min(self.topk, keys_Ed.shape[0])
         if keys_Ed.dtype == q.dtype and kernel_applies(q.device, q.dtype):
@@ -221,7 +218,7 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 
 def _rope_in_place(x_ThD: torch.Tensor) -> bool:
     """Whether the query norm + RoPE and the rotations of tensors the layer has just made run
-    as in-place kernel passes (`deepseek_v4_rope.py`: CUDA, 16 bits) instead of the torch
+    as in-place kernel passes (`deepseek_v4/rope.py`: CUDA, 16 bits) instead of the torch
     expressions."""
     return kernel_applies(x_ThD.device, x_ThD.dtype) and x_ThD.stride(-1) == 1
 
@@ -282,31 +279,30 @@ class DeepseekV4Attention(nn.Module):
                 parts.append(self.compressor.indexer.project(x_TH))
         return torch.cat(parts, dim=-1)
 
-    def forward(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
-                plan: PrefillPlan | DecodeStep) -> torch.Tensor:
-        """`plan`: the forward's `PrefillPlan` (extend) or `DecodeStep` (decode)."""
-        # This rank's rows [T, H] -> attention output [T, H], complete (no partial sums).
+    def prepare(self, x_TH: torch.Tensor, rope: Rope,
+                batch: ForwardBatch) -> tuple[Queries, torch.Tensor]:
+        """This rank's rows [T, H] -> their queries and the K-side rows of every token of the
+        forward (the layer's one CP collective, flat order). The decoder layer hands both to
+        the prefill or the decode path (`prefill.py`, `decode.py`), which import this module's
+        types; this module imports neither."""
         T, Hq, D = x_TH.shape[0], self.num_heads, self.head_dim
-        rope = ropes[self.rope_name]
         q_res = self.q_a_norm(self.q_a_proj(x_TH))
         q = self.q_b_proj(q_res).view(T, Hq, D)
         if _rope_in_place(q):
             q = head_norm_rope_(q, rope.cos, rope.sin, self.eps)
         else:
             q = apply_interleaved_rope(unweighted_rms_norm(q, self.eps), rope.cos, rope.sin)
-        # The one CP collective of the layer: K-side rows of every token, flat order.
         k_side = communicator.gather_output(self._k_side(x_TH, rope), batch, self.groups)
-        qs = Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin)
-        if isinstance(plan, DecodeStep):
-            out = decode_attention(self, qs, k_side, plan, batch.kv, rope.table)
-        else:
-            out = prefill_attention(self, qs, k_side, plan, rope.table, batch)
+        return Queries(q, q_res, x_TH, batch.positions, rope.cos, rope.sin), k_side
+
+    def finish(self, out_ThD: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """The attention output [T, Hq, D] -> [T, H], complete (no partial sums)."""
         # K = V carries RoPE on its trailing channels: rotate the output back at the query.
-        if _rope_in_place(out):
-            o = head_norm_rope_(out, rope.cos, rope.sin, self.eps, norm=False, sin_sign=-1.0)
+        if _rope_in_place(out_ThD):
+            o = head_norm_rope_(out_ThD, rope.cos, rope.sin, self.eps, norm=False, sin_sign=-1.0)
         else:
-            o = apply_interleaved_rope(out, rope.cos, -rope.sin)
-        return self.o_b_proj(self._grouped_o_a(o.view(T, self.o_groups, -1)))
+            o = apply_interleaved_rope(out_ThD, rope.cos, -rope.sin)
+        return self.o_b_proj(self._grouped_o_a(o.view(out_ThD.shape[0], self.o_groups, -1)))
 
     def _grouped_o_a(self, o_TGI: torch.Tensor) -> torch.Tensor:
         """Group g's rows o[:, g] times its block of o_a_proj -> [T, g * o_lora]. One bmm

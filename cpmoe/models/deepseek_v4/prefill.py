@@ -12,10 +12,10 @@ without per-sequence work:
   its CSA picks (the indexer's top-k over the closed entries of its sequence, scored against
   the block's entry range up to the last entry any of its rows sees, other sequences and
   open windows masked; in float32 each row's top-k is the reference's, over its sequence's
-  entries of the forward, `deepseek_v4_indexer.topk_as_reference`; on CUDA in 16 bits by a Triton kernel without the [rows, heads,
-  entries] dot products, and a top-k instead of a sort, `deepseek_v4_indexer.py`) --
+  entries of the forward, `indexer.topk_as_reference`; on CUDA in 16 bits by a Triton kernel without the [rows, heads,
+  entries] dot products, and a top-k instead of a sort, `deepseek_v4/indexer.py`) --
   attended with the sink: on CUDA in 16 bits by a Triton kernel that walks the index lists
-  without gathering and stops at each row's last visible key (`deepseek_v4_sparse.py`),
+  without gathering and stops at each row's last visible key (`deepseek_v4/sparse.py`),
   elsewhere gathered once and attended in fp32 by `sink_attention`, the reference.
   Per-block extents come from the plan (host), so nothing syncs.
 Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
@@ -28,18 +28,16 @@ S = compressed keys per row, B = sequences, D = head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from cpmoe.cp.forward_batch import ForwardBatch
-from cpmoe.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
-from cpmoe.models.deepseek_v4_cache import V4Cache
-from cpmoe.models.deepseek_v4_sparse import kernel_applies, sparse_sink_attention
+from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, Queries
+from cpmoe.models.deepseek_v4.cache import V4Cache
+from cpmoe.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from cpmoe.models.deepseek_v4.sparse import kernel_applies, sparse_sink_attention
+from cpmoe.models.layers import RotaryEmbedding
 
-if TYPE_CHECKING:
-    from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Queries
-    from cpmoe.models.layers import RotaryEmbedding
 
 # Elements of the largest per-block temporary (the indexer's scores, or on the torch path the
 # gathered keys and their scores): ~256 MB in fp32, twice that where fp32 inputs take fp64.

@@ -3,7 +3,7 @@
 Per sequence: the sliding window's last W-1 KV rows and the still-open compressor rows
 (replicated on every CP rank, bounded), and this rank's share of the compressed KV entries
 and indexer keys (entry c on CP rank c % cp_size). All of it lives in tensors allocated once
-(`LayerCache`, deepseek_v4_state.py): each sequence owns a slot of the window and row rings
+(`LayerCache`, deepseek_v4/state.py): each sequence owns a slot of the window and row rings
 (`max_seqs` slots, the next one is the trash slot of padded rows) and pages of
 `ENTRY_PAGE` entries in one pool per layer (one page list per compress rate: layers of a
 rate close windows at the same tokens). The host keeps the books (slots, pages, counts,
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache
-from cpmoe.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep, LayerCache
+from cpmoe.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from cpmoe.models.deepseek_v4.state import ENTRY_PAGE, CompressorPool, DecodeStep, LayerCache
 
 DEFAULT_MAX_SEQS = 256  # sequence slots (the engine's default --max-running-requests)
 

@@ -1,4 +1,4 @@
-"""The static tensors of the DeepSeek-V4 decode cache (see deepseek_v4_cache.py) and the
+"""The static tensors of the DeepSeek-V4 decode cache (see deepseek_v4/cache.py) and the
 metadata of one decode step.
 
 Every tensor is allocated once, so a decode step only reads and writes at indices (no

@@ -4,7 +4,7 @@ its own list of key rows of a shared pool, without gathering them first.
     sparse_sink_attention(q_THD, pool_MD, idx_TS, valid_TS, sinks_H, scale, out=None,
                           lens=None) -> o_THD
 
-equals `deepseek_v4_prefill.sink_attention(q_THD, pool_MD[idx_TS], valid_TS, sinks_H,
+equals `prefill.sink_attention(q_THD, pool_MD[idx_TS], valid_TS, sinks_H,
 scale)`: row t's keys are pool rows idx[t, s] where valid[t, s] (K = V, one shared KV
 head); each head's softmax also holds its sink logit sinks[h], whose probability mass is
 dropped, so a row with no valid key gives o = 0. lens [T] (optional): row t's valid keys

@@ -1,7 +1,8 @@
 """DeepSeek-V4 (DeepseekV4ForCausalLM), one rank's shard, with HF parameter names.
 
 Top to bottom: MoE (router, experts, shared expert), hyper-connections, decoder layer, model,
-causal-LM head; attention lives in `deepseek_v4_attention.py`.
+causal-LM head; attention lives in `attention.py`, its two paths in `prefill.py` and
+`decode.py`, which the decoder layer picks between.
 
 Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
 - Attention is not head-sharded. Each CP rank holds its chunk of the tokens; the K-side
@@ -16,13 +17,14 @@ Parallelism (layouts checked by `check_v4_layout`: attn_cp == tp):
   SUM collective, so once.
 - Decode: each CP rank keeps its share of every sequence's compressed KV and indexer keys
   (round-robin by entry; the sliding window and open-window rows replicated), attends its
-  share for every row and merges by LSE over ATTN_CP (`deepseek_v4_decode.py`,
-  `deepseek_v4_config.DECODE_CACHE_NOTE`); the MoE stays distributed.
+  share for every row and merges by LSE over ATTN_CP (`decode.py`,
+  `config.DECODE_CACHE_NOTE`); the MoE stays distributed.
 
 The residual stream is `hc_mult` streams per token, [T, hc, H], mixed by manifold-
 constrained hyper-connections (Sinkhorn-projected doubly-stochastic mixing) around both
 blocks; the hyper head collapses them before the final norm. On CUDA in 16 bits their stream
-arithmetic (merge, collapse, the mix with its RMS) runs as Triton kernels (`deepseek_v4_hc.py`);
+arithmetic (merge, collapse, the mix with its RMS) runs as Triton kernels
+(`hyper_connection.py`);
 float32 and CPU keep the torch expressions. Multi-token prediction is not built.
 Legend: T = tokens of this rank, H = hidden, E = experts, K = top-k, hc = streams.
 """
@@ -38,14 +40,15 @@ import torch.nn.functional as F
 from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
-from cpmoe.models.deepseek_v4_attention import DeepseekV4Attention, Rope, rope_inv_freq
-from cpmoe.models.deepseek_v4_cache import V4Cache, cache_summary
-from cpmoe.models.deepseek_v4_config import HASH_MOE, DeepseekV4Config
-from cpmoe.models.deepseek_v4_graph import V4DecodeGraphs
-from cpmoe.models.deepseek_v4_hc import hc_collapse, hc_merge, hc_mix, hc_weights
-from cpmoe.models.deepseek_v4_prefill import PrefillPlan
-from cpmoe.models.deepseek_v4_sparse import kernel_applies
-from cpmoe.models.deepseek_v4_state import DecodeStep
+from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, Rope, rope_inv_freq
+from cpmoe.models.deepseek_v4.cache import V4Cache, cache_summary
+from cpmoe.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config
+from cpmoe.models.deepseek_v4.decode import decode_attention
+from cpmoe.models.deepseek_v4.graph import V4DecodeGraphs
+from cpmoe.models.deepseek_v4.hyper_connection import hc_collapse, hc_merge, hc_mix, hc_weights
+from cpmoe.models.deepseek_v4.prefill import PrefillPlan, prefill_attention
+from cpmoe.models.deepseek_v4.sparse import kernel_applies
+from cpmoe.models.deepseek_v4.state import DecodeStep
 from cpmoe.models.base import CausalLMHead
 from cpmoe.models.layers import RMSNorm, RotaryEmbedding
 from cpmoe.models.random_weights import one_rank_checkpoint_shapes
@@ -192,7 +195,7 @@ def _flat_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
 def _mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """F.linear of the RMS-normed flat streams, float32. On CUDA in 16 bits one kernel reads
     h once for the linear and the norm, whose scale it applies after the linear (`hc_mix`,
-    deepseek_v4_hc.py): no float32 copy of h."""
+    deepseek_v4/hyper_connection.py): no float32 copy of h."""
     if kernel_applies(h.device, h.dtype):
         return hc_mix(h, fn, eps)
     return F.linear(_flat_rms(h, eps), fn)
@@ -299,11 +302,24 @@ class DeepseekV4DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
                 plan: PrefillPlan | DecodeStep) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = self.attn_hc.merge(h, self.self_attn(self.input_layernorm(x), ropes, batch, plan),
+        h = self.attn_hc.merge(h, self._attend(self.input_layernorm(x), ropes, batch, plan),
                                post, comb)
         post, comb, x = self.ffn_hc(h)
         out = self.mlp(self.post_attention_layernorm(x), self.layer_communicator, batch)
         return self.ffn_hc.merge(h, out, post, comb)
+
+    def _attend(self, x_TH: torch.Tensor, ropes: dict[str, Rope], batch: ForwardBatch,
+                plan: PrefillPlan | DecodeStep) -> torch.Tensor:
+        """Attention of this rank's rows: the forward's `PrefillPlan` (extend) or
+        `DecodeStep` (decode) picks the path."""
+        attn = self.self_attn
+        rope = ropes[attn.rope_name]
+        qs, k_side = attn.prepare(x_TH, rope, batch)
+        if isinstance(plan, DecodeStep):
+            out = decode_attention(attn, qs, k_side, plan, batch.kv, rope.table)
+        else:
+            out = prefill_attention(attn, qs, k_side, plan, rope.table, batch)
+        return attn.finish(out, rope)
 
 
 class DeepseekV4Model(nn.Module):

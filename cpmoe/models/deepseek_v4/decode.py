@@ -1,6 +1,6 @@
 """DeepSeek-V4 decode attention over caches sharded across the CP ranks, every row at once.
 
-Storage (`V4Cache`'s static tensors, deepseek_v4_state.py): compressed KV entry c and its
+Storage (`V4Cache`'s static tensors, deepseek_v4/state.py): compressed KV entry c and its
 indexer key live on CP rank c % cp_size only (round-robin by entry, so shards differ by at
 most one entry); the sliding window (a ring of W rows) and the compressors' rings of
 projected rows (m rows, 2m with overlap) are bounded and replicated, so every rank can pool
@@ -8,7 +8,7 @@ a window the moment it closes and the owner keeps the entry.
 
 A decode step is a fixed sequence of tensor ops on the `DecodeStep`'s indices: no host
 sync, no data-dependent shape or Python branch, so CUDA graphs capture it
-(deepseek_v4_graph.py). Each row writes its KV row and projected rows into the rings; every
+(deepseek_v4/graph.py). Each row writes its KV row and projected rows into the rings; every
 row pools the window ending at its token (a row that closes none, or whose entry another
 rank owns, writes the result to the trash slot); then each rank attends its share of the
 keys of every row and the shares are merged by log-sum-exp, exactly as one rank would:
@@ -31,22 +31,17 @@ m = compress rate, R = ring rows, F2 = projected row width.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.models.deepseek_v4_indexer import ReferenceTopK
-from cpmoe.models.deepseek_v4_state import ENTRY_PAGE, CompressorPool, DecodeStep
+from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4Compressor, Queries
+from cpmoe.models.deepseek_v4.cache import V4Cache
+from cpmoe.models.deepseek_v4.indexer import ReferenceTopK
+from cpmoe.models.deepseek_v4.state import ENTRY_PAGE, CompressorPool, DecodeStep
+from cpmoe.models.layers import RotaryEmbedding
 from cpmoe.parallel import comm
 from cpmoe.parallel.groups import Group
-
-if TYPE_CHECKING:
-    from cpmoe.models.deepseek_v4_attention import (DeepseekV4Attention, DeepseekV4Compressor,
-                                                    Queries)
-    from cpmoe.models.layers import RotaryEmbedding
-    from cpmoe.models.deepseek_v4_cache import V4Cache
 
 
 def partial_sink_attention(q_BHD: torch.Tensor, kv_BND: torch.Tensor, valid_BN: torch.Tensor,

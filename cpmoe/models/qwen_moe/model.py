@@ -25,7 +25,7 @@ from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.linear import Linear, column_shard, fuse_linears, kv_head_shard, row_shard
 from cpmoe.models.base import CausalLMHead
 from cpmoe.models.layers import RMSNorm, RotaryEmbedding, default_inv_freq
-from cpmoe.models.qwen_moe_config import QwenMoeConfig
+from cpmoe.models.qwen_moe.config import QwenMoeConfig
 from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
