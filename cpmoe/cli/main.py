@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_flag(p)
     add_kv_cache_dtype_flag(p)
     p.add_argument("--json", action="store_true")
+    from cpmoe.estimate.command import add_estimate_flags
+    add_estimate_flags(p)
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("prefill", help="prefill a batch and dump all-position logits")
     add_layout_flags(p)

@@ -13,6 +13,9 @@ from cpmoe.models.registry import load_model_config
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.estimate:  # the cost model over layouts (cpmoe/estimate/)
+        from cpmoe.estimate.command import run_estimate
+        return run_estimate(args)
     from cpmoe.engine.runner import kv_cache_refusal, memory_per_rank
     layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()

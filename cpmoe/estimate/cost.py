@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpmoe.estimate.rates import Link, Rates
-from cpmoe.models.qwen_moe_config import QwenMoeConfig
+from cpmoe.models.qwen_moe.config import QwenMoeConfig
 from cpmoe.parallel.layout import ParallelLayout
 
 BF16 = 2  # bytes of an activation or a weight
@@ -243,11 +243,11 @@ def decode_layer(m: ModelShape, layout: ParallelLayout, rates: Rates, batch: int
     attn_w = (H * (r.q_heads + 2 * r.kv_heads) * D + r.q_heads * D * H) * BF16
     kv = batch * context / cp * 2 * r.kv_heads * D * BF16
     if layout.rank_local_dispatch:  # rows split over every rank, experts see the whole batch
-        rows, routed = batch / layout.world_size, batch
+        rows, routed = -(-batch // layout.world_size), batch
     elif layout.decoupled:  # MOE_FULL: every rank all rows, its shard of the experts
         rows, routed = batch, batch
-    else:  # FULL: rows split over CP, each CP rank's MoE group routes its own
-        rows, routed = batch / cp, batch / cp
+    else:  # FULL: rows split over CP (the busiest rank has the rounded-up share)
+        rows = routed = -(-batch // cp)
     touched = distinct_experts(routed, m.topk, m.experts) / ep
     expert_b = touched * 3 * H * r.moe_inter * BF16
     terms = {

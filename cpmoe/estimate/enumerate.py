@@ -2,9 +2,10 @@
 
 One replica spans the N GPUs (attention DP is 1, so tp = N). The candidates are every
 attention CP width and EP width dividing N, MoE DP 1 (decoupled) or equal to CP (coupled),
-and the MoE backends cpmoe runs itself: `none`, `alltoall`, `alltoall_padded` (deepep and
-mori have no adapter in cpmoe yet, so `cpmoe plan` accepts them only where their package is
-installed, and nothing could run them). Each candidate is kept only if building its
+and the MoE backends `none` and `alltoall_padded`. Left out: `alltoall` (its count exchange
+syncs the host every layer, so decode runs without CUDA graphs, and neither cost is in the
+model; it measured the slowest backend, BENCHMARKS.md), deepep and mori (no adapter in cpmoe:
+`cpmoe plan` accepts them only where their package is installed, and nothing runs them). Each candidate is kept only if building its
 `ParallelLayout` and `check_model_fit` (the two checks `cpmoe plan` runs) both pass. The CP
 strategy is zigzag: interleave is the masked fallback on CUDA, which nothing here measured.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from cpmoe.models.registry import check_model_fit
 from cpmoe.parallel.layout import LayoutError, ParallelLayout
 
-ESTIMATED_BACKENDS = ("none", "alltoall", "alltoall_padded")
+ESTIMATED_BACKENDS = ("none", "alltoall_padded")
 
 
 def divisors(n: int) -> list[int]:

@@ -67,11 +67,11 @@ def rank(estimates: list[dict], by_decode: bool = False) -> list[dict]:
 
 def text(ranked: list[dict], header: str) -> str:
     lines = [header,
-             f"{'#':>2} {'layout':<34} {'weights':>8} {'KV tokens':>10} {'fits':>4} "
+             f"{'#':>2} {'layout':<38} {'weights':>8} {'KV tokens':>10} {'fits':>4} "
              f"{'prefill s':>9} {'tok/s':>8} {'prefill bound':<13} {'decode ms':>9} "
              f"{'decode bound':<12}"]
     for i, e in enumerate(ranked, 1):
-        lines.append(f"{i:>2} {e['layout']:<34} {e['weights_gib_per_rank']:>6.1f}Gi "
+        lines.append(f"{i:>2} {e['layout']:<38} {e['weights_gib_per_rank']:>6.1f}Gi "
                      f"{e['kv_capacity_prompt_tokens']:>10,} {'yes' if e['fits'] else 'no':>4} "
                      f"{e['prefill_s']:>9.3f} {e['prefill_tokens_per_s']:>8,.0f} "
                      f"{e['prefill_bottleneck']:<13} {e['decode_step_s'] * 1e3:>9.2f} "
