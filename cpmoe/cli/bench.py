@@ -1,5 +1,6 @@
-"""`cpmoe bench`, `bench-one-batch` and `bench-serving`: thin entries into `cpmoe/bench/`,
-whose `BenchError` is the one-line input error here."""
+"""`cpmoe bench`, `bench-one-batch`, `bench-serving` and `bench-calibrate`: thin entries into
+`cpmoe/bench/` (and `cpmoe/estimate/calibrate.py`), whose `BenchError` (`CalibrationError`)
+is the one-line input error here."""
 
 from __future__ import annotations
 
@@ -34,4 +35,12 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     try:
         return run_bench_serving(args, ["cpmoe", *sys.argv[1:]])
     except BenchError as e:
+        raise InputError(str(e)) from None
+
+
+def cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from cpmoe.estimate.calibrate import CalibrationError, run
+    try:
+        return run(args)
+    except CalibrationError as e:
         raise InputError(str(e)) from None

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from cpmoe.cli.bench import cmd_bench, cmd_bench_one_batch, cmd_bench_serving
+from cpmoe.cli.bench import (cmd_bench, cmd_bench_calibrate, cmd_bench_one_batch,
+                             cmd_bench_serving)
 from cpmoe.cli.flags import (USER_ERRORS, TORCHRUN_QUIET_EXIT_S, add_context_flag,
                              add_engine_flags, add_kv_cache_dtype_flag, add_layout_flags,
                              add_model_flags, add_quantization_flag)
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cpmoe.bench.serving import add_arguments as add_serving_arguments
     add_serving_arguments(p)
     p.set_defaults(fn=cmd_bench_serving)
+    p = sub.add_parser("bench-calibrate", help="measure the rates of plan --estimate on this "
+                       "GPU (CUDA; a few minutes) into a calibration file")
+    from cpmoe.estimate.calibrate import add_arguments as add_calibrate_arguments
+    add_calibrate_arguments(p)
+    p.set_defaults(fn=cmd_bench_calibrate)
     return parser
 
 
