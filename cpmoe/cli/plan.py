@@ -13,9 +13,11 @@ from cpmoe.models.registry import load_model_config
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from cpmoe.estimate.command import run_estimate, stray_estimate_flag
     if args.estimate:  # the cost model over layouts (cpmoe/estimate/)
-        from cpmoe.estimate.command import run_estimate
         return run_estimate(args)
+    if stray_estimate_flag(args):
+        raise InputError(stray_estimate_flag(args))
     from cpmoe.engine.runner import kv_cache_refusal, memory_per_rank
     layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()

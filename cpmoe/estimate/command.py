@@ -48,6 +48,17 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU memory weights + KV cache may take, as cpmoe serve's flag")
 
 
+def stray_estimate_flag(args: argparse.Namespace) -> str | None:
+    """One line when a flag of --estimate is given without it, else None."""
+    given = [flag for flag, value in (("--gpus", args.gpus), ("--prompt-len", args.prompt_len),
+                                      ("--decode", args.decode), ("--shape", args.shape),
+                                      ("--calibration", args.calibration))
+             if value not in (None, False)]
+    if given and not args.estimate:
+        return f"{', '.join(given)}: only with --estimate"
+    return None
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     _check_flags(args)
     try:
