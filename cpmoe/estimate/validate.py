@@ -4,7 +4,10 @@
 
 prints one markdown row per recorded (file, layout, length): measured seconds, predicted
 seconds and the error (predicted / measured - 1), then the files it left out and why (other
-models, FP8 weights or FP8 attention, which the bf16 rates do not describe); then the decode
+models, FP8 weights or FP8 attention, which the bf16 rates do not describe); then every
+multi-GPU row as a speed-up over its own file's one-GPU row; then CP attention alone
+(ATTENTION_FILES) and dispatch + combine against NCCL all_to_all (DISPATCH_FILE) on 2 GPUs;
+then the decode
 steps of DECODE_FILES (bf16 `bench-one-batch --routing uniform` runs on one GPU: the latest
 one at batch 1 and 64, and the batch 16 / 256 and 32K-context runs), each at its mean
 context, the prompt plus half the output. The records'
@@ -25,6 +28,8 @@ from cpmoe.estimate import cost, rates as rates_mod
 from cpmoe.estimate.report import estimate
 
 RANDOM_ROUTER_EP2_IMBALANCE = 1.22  # busiest EP rank / mean slots, profile-20261130.log
+ATTENTION_FILES = ("attention_cp-20261130.json", "attention_cp-merge-20261130.json")
+DISPATCH_FILE = "dispatch-device-time-20261130.json"
 DECODE_FILES = ("verify-dec-bf16-d28a8e6.json", "one-batch-1k-edb9375.json",
                 "one-batch-32k-edb9375.json")
 
@@ -84,6 +89,67 @@ def table(rows: list[dict], r: rates_mod.Rates) -> list[str]:
     return out
 
 
+def speedup_table(rows: list[dict], r: rates_mod.Rates) -> list[str]:
+    """Multi-GPU rows as speed-ups over the same file's one-GPU row at that length: the
+    measured ratio (both sides from one run) against the predicted one."""
+    out = ["| file | layout | length | measured speed-up | predicted | error |",
+           "|---|---|---|---|---|---|"]
+    base = {(row["file"], row["length"]): row for row in rows if row["layout"] == "tp=1"}
+    for row in rows:
+        one = base.get((row["file"], row["length"]))
+        if row["layout"] == "tp=1" or one is None:
+            continue
+        measured = one["seconds"] / row["seconds"]
+        predicted = predict(one, r) / predict(row, r)
+        out.append(f"| {row['file']} | {row['layout']} | {row['length']:,} | "
+                   f"{measured:.2f}x | {predicted:.2f}x | {predicted / measured - 1:+.1%} |")
+    return out
+
+
+def attention_table(results: Path, r: rates_mod.Rates) -> list[str]:
+    """`cpmoe.bench.attention_cp`'s cpmoe rows (zigzag CP attention alone, its K/V gather
+    included) against the attention and K/V exchange terms of one layer."""
+    out = ["| file | ranks | length | measured ms | predicted ms | error |",
+           "|---|---|---|---|---|---|"]
+    for name in ATTENTION_FILES:
+        data = json.loads((results / name).read_text())
+        h = data["header"]
+        m = cost.ModelShape(1, h["q_heads"] * h["head_dim"], h["q_heads"], h["kv_heads"],
+                            h["head_dim"], 1, 1, 1, 0, 0, 0, 1, False)
+        for row in data["rows"]:
+            if row["engine"] != "cpmoe_cp" or not row.get("seconds"):
+                continue
+            lay = parse_layout(f"tp={row['ranks']},cp={row['ranks']}").layout
+            t = cost.prefill_layer(m, lay, r, row["length"])
+            p = (t["attention"] + t["kv_exchange"]) * 1e3
+            out.append(f"| {name} | {row['ranks']} | {row['length']:,} | "
+                       f"{row['seconds'] * 1e3:.1f} | {p:.1f} | "
+                       f"{p / (row['seconds'] * 1e3) - 1:+.1%} |")
+    return out
+
+
+def dispatch_table(results: Path, r: rates_mod.Rates) -> list[str]:
+    """`cpmoe.bench.dispatch` device times: alltoall_padded's dispatch + combine and NCCL
+    all_to_all's bus bandwidth, each against the all-to-all term at the row's bytes."""
+    data = json.loads((results / DISPATCH_FILE).read_text())
+    out = ["| tokens/rank | remote MiB/rank | padded dispatch + combine ms, measured | "
+           "predicted | error | NCCL a2a GB/s, measured | predicted | error |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        if row.get("error") or row["backend"] != "alltoall_padded":
+            continue
+        n, remote = row["ranks"], max(row["remote_bytes_per_rank"])
+        measured = max(a + b for a, b in zip(row["dispatch_device_s_per_rank"],
+                                             row["combine_device_s_per_rank"])) * 1e3
+        p = 2 * cost.all_to_all_s(r.all_to_all, n, remote, r.padded_a2a_efficiency) * 1e3
+        nccl = row["nccl_device_busbw_gbps"]
+        p_bw = remote / cost.all_to_all_s(r.all_to_all, n, remote) / 1e9
+        out.append(f"| {row['tokens_per_rank']:,} | {remote / 2**20:.1f} | {measured:.3f} | "
+                   f"{p:.3f} | {p / measured - 1:+.1%} | {nccl:.0f} | {p_bw:.0f} | "
+                   f"{p_bw / nccl - 1:+.1%} |")
+    return out
+
+
 def decode_table(results: Path, r: rates_mod.Rates) -> list[str]:
     out = ["| file | batch | context | measured ms | predicted ms | error |",
            "|---|---|---|---|---|---|"]
@@ -120,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in skipped:
         print(f"left out: {s}")
     print()
-    print("\n".join(decode_table(args.results, r)))
+    print("\n".join(speedup_table(rows, r)))
+    for part in (attention_table, dispatch_table, decode_table):
+        print()
+        print("\n".join(part(args.results, r)))
     return 0
 
 
