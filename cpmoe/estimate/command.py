@@ -101,7 +101,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                           "ranked_by": "decode_step_s" if args.decode else "prefill_s",
                           "rates": r.device, "layouts": ranked}))
     else:
-        print(text(ranked, header))
+        print(text(ranked, header, args.decode))
     return 0
 
 

@@ -5,7 +5,8 @@ A layout's prefill is every layer's terms (cost.prefill_layer) plus the host tim
 the first layer; its decode step is every layer's decode terms plus the LM head's read, at
 `batch` sequences of `length` cached tokens. Ranking: layouts whose weights and prefill
 transients fit the GPU come first, then by prefill time (or decode step time with
-`by_decode`); ties keep the enumeration order. Memory: weights per rank are exact for a
+`by_decode`, where only the KV cache must hold the sequences: a server prefills them in
+chunks); ties keep the enumeration order. Memory: weights per rank are exact for a
 Qwen-MoE checkpoint in bf16 (the sum `cpmoe plan` prints); KV capacity is what
 `--mem-fraction-static` leaves after the weights, divided by a stored token's K/V bytes, and
 a prompt token is stored on one CP rank, so the layout holds `cp` times a rank's slots.
@@ -48,8 +49,9 @@ def estimate(m: cost.ModelShape, layout: ParallelLayout, rates: Rates, length: i
         "kv_slots_per_rank": slots,
         "kv_capacity_prompt_tokens": slots * layout.attn_cp_size,
         "prefill_transient_gib_per_rank": act / GIB,
-        "fits": weights + act <= rates.gpu_memory_bytes
-                and slots * layout.attn_cp_size >= batch * length,
+        "fits_decode": slots * layout.attn_cp_size >= batch * length,
+        "fits_prefill": weights + act <= rates.gpu_memory_bytes
+                        and slots * layout.attn_cp_size >= batch * length,
         "prefill_s": prefill_s,
         "prefill_tokens_per_s": batch * length / prefill_s,
         "prefill_terms_s": prefill,
@@ -61,22 +63,23 @@ def estimate(m: cost.ModelShape, layout: ParallelLayout, rates: Rates, length: i
 
 
 def rank(estimates: list[dict], by_decode: bool = False) -> list[dict]:
-    key = "decode_step_s" if by_decode else "prefill_s"
-    return sorted(estimates, key=lambda e: (not e["fits"], e[key]))
+    key, fits = ("decode_step_s", "fits_decode") if by_decode else ("prefill_s", "fits_prefill")
+    return sorted(estimates, key=lambda e: (not e[fits], e[key]))
 
 
-def text(ranked: list[dict], header: str) -> str:
+def text(ranked: list[dict], header: str, by_decode: bool = False) -> str:
+    fits = "fits_decode" if by_decode else "fits_prefill"
     lines = [header,
              f"{'#':>2} {'layout':<38} {'weights':>8} {'KV tokens':>10} {'fits':>4} "
              f"{'prefill s':>9} {'tok/s':>8} {'prefill bound':<13} {'decode ms':>9} "
              f"{'decode bound':<12}"]
     for i, e in enumerate(ranked, 1):
         lines.append(f"{i:>2} {e['layout']:<38} {e['weights_gib_per_rank']:>6.1f}Gi "
-                     f"{e['kv_capacity_prompt_tokens']:>10,} {'yes' if e['fits'] else 'no':>4} "
+                     f"{e['kv_capacity_prompt_tokens']:>10,} {'yes' if e[fits] else 'no':>4} "
                      f"{e['prefill_s']:>9.3f} {e['prefill_tokens_per_s']:>8,.0f} "
                      f"{e['prefill_bottleneck']:<13} {e['decode_step_s'] * 1e3:>9.2f} "
                      f"{e['decode_bottleneck']:<12}")
     lines.append("weights: bf16 GiB per rank; KV tokens: prompt tokens the layout's KV cache "
-                 "holds (all CP ranks); fits: weights + prefill transients within the GPU and "
-                 "the prompts within the KV cache; bound: the largest term")
+                 "holds (all CP ranks); fits: the prompts within the KV cache and, ranked by "
+                 "prefill, weights + prefill transients within the GPU; bound: the largest term")
     return "\n".join(lines)

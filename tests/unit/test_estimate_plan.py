@@ -63,13 +63,16 @@ def test_ranked_layouts_are_exactly_those_plan_accepts(capsys, tmp_path, shape, 
 def test_ranking_is_fitting_layouts_by_prefill_then_by_decode(capsys):
     common = ("--gpus", "8", "--prompt-len", "131072", "--shape", "qwen3-30b-a3b")
     by_prefill = _estimate(capsys, *common)["layouts"]
-    keys = [(not e["fits"], e["prefill_s"]) for e in by_prefill]
+    keys = [(not e["fits_prefill"], e["prefill_s"]) for e in by_prefill]
     assert keys == sorted(keys)
     by_decode = _estimate(capsys, *common, "--decode", "--batch", "64")["layouts"]
-    keys = [(not e["fits"], e["decode_step_s"]) for e in by_decode]
+    keys = [(not e["fits_decode"], e["decode_step_s"]) for e in by_decode]
     assert keys == sorted(keys)
-    # 64 prompts of 128K (8.4M tokens) overflow a KV cache replicated over CP
-    assert not all(e["fits"] for e in by_decode)
+    # 64 x 128K = 8.4M tokens: the coupled CP 8 layout's KV cache, next to all 128 experts on
+    # every rank, holds (139 GiB x 0.85 - 56.9 GiB) / 96 KiB x 8 = 5.35M
+    coupled = next(e for e in by_decode if e["layout"] == "tp=8,cp=8,dp=8")
+    assert coupled["kv_capacity_prompt_tokens"] == pytest.approx(5.35e6, rel=0.01)
+    assert not coupled["fits_decode"] and by_decode[0]["fits_decode"]
 
 
 def test_one_layout_from_the_layout_flags(capsys):
