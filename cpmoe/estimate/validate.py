@@ -10,7 +10,8 @@ multi-GPU row as a speed-up over its own file's one-GPU row; then CP attention a
 then the decode
 steps of DECODE_FILES (bf16 `bench-one-batch --routing uniform` runs on one GPU: the latest
 one at batch 1 and 64, and the batch 16 / 256 and 32K-context runs), each at its mean
-context, the prompt plus half the output. The records'
+context, the prompt plus half the output; last, the two-GPU file's peak memory per rank
+against the estimate's weights + prefill transients. The records'
 weights are random, and their router sends 79% of a layer's slots to 8 experts, so at EP 2
 the busier rank computes 1.22x the mean slots (`python3 -m bench.expert_load`,
 bench/results/profile-20261130.log); the prediction uses that imbalance for EP > 1.
@@ -55,7 +56,8 @@ def records(results: Path) -> tuple[list[dict], list[str]]:
         for r in bench:
             rows.append({"file": path.name, "config": head["config"], "layout": r["layout"],
                          "length": r["length"], "batch": r.get("batch", 1),
-                         "seconds": r["seconds"]})
+                         "seconds": r["seconds"],
+                         "peak_gib": max(r.get("peak_gib_per_rank") or [0.0])})
     return rows, skipped
 
 
@@ -86,6 +88,24 @@ def table(rows: list[dict], r: rates_mod.Rates) -> list[str]:
         p = predict(row, r)
         out.append(f"| {row['file']} | {row['layout']} | {row['length']:,} | "
                    f"{row['seconds']:.3f} | {p:.3f} | {p / row['seconds'] - 1:+.1%} |")
+    return out
+
+
+def memory_table(rows: list[dict], r: rates_mod.Rates) -> list[str]:
+    """Peak GiB of the busiest rank (weights + the prefill's transients) against the
+    estimate's weights + transients, for the rows that recorded a peak."""
+    out = ["| file | layout | length | measured peak GiB | predicted | error |",
+           "|---|---|---|---|---|---|"]
+    for row in rows:
+        if not row["peak_gib"] or "2gpu-2" not in row["file"]:
+            continue
+        m = cost.ModelShape.from_config(parse_config(row["config"], row["file"]))
+        layout = parse_layout(row["layout"]).layout
+        imbalance = RANDOM_ROUTER_EP2_IMBALANCE if layout.ep_size > 1 else 1.0
+        e = estimate(m, layout, r, row["length"], row["batch"], imbalance)
+        p = e["weights_gib_per_rank"] + e["prefill_transient_gib_per_rank"]
+        out.append(f"| {row['file']} | {row['layout']} | {row['length']:,} | "
+                   f"{row['peak_gib']:.1f} | {p:.1f} | {p / row['peak_gib'] - 1:+.1%} |")
     return out
 
 
@@ -190,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in (attention_table, dispatch_table, decode_table):
         print()
         print("\n".join(part(args.results, r)))
+    print()
+    print("\n".join(memory_table(rows, r)))
     return 0
 
 
