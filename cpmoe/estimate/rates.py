@@ -58,6 +58,8 @@ class Rates:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str):
+            raise RatesError(f"device: expected a string naming the GPU, got {self.device!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("device", "sources"):
