@@ -69,8 +69,13 @@ def _median_s(fn: Callable[[], object], device: torch.device, reps: int) -> floa
 
 
 def _graph_s(fn: Callable[[], object], calls: int = 24) -> float:
-    """Per call, from a CUDA graph of `calls` calls (no launch gaps between them)."""
-    fn()
+    """Per call, from a CUDA graph of `calls` calls (no launch gaps between them); warmed up
+    on a side stream first, as capture wants."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):

@@ -163,3 +163,18 @@ def test_recorded_prefills_stay_within_the_documented_errors():
     for row in base.values():
         if row["length"] >= 16384:
             assert abs(validate.predict(row, rates.H200) / row["seconds"] - 1) < 0.15, row
+
+
+def test_calibration_kernels_run_at_a_shapes_sizes(monkeypatch):
+    """The grouped-GEMM and per-row / per-slot measurements run on the CPU too (host timed),
+    so their tensor shapes are checked here; the cuDNN attention and the graph-timed read
+    need CUDA."""
+    from cpmoe.bench.spec import parse_config, read_shape
+    from cpmoe.estimate import calibrate
+    from cpmoe.estimate.cost import ModelShape
+    monkeypatch.setattr(calibrate, "PREFILL_ROWS", 128)
+    m = ModelShape.from_config(parse_config(read_shape("tiny", None)[1], "tiny"))
+    cpu = torch.device("cpu")
+    assert calibrate._grouped_rate(m, cpu, 1) > 0
+    per_row, per_slot = calibrate._elementwise(m, cpu, 1)
+    assert per_row > 0 and per_slot > 0
