@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cpmoe.estimate.cost import ModelShape
 from cpmoe.estimate.rates import H200, Rates, save
 
 ATTENTION_ROWS = (16384, 65536, 131072)
@@ -53,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1:
         raise CalibrationError(f"--reps must be >= 1, got {args.reps}")
     from cpmoe.bench.spec import parse_config, read_shape
-    from cpmoe.estimate.cost import ModelShape
     name, raw = read_shape(args.shape, None)
     m = ModelShape.from_config(parse_config(raw, f"--shape {name}"))
     rates = measure(m, torch.device("cuda", 0), args.reps)
@@ -90,7 +90,7 @@ def _graph_s(fn: Callable[[], object], calls: int = 24) -> float:
     return start.elapsed_time(stop) / 1e3 / calls
 
 
-def measure(m, device: torch.device, reps: int) -> Rates:
+def measure(m: ModelShape, device: torch.device, reps: int) -> Rates:
     torch.manual_seed(0)
     bf = dict(device=device, dtype=torch.bfloat16)
     T, H, D = PREFILL_ROWS, m.hidden, m.head_dim
@@ -127,7 +127,7 @@ def measure(m, device: torch.device, reps: int) -> Rates:
         prefill_slot_s=slot_s, hbm_bytes_per_s=bw, read_fixed_s=fixed, sources=sources)
 
 
-def _grouped_rate(m, device: torch.device, reps: int) -> float:
+def _grouped_rate(m: ModelShape, device: torch.device, reps: int) -> float:
     import torch.nn.functional as F
     grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
     bf = dict(device=device, dtype=torch.bfloat16)
@@ -145,7 +145,7 @@ def _grouped_rate(m, device: torch.device, reps: int) -> float:
     return 2.0 * slots * 3 * H * inter / _median_s(experts, device, reps)
 
 
-def _attention_rate(m, rows: int, device: torch.device, reps: int) -> float:
+def _attention_rate(m: ModelShape, rows: int, device: torch.device, reps: int) -> float:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     bf = dict(device=device, dtype=torch.bfloat16)
@@ -159,7 +159,7 @@ def _attention_rate(m, rows: int, device: torch.device, reps: int) -> float:
     return 2.0 * m.q_heads * m.head_dim * rows * rows / _median_s(attend, device, reps)
 
 
-def _elementwise(m, device: torch.device, reps: int) -> tuple[float, float]:
+def _elementwise(m: ModelShape, device: torch.device, reps: int) -> tuple[float, float]:
     from cpmoe.ops.activation import silu_and_mul, weighted_row_sum
     from cpmoe.ops.norm import add_rms_norm
     from cpmoe.ops.routing import softmax_topk

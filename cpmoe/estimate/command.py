@@ -88,7 +88,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         layouts = valid_layouts(args.gpus, cfg)
     ranked = rank([estimate(shape, lay, r, args.prompt_len, args.batch, args.expert_imbalance,
                             args.mem_fraction_static) for lay in layouts], args.decode)
-    header = (f"model {name}, {args.gpus or layouts[0].world_size} GPUs, "
+    gpus = args.gpus or layouts[0].world_size
+    header = (f"model {name}, {gpus} GPU{'s' if gpus > 1 else ''}, "
               f"{args.batch} x {args.prompt_len:,} tokens, rates: {r.device}; ranked by "
               f"{'decode step' if args.decode else 'prefill time'}")
     if args.prompt_len > cfg.max_position_embeddings:
@@ -96,7 +97,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                    f"max_position_embeddings {cfg.max_position_embeddings:,}: an estimate "
                    f"of the shape, not a run the model would accept")
     if args.json:
-        print(json.dumps({"model": name, "gpus": args.gpus or layouts[0].world_size,
+        print(json.dumps({"model": name, "gpus": gpus,
                           "prompt_len": args.prompt_len, "batch": args.batch,
                           "ranked_by": "decode_step_s" if args.decode else "prefill_s",
                           "rates": r.device, "layouts": ranked}))
