@@ -130,7 +130,7 @@ def take_cuda_paths() -> None:
     import cpmoe.communicator as communicator
     import cpmoe.cp.attention as attention
     import cpmoe.models.layers as layers
-    import cpmoe.models.qwen_moe as qwen
+    from cpmoe.models.qwen_moe import model as qwen
     import cpmoe.moe.experts as experts
     import cpmoe.moe.router as router
     import cpmoe.ops as ops

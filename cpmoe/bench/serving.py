@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below it (default: the launched model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="untimed requests sent first, one at a time (random prompts of the "
+                        "first request's length, its output length up to 32, and its "
+                        "response format), as sglang.bench_serving does: a schema's grammar "
+                        "compiles then, not in the timed run")
     p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                    help="a JSON schema every request's output must match (structured output)")
     p.add_argument("--out", type=Path, required=True, help="JSON file of the results")
@@ -221,6 +226,20 @@ async def _interfere(connect, url: str, model: str, prompt: list[int], tasks) ->
             "ttft_s": res.ttft, "error": res.error if not res.ok else ""}
 
 
+async def warm_up(url: str, model: str, first: tuple[list[int], int], n: int, vocab: int,
+                  seed: int, response_format: dict | None) -> None:
+    """`n` untimed requests, one after the other; their prompts are drawn apart from the
+    run's, so the prefix cache holds none of the timed prompts."""
+    import httpx
+    rng = random.Random(seed + 3)
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(len(first[0]))]
+        res = await _one(lambda: httpx.AsyncClient(timeout=httpx.Timeout(3600.0)), url, model,
+                         prompt, min(first[1], 32), response_format)
+        if not res.ok:
+            raise BenchError(f"--warmup-requests: warm-up request {i} failed: {res.error}")
+
+
 def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     for flag in ("num_prompts", "random_input_len", "random_output_len",
                  "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len",
@@ -233,6 +252,8 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
                          f"{args.random_range_ratio}")
     if (args.base_url is None) == (args.launch is None):
         raise BenchError("give --base-url URL or --launch SERVE_FLAGS (one of them)")
+    if args.warmup_requests < 0:
+        raise BenchError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.out.parent and not args.out.parent.is_dir():
@@ -254,6 +275,9 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         if args.long_prompt_len:
             rng = random.Random(args.seed + 2)
             long_prompt = [rng.randrange(vocab) for _ in range(args.long_prompt_len)]
+        if args.warmup_requests:
+            asyncio.run(warm_up(url, model, requests[0], args.warmup_requests, vocab, args.seed,
+                                response_format))
         profile = start_profile(url, args.profile_num_steps) if args.profile else None
         results, wall, long = asyncio.run(run_load(url, model, requests, args.max_concurrency,
                                                    args.request_rate, args.seed, long_prompt,
@@ -289,6 +313,7 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
                 "system_prompt_len", "question_len", "output_len", "num_groups")}
                if args.dataset == "shared-prefix" else {}),
             "json_schema": str(args.json_schema) if args.json_schema else None,
+            "warmup_requests": args.warmup_requests,
             "server": args.launch or url,
             "profile": profile}
     args.out.write_text(json.dumps({"header": head, "summary": summary,

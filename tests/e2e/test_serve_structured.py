@@ -287,17 +287,27 @@ def test_bad_structured_or_sampling_value_gets_one_400_naming_it(server, endpoin
 
 # ---- bench-serving --json-schema -----------------------------------------------------------------
 
+def _requests_served(url: str) -> int:
+    import httpx
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("cpmoe_requests_total{"))
+
+
 def test_bench_serving_json_schema_sends_it_with_every_request(server, tmp_path):
     """Each answer is `{"ok": true}` or `{"ok": false}` and EOS (13 or 14 tokens of the byte
-    tokenizer): the schema reached the server with every request and ended it early."""
+    tokenizer): the schema reached the server with every request and ended it early. The two
+    warm-up requests reach the server too but are not among the run's results."""
     schema = tmp_path / "ok.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                   "required": ["ok"]}))
     out = tmp_path / "bench.json"
+    before = _requests_served(server.url)
     run = subprocess.run(
         [sys.executable, "-m", "cpmoe.cli", "bench-serving", "--base-url", server.url,
          "--vocab-size", "256", "--num-prompts", "4", "--random-input-len", "8",
-         "--random-output-len", "40", "--json-schema", str(schema), "--out", str(out)],
+         "--random-output-len", "40", "--json-schema", str(schema), "--out", str(out),
+         "--warmup-requests", "2"],
         capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), check=False,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert run.returncode == 0, run.stderr
@@ -305,3 +315,5 @@ def test_bench_serving_json_schema_sends_it_with_every_request(server, tmp_path)
     assert result["summary"]["completed"] == 4 and result["summary"]["failed"] == 0
     assert {r["tokens"] for r in result["requests"]} <= {13, 14}
     assert result["header"]["json_schema"] == str(schema)
+    assert result["header"]["warmup_requests"] == 2 and len(result["requests"]) == 4
+    assert _requests_served(server.url) - before == 4 + 2

@@ -428,6 +428,7 @@ def test_decode_with_programmatic_dependent_launch_equals_without(tmp_path, monk
     graphs. A kernel touching memory before its wait would read rows not yet written, at
     random."""
     from cpmoe import ops
+    from cpmoe.ops import launch
     from cpmoe.engine.runner import ModelRunner
     from cpmoe.parallel.groups import ProcessGroups
     assert ops.pdl_args(torch.empty(1, device="cuda"))["PDL"] == (
@@ -446,7 +447,7 @@ def test_decode_with_programmatic_dependent_launch_equals_without(tmp_path, monk
                         fp8_compute=fp8_compute)
 
         def decode(pdl: bool, graphs: bool) -> torch.Tensor:
-            monkeypatch.setattr(ops, "PDL_ENABLED", pdl)  # what CPMOE_PDL sets at import
+            monkeypatch.setattr(launch, "PDL_ENABLED", pdl)  # what CPMOE_PDL sets at import
             r.allocate_kv(8192)
             if graphs:
                 r.capture_decode_graphs(len(seqs), max_context=1024)

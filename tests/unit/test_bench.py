@@ -465,6 +465,18 @@ def test_serving_benchmark_refuses_profile_steps_without_profile():
             run_bench_serving(args, [])
 
 
+def test_serving_benchmark_refuses_negative_warmup_requests():
+    import argparse
+
+    from cpmoe.bench.serving import add_arguments, run_bench_serving
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--base-url", "http://unused", "--out", "unused",
+                         "--warmup-requests", "-1"])
+    with pytest.raises(BenchError, match="--warmup-requests must be >= 0, got -1"):
+        run_bench_serving(args, [])
+
+
 # ---- --quantization fp8 (random weights quantized to 128x128 FP8 blocks at load; on CPU the
 # model runs on the FP8-rounded weights) ----------------------------------------------------
 
