@@ -3,8 +3,9 @@ measured on this machine's first CUDA GPU, in a few minutes, written as a calibr
 
 Measured at the model shape's sizes (bf16, every figure the median of a few timed calls
 with the host queued ahead, as a prefill runs: `bench.timing.device_timed`):
-    dense_gemm_flops     the q/k/v and o projections of 16K rows
-    grouped_gemm_flops   gate/up + down over all experts, 16K tokens x top-k, balanced
+    dense_gemm_flops     the q/k/v and o projections of 4K, 16K and 64K rows
+    grouped_gemm_flops   gate/up + down over all experts, 4K, 16K and 64K tokens x top-k,
+                         balanced (their slots per expert are the table's rows)
     attention_flops      causal cuDNN SDPA (GQA heads) at 16K, 64K and 128K query rows
     prefill_token_s      two fused residual-add RMSNorms and the router's softmax top-k a row
     prefill_slot_s       gather, SwiGLU and the weighted row sum a (row, expert) slot
@@ -31,7 +32,8 @@ from cpmoe.estimate.cost import ModelShape
 from cpmoe.estimate.rates import H200, Rates, save
 
 ATTENTION_ROWS = (16384, 65536, 131072)
-PREFILL_ROWS = 16384
+GEMM_ROWS = (4096, 16384, 65536)
+PREFILL_ROWS = 16384  # rows of the per-row / per-slot kernels
 
 
 class CalibrationError(ValueError):
@@ -92,23 +94,19 @@ def _graph_s(fn: Callable[[], object], calls: int = 24) -> float:
 
 def measure(m: ModelShape, device: torch.device, reps: int) -> Rates:
     torch.manual_seed(0)
-    bf = dict(device=device, dtype=torch.bfloat16)
-    T, H, D = PREFILL_ROWS, m.hidden, m.head_dim
-    x = torch.randn(T, H, **bf)
-    w_qkv = torch.randn((m.q_heads + 2 * m.kv_heads) * D, H, **bf) / H**0.5
-    w_o = torch.randn(H, m.q_heads * D, **bf) / H**0.5
-    attn_out = torch.randn(T, m.q_heads * D, **bf)
-    dense_s = _median_s(lambda: (x @ w_qkv.t(), attn_out @ w_o.t()), device, reps)
-    dense = 2.0 * T * H * (w_qkv.shape[0] + w_o.shape[1]) / dense_s
-    grouped = _grouped_rate(m, device, reps)
+    D = m.head_dim
+    dense = tuple((n, _dense_rate(m, n, device, reps)) for n in GEMM_ROWS)
+    grouped = tuple((n * m.topk // m.experts, _grouped_rate(m, n, device, reps))
+                    for n in GEMM_ROWS)
     attention = tuple((n, _attention_rate(m, n, device, reps)) for n in ATTENTION_ROWS)
     token_s, slot_s = _elementwise(m, device, reps)
     fixed, bw = _read_fit(device)
     kept = "kept from the H200 defaults: "
     sources = {
         "gpu_memory_bytes": "torch.cuda.get_device_properties(0).total_memory",
-        "dense_gemm_flops": f"x @ W for q/k/v and o, {T} rows",
-        "grouped_gemm_flops": f"grouped_mm gate/up + down, {T} tokens x top-{m.topk}, balanced",
+        "dense_gemm_flops": f"x @ W for q/k/v and o at {GEMM_ROWS} rows",
+        "grouped_gemm_flops": f"grouped_mm gate/up + down, {GEMM_ROWS} tokens x top-{m.topk}, "
+                              f"balanced over {m.experts} experts",
         "attention_flops": f"cuDNN causal SDPA, {m.q_heads}/{m.kv_heads} heads, d={D}",
         "prefill_token_s": "2 x ops.add_rms_norm + ops.softmax_topk a row",
         "prefill_slot_s": "gather + ops.silu_and_mul + ops.weighted_row_sum a slot",
@@ -127,12 +125,23 @@ def measure(m: ModelShape, device: torch.device, reps: int) -> Rates:
         prefill_slot_s=slot_s, hbm_bytes_per_s=bw, read_fixed_s=fixed, sources=sources)
 
 
-def _grouped_rate(m: ModelShape, device: torch.device, reps: int) -> float:
+def _dense_rate(m: ModelShape, rows: int, device: torch.device, reps: int) -> float:
+    bf = dict(device=device, dtype=torch.bfloat16)
+    H, D = m.hidden, m.head_dim
+    x = torch.randn(rows, H, **bf)
+    w_qkv = torch.randn((m.q_heads + 2 * m.kv_heads) * D, H, **bf) / H**0.5
+    w_o = torch.randn(H, m.q_heads * D, **bf) / H**0.5
+    attn_out = torch.randn(rows, m.q_heads * D, **bf)
+    seconds = _median_s(lambda: (x @ w_qkv.t(), attn_out @ w_o.t()), device, reps)
+    return 2.0 * rows * H * (w_qkv.shape[0] + w_o.shape[1]) / seconds
+
+
+def _grouped_rate(m: ModelShape, tokens: int, device: torch.device, reps: int) -> float:
     import torch.nn.functional as F
     grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
     bf = dict(device=device, dtype=torch.bfloat16)
     E, H, inter = m.experts, m.hidden, m.moe_inter
-    slots = PREFILL_ROWS * m.topk
+    slots = tokens * m.topk // E * E  # balanced: the same slots for every expert
     x = torch.randn(slots, H, **bf)
     gate_up = torch.randn(E, 2 * inter, H, **bf) / H**0.5
     down = torch.randn(E, H, inter, **bf) / inter**0.5

@@ -206,8 +206,9 @@ def prefill_layer(m: ModelShape, layout: ParallelLayout, rates: Rates, length: i
     kv_row = 2 * r.kv_heads * D * BF16
     return {
         "attention": flops / rates.attention_rate(local),
-        "dense_gemm": proj / rates.dense_gemm_flops,
-        "expert_gemm": 2.0 * slots * 3 * H * r.moe_inter / rates.grouped_gemm_flops,
+        "dense_gemm": proj / rates.dense_rate(local),
+        "expert_gemm": (2.0 * slots * 3 * H * r.moe_inter
+                        / rates.grouped_rate(max(1.0, slots / r.experts))),
         "elementwise": local * rates.prefill_token_s + slots * rates.prefill_slot_s,
         "kv_exchange": all_gather_s(rates.all_gather, cp, local * kv_row),
         "attn_tp_comm": all_reduce_s(rates, atp, local * H * BF16) + mlp_comm,

@@ -8,9 +8,13 @@ fields measured on the user's GPU:
 
     {"format": "cpmoe-rates/1", "rates": {field: value, ...}, "sources": {field: text}}
 
-Invariants: every rate is finite and > 0 (times may be 0); a table of (rows, rate) points is
-sorted by rows with distinct rows; a file with a missing, unknown or bad field is refused
-with one line naming the file and the field (RatesError).
+Rates that depend on size are tables of (rows, rate) points, read linearly in log(rows)
+between the points and flat beyond them: attention by a call's query rows, dense GEMMs by
+their rows, the grouped expert GEMM by its slots per expert.
+
+Invariants: every rate is finite and > 0 (times may be 0); a table's points are sorted by
+rows with distinct rows; a file with a missing, unknown or bad field is refused with one line
+naming the file and the field (RatesError).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT = "cpmoe-rates/1"
+TABLES = ("dense_gemm_flops", "grouped_gemm_flops", "attention_flops")
 
 
 class RatesError(ValueError):
@@ -41,8 +46,8 @@ class Link:
 class Rates:
     device: str
     gpu_memory_bytes: float
-    dense_gemm_flops: float  # bf16 projections at prefill row counts
-    grouped_gemm_flops: float  # bf16 expert GEMMs (gate/up + down) at prefill slot counts
+    dense_gemm_flops: tuple[tuple[int, float], ...]  # (rows, bf16 projection FLOP/s)
+    grouped_gemm_flops: tuple[tuple[int, float], ...]  # (slots per expert, gate/up + down)
     attention_flops: tuple[tuple[int, float], ...]  # (query rows per call, causal FLOP/s)
     prefill_token_s: float  # norms, RoPE, router top-k, copies: seconds per row per layer
     prefill_slot_s: float  # gather, SwiGLU, weighted sum: seconds per (row, expert) slot
@@ -67,20 +72,25 @@ class Rates:
             if isinstance(value, Link):
                 _positive(f"{f.name}.bus_bytes_per_s", value.bus_bytes_per_s, rate=True)
                 _positive(f"{f.name}.latency_s", value.latency_s, rate=False)
-            elif f.name == "attention_flops":
+            elif f.name in TABLES:
                 rows = [r for r, _ in value]
-                if not value or rows != sorted(set(rows)):
-                    raise RatesError("attention_flops: expected (rows, FLOP/s) points with "
-                                     f"distinct rows in increasing order, got {list(value)}")
+                if not value or rows != sorted(set(rows)) or rows[0] < 1:
+                    raise RatesError(f"{f.name}: expected (rows, FLOP/s) points with distinct "
+                                     f"rows >= 1 in increasing order, got {list(value)}")
                 for r, v in value:
-                    _positive(f"attention_flops at {r} rows", v, rate=True)
+                    _positive(f"{f.name} at {r} rows", v, rate=True)
             else:
                 _positive(f.name, value, rate=not f.name.endswith("_s"))
 
     def attention_rate(self, rows: float) -> float:
-        """Causal attention FLOP/s for a call of `rows` query rows: linear in log(rows)
-        between the measured points, flat beyond the first and the last."""
+        """Causal attention FLOP/s for a call of `rows` query rows."""
         return interpolate(self.attention_flops, rows)
+
+    def dense_rate(self, rows: float) -> float:
+        return interpolate(self.dense_gemm_flops, rows)
+
+    def grouped_rate(self, slots_per_expert: float) -> float:
+        return interpolate(self.grouped_gemm_flops, slots_per_expert)
 
 
 def _positive(name: str, value: object, rate: bool) -> None:
@@ -108,8 +118,8 @@ def interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
 H200 = Rates(
     device="NVIDIA H200 (cpmoe measurements, 2026-11-30 .. 2026-12-03)",
     gpu_memory_bytes=139 * 2**30,
-    dense_gemm_flops=776e12,
-    grouped_gemm_flops=644e12,
+    dense_gemm_flops=((16384, 776e12),),
+    grouped_gemm_flops=((1024, 644e12),),
     attention_flops=((16384, 650e12), (65536, 602e12), (131072, 571e12)),
     prefill_token_s=21.5e-9,
     prefill_slot_s=4.22e-9,
@@ -126,8 +136,8 @@ H200 = Rates(
         "gpu_memory_bytes": "the lent H200's 139 GiB (device notes)",
         "dense_gemm_flops": "bench/results/prefill-profile-bf16-d28a8e6.log: 16K rows, 12 "
                             "layers, cuBLAS q/k/v + o projections 9.56 ms for 7.42 PFLOP",
-        "grouped_gemm_flops": "same profile: grouped_mm 23.0 ms for 14.8 PFLOP (random "
-                              "weights: 8 experts take 79% of the slots)",
+        "grouped_gemm_flops": "same profile: grouped_mm 23.0 ms for 14.8 PFLOP, 1024 slots "
+                              "an expert (random weights: 8 experts take 79% of the slots)",
         "attention_flops": "same profile: cuDNN 3.385 ms a layer at 16K; "
                            "bench/results/attention_cp-20261130.json: one-GPU GQA SDPA "
                            "58.4 ms at 64K, 246.5 ms at 128K (2*H*D*L^2 FLOPs, causal)",
@@ -164,7 +174,7 @@ def to_json(rates: Rates) -> dict:
             continue
         if isinstance(value, Link):
             value = {"bus_bytes_per_s": value.bus_bytes_per_s, "latency_s": value.latency_s}
-        elif f.name == "attention_flops":
+        elif f.name in TABLES:
             value = [[r, v] for r, v in value]
         body[f.name] = value
     return {"format": FORMAT, "rates": body, "sources": dict(rates.sources)}
@@ -200,7 +210,7 @@ def load(path: Path) -> Rates:
             value = body[name]
             if name in ("all_gather", "reduce_scatter", "all_to_all"):
                 value = Link(float(value["bus_bytes_per_s"]), float(value["latency_s"]))
-            elif name == "attention_flops":
+            elif name in TABLES:
                 value = tuple((int(r), float(v)) for r, v in value)
             kwargs[name] = value
         return Rates(**kwargs, sources={str(k): str(v) for k, v in sources.items()})

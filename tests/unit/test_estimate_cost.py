@@ -23,7 +23,8 @@ TOY = cost.ModelShape(layers=1, hidden=4, q_heads=2, kv_heads=2, head_dim=2, exp
                       vocab=8, tied=False)
 # round rates: every FLOP rate 1e3, link 100 bytes/s + 1 s, HBM 10 bytes/s + 2 s a kernel
 ROUND = dataclasses.replace(
-    H200, dense_gemm_flops=1e3, grouped_gemm_flops=1e3, attention_flops=((1, 1e3),),
+    H200, dense_gemm_flops=((1, 1e3),), grouped_gemm_flops=((1, 1e3),),
+    attention_flops=((1, 1e3),),
     prefill_token_s=0.5, prefill_slot_s=0.25, prefill_fixed_s=0.0, prefill_host_token_s=0.0,
     hbm_bytes_per_s=10.0, read_fixed_s=2.0, decode_layer_fixed_s=7.0,
     all_gather=Link(100.0, 1.0), reduce_scatter=Link(100.0, 1.0), all_to_all=Link(100.0, 3.0),
@@ -97,6 +98,19 @@ def test_prefill_layer_cp2_ep2_decoupled_by_hand():
     # all 8 rows routed on each rank, 8*2/2 = 8 slots on its two experts
     assert t["expert_gemm"] == pytest.approx(8 * 72 / 1e3)
     assert t["dense_gemm"] == pytest.approx((2 * 4 * 4 * 16 + 2 * 8 * 4 * 4) / 1e3)
+
+
+def test_gemm_rates_are_read_at_rows_and_slots_per_expert():
+    sized = dataclasses.replace(ROUND, dense_gemm_flops=((4, 2e3), (8, 4e3)),
+                                grouped_gemm_flops=((1, 1e3), (4, 4e3)))
+    one = cost.prefill_layer(TOY, P(), sized, length=8)
+    # 8 rows: the 8-row dense rate; 16 slots over 4 experts = 4 an expert: the 4-slot rate
+    assert one["dense_gemm"] == pytest.approx(1.280 / 4)
+    assert one["expert_gemm"] == pytest.approx(1.152 / 4)
+    two = cost.prefill_layer(TOY, P(tp_size=2, attn_cp_size=2, ep_size=2), sized, length=8)
+    # 4 local rows (2e3); 8 slots over the rank's 2 experts, again 4 an expert
+    assert two["dense_gemm"] == pytest.approx(0.768 / 2)
+    assert two["expert_gemm"] == pytest.approx(0.576 / 4)
 
 
 def test_prefill_layer_rank_local_dispatch_by_hand():

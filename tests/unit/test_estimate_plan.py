@@ -102,7 +102,8 @@ def test_bad_estimate_flags_are_one_line(capsys, argv, words):
 
 
 def test_calibration_file_round_trip(tmp_path, capsys):
-    mine = dataclasses.replace(rates.H200, device="test GPU", dense_gemm_flops=123e12,
+    mine = dataclasses.replace(rates.H200, device="test GPU",
+                               dense_gemm_flops=((4096, 5e14), (65536, 7e14)),
                                attention_flops=((1024, 1e14), (4096, 2e14)),
                                all_to_all=rates.Link(1e11, 5e-5))
     path = tmp_path / "rates.json"
@@ -116,7 +117,8 @@ def test_calibration_file_round_trip(tmp_path, capsys):
 
 @pytest.mark.parametrize("edit,words", [
     (lambda d: d["rates"].pop("hbm_bytes_per_s"), "hbm_bytes_per_s"),
-    (lambda d: d["rates"].update(dense_gemm_flops=-1), "dense_gemm_flops"),
+    (lambda d: d["rates"].update(dense_gemm_flops=[[4096, -1]]), "dense_gemm_flops"),
+    (lambda d: d["rates"].update(prefill_fixed_s=-1), "prefill_fixed_s"),
     (lambda d: d["rates"].update(attention_flops=[[4096, 1e14], [1024, 1e14]]),
      "attention_flops"),
     (lambda d: d.update(format="other"), "format"),
@@ -175,6 +177,7 @@ def test_calibration_kernels_run_at_a_shapes_sizes(monkeypatch):
     monkeypatch.setattr(calibrate, "PREFILL_ROWS", 128)
     m = ModelShape.from_config(parse_config(read_shape("tiny", None)[1], "tiny"))
     cpu = torch.device("cpu")
-    assert calibrate._grouped_rate(m, cpu, 1) > 0
+    assert calibrate._dense_rate(m, 128, cpu, 1) > 0
+    assert calibrate._grouped_rate(m, 128, cpu, 1) > 0
     per_row, per_slot = calibrate._elementwise(m, cpu, 1)
     assert per_row > 0 and per_slot > 0
