@@ -2,20 +2,20 @@
 
 The interpreter tests run every kernel's arithmetic on CPU, but not Triton's CUDA compiler,
 which refuses programs the interpreter runs (a jit function returning differently shaped
-values from two constexpr branches did, in a change tried in session 14). Here Triton
-compiles ahead of time, for an sm_90 target (ptxas ships with Triton), the variants the
-engine launches: the decode experts' W8A8 GEMM (gate/up and down, the grid of one program
-row per expert and the compact one of batch 1), the skinny dense GEMM with and without a
-split K, and the prefill's grouped GEMM. Arguments carry the 16-byte alignment real launches
-specialize on, so the compiled program is the one a launch gets: the tests check that its
-weight tiles are loaded through the asynchronous pipeline (cp.async), and that the prefill
-GEMM uses Hopper's warp-group MMA. Also the two kernels that quantize the rows they write
-for the FP8 GEMM after them (the residual add + RMSNorm, decode attention's split merge).
-Every kernel of a decode step is compiled as the H200 launches it, with programmatic
-dependent launch (PDL): its first access to global memory must come after its wait for the
-kernel before it (`griddepcontrol.wait`), else it could read rows that kernel has not
-written yet.
-In a subprocess: cpmoe imports Triton only for a CUDA build of torch, which it is told it is.
+values from two constexpr branches did, in the SWAP_AB change tried at bec18aa on
+2026-12-03). Here Triton compiles ahead of time, for an sm_90 target (ptxas ships with
+Triton), the variants the engine launches: the decode experts' W8A8 GEMM (gate/up and down,
+the grid of one program row per expert and the compact one of batch 1), the skinny dense
+GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry the
+16-byte alignment real launches specialize on, so the compiled program is the one a launch
+gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
+(cp.async), and that the prefill GEMM uses Hopper's warp-group MMA. Also the two kernels
+that quantize the rows they write for the FP8 GEMM after them (the residual add + RMSNorm,
+decode attention's split merge). Every kernel of a decode step is compiled as the H200
+launches it, with programmatic dependent launch (PDL): its first access to global memory
+must come after its wait for the kernel before it (`griddepcontrol.wait`), else it could
+read rows that kernel has not written yet. In a subprocess: cpmoe imports Triton only for a
+CUDA build of torch, which it is told it is.
 """
 
 import importlib.util
