@@ -22,7 +22,7 @@ Reported (mean, p50, p90, p99): TTFT (request started -> first token), ITL (betw
 streamed chunks after the first), TPOT ((latency - TTFT) / (output tokens - 1)) and
 end-to-end latency; request, input and output token throughput over the run's wall time.
 Where TTFT goes: the client's part (started -> request body on the wire, `send_s`) and,
-from the server's /metrics after the run, its own TTFT (arrival -> first token) and the
+from the server's /metrics over the run (its counters less the warm-up's), its own TTFT (arrival -> first token) and the
 intake within it (body read, parsed, tokenized). Each request has its own connection.
 The summary and table are `serving_report.py`; the launched server and its probes
 `serving_server.py`.
@@ -278,13 +278,14 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
         if args.warmup_requests:
             asyncio.run(warm_up(url, model, requests[0], args.warmup_requests, vocab, args.seed,
                                 response_format))
+        before = scrape(url)  # the run's counters start here, after the warm-up
         profile = start_profile(url, args.profile_num_steps) if args.profile else None
         results, wall, long = asyncio.run(run_load(url, model, requests, args.max_concurrency,
                                                    args.request_rate, args.seed, long_prompt,
                                                    response_format))
         if profile is not None and args.profile_num_steps is None:
             post(url, "/stop_profile", None)
-        metrics = scrape(url)
+        metrics = scrape(url, since=before)
     finally:
         if server is not None:
             server.stop()

@@ -94,22 +94,41 @@ def start_profile(url: str, num_steps: int | None) -> dict:
     return started
 
 
-def scrape(url: str) -> dict:
-    """The server's own counters after the run (Prometheus text -> name: value)."""
+def scrape(url: str, since: dict | None = None) -> dict:
+    """The server's own counters (Prometheus text -> name: value). With `since` (an earlier
+    scrape), counters and histograms count from it: the timed run's alone, not the warm-up's
+    before it; gauges are as they are now."""
     import httpx
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except Exception:  # noqa: BLE001 -- a report without server counters
         return {}
-    out = {}
+    out, kinds = {}, {}
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ", 3)
+            kinds[family] = kind
+        elif line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             try:
                 out[name] = float(value)
             except ValueError:
                 continue
+    if since is not None:
+        for name in out:
+            if _kind(name, kinds) in ("counter", "histogram"):
+                out[name] -= since.get(name, 0.0)
     return out
+
+
+def _kind(sample: str, kinds: dict) -> str | None:
+    family = sample.split("{", 1)[0]
+    if family in kinds:
+        return kinds[family]
+    for suffix in ("_sum", "_count", "_bucket"):
+        if family.endswith(suffix) and family[:-len(suffix)] in kinds:
+            return kinds[family[:-len(suffix)]]
+    return None
 
 
 def server_mean(metrics: dict, name: str) -> float | None:
