@@ -20,12 +20,16 @@ that; this module derives the bound from the step instead.
     logits move by at most about `scale` * 2^-3 / sqrt(mixed), `scale` their largest
     magnitude. Flips add at worst linearly: bound = floor + flips * scale * 2^-3 /
     sqrt(mixed), floor the float32 tolerance of the same comparison without quantization.
-    Measured on the tiny Qwen3-MoE with one e4m3 code moved by one step at a random K/V
-    position (tests/distributed/test_decode.py does it): the logits moved 5e-5 to 1.1e-2 with
-    scale 0.52, and the bound for one flip is 1.2e-2. A layout bug (a wrong shard, a missing
-    or doubled scale, a stale page) changes whole rows by about `scale`: 40 or more times the
-    bound for one flip (tests/unit/test_quant_bounds.py feeds such inputs and sees them
-    fail).
+    Measured on the tiny Qwen3-MoE over FP8 K/V pages (scale 0.60, one-flip bound 1.3e-2):
+    one code moved by one step at a random K/V position, in 24 runs, moved the logits by
+    4e-5 to 1.3e-2 (its echo included: later layers re-quantize what it changed), so one
+    flip sits at the bound's edge and a test allows a few (FP8_FLIPS in
+    tests/distributed/test_decode.py says how many and why). Layout bugs are larger: one
+    token's K/V row in one layer replaced by another token's (a page read from the wrong
+    shard) moved them by 2e-2 to 0.28, one write's values doubled (a scale applied twice)
+    by 0.09 to 0.17, and they change decisive tokens; a wrong row or a missing scale
+    across a whole step is of the order of `scale` itself (tests/unit/test_quant_bounds.py
+    and test_decode.py feed such inputs and see them fail).
 
 `decisive_agreement(got, want, bound)`: the invariant part of two greedy runs. Every logit
     row within `bound`. Where the reference's top-1 logit leads its top-2 by more than
