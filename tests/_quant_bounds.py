@@ -40,6 +40,13 @@ that; this module derives the bound from the step instead.
     step's logits); if it does not, the inputs are still the same and comparing goes on.
     Returns what was compared, so a test can check that it compared enough to mean
     something.
+
+`rounding_flips(stored, exact, rel, atol)`: the invariant of the codes themselves. FP8 codes
+    one implementation stored equal the rounding of the float32 values another computed for
+    the same inputs, code for code, except where those values lie within
+    rel * |value| + atol of a midpoint (the two implementations' float32 results differ by
+    about that much, so either code is right); there the code must be the rounding of a
+    value that close, i.e. the neighbouring code. Anything else raises. -> flips counted.
 """
 
 from __future__ import annotations
@@ -123,3 +130,28 @@ def decisive_agreement(got: StepRun, want: StepRun, bound: float) -> Agreement:
             elif gap > 2 * bound:
                 out.tokens += 1
     return out
+
+
+def rounding_flips(stored: torch.Tensor, exact: torch.Tensor, rel: float,
+                   atol: float = 0.0) -> int:
+    """Check `stored` (FP8 codes) against the rounding of `exact` (float32) as the module
+    docstring says -> how many codes are the neighbouring one (flips)."""
+    if stored.shape != exact.shape:
+        raise AssertionError(f"stored codes {tuple(stored.shape)} vs values "
+                             f"{tuple(exact.shape)}")
+    top = torch.finfo(stored.dtype).max
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:  # saturating, as an FP8 K/V pool stores
+        return x.float().clamp(-top, top).to(stored.dtype).float()
+
+    exact = exact.float()
+    slack = rel * exact.abs() + atol
+    lo, hi, got = rounded(exact - slack), rounded(exact + slack), stored.float()
+    bad = (got < lo) | (got > hi)
+    if bad.any():
+        i = int(bad.reshape(-1).nonzero()[0])
+        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} codes are not the rounding "
+                             f"of their value within {rel:g} relative: e.g. "
+                             f"{got.reshape(-1)[i].item()!r} stored for "
+                             f"{exact.reshape(-1)[i].item()!r}")
+    return int((got != rounded(exact)).sum())

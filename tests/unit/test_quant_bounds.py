@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._quant_bounds import (E4M3_STEP, FP32_TOL, StepRun, decisive_agreement,
-                                 flip_bound, logit_scale)
+                                 flip_bound, logit_scale, rounding_flips)
 
 ROWS = [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
 
@@ -94,3 +94,22 @@ def test_runs_with_other_rows_are_refused(reference):
     got = StepRun(reference.steps, [[0, 1, 2], [0, 2, 1], [0, 1, 2]], reference.tokens)
     with pytest.raises(AssertionError, match="different rows"):
         decisive_agreement(got, reference, 1.0)
+
+
+def test_rounding_flips_accepts_a_neighbour_at_a_midpoint_only():
+    """1.0 and 1.125 are neighbouring e4m3 codes (2^-3 apart): 1.0625 is their midpoint.
+    A value a hair from it may be stored as either; a value elsewhere, a code two steps off
+    or a doubled scale is refused."""
+    e4m3 = torch.float8_e4m3fn
+    exact = torch.tensor([0.3, -2.7, 1.0625 + 1e-6, 100.0])
+    codes = exact.to(e4m3)
+    assert rounding_flips(codes, exact, 1e-4) == 0
+    flipped = codes.clone()
+    flipped[2] = torch.tensor(1.0).to(e4m3)  # the other side of the midpoint
+    assert exact[2].to(e4m3).float() == 1.125 and rounding_flips(flipped, exact, 1e-4) == 1
+    off = codes.clone()
+    off[0] = torch.tensor(0.3 * (1 + 2 ** -2)).to(e4m3)  # two steps away
+    with pytest.raises(AssertionError, match="1 of 4 codes"):
+        rounding_flips(off, exact, 1e-4)
+    with pytest.raises(AssertionError, match="not the rounding"):
+        rounding_flips((exact * 2).to(e4m3), exact, 1e-4)
