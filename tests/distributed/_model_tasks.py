@@ -74,17 +74,35 @@ def kv_and_sampling_task(info: RankInfo, layout: ParallelLayout, model_dir: Path
 def fp8_kv_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
                 seqs: list[list[int]], new_tokens: int, chunk: int) -> dict:
     """Greedy decoding over FP8 K/V pools (--kv-cache-dtype fp8_e4m3), prompts prefilled
-    `chunk` tokens a step (later chunks attend their cached, CP-sharded prefix) -> tokens
-    and the logits of every step that sampled."""
+    `chunk` tokens a step (later chunks attend their cached, CP-sharded prefix) -> tokens,
+    the logits of every step that sampled and the prompt index of each of their rows."""
+    from unittest import mock
+
     from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.scheduler import Scheduler
 
     groups = ProcessGroups.build(layout, info.rank, info.device)
     runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
     steps: list[torch.Tensor] = []
+    rows: list[list[int]] = []
+    planned: list[int] = []
+    sample_rows = Scheduler.sample_rows
+
+    def spy(sched: Scheduler, plan) -> list:
+        # the driver asks for a step's rows right before it shows its logits to `observe`
+        reqs = sample_rows(sched, plan)
+        planned[:] = [r.rid for r in reqs]  # generate: request i is prompt i
+        return reqs
+
+    def observe(logits: torch.Tensor) -> None:
+        steps.append(logits)
+        rows.append(list(planned))
+
     opts = EngineOptions(kv_cache_dtype="fp8_e4m3", chunked_prefill_size=chunk)
-    tokens = generate(runner, seqs, new_tokens, observe=steps.append, options=opts)
+    with mock.patch.object(Scheduler, "sample_rows", spy):
+        tokens = generate(runner, seqs, new_tokens, observe=observe, options=opts)
     assert runner.kv.k[0].dtype == torch.float8_e4m3fn
-    return {"tokens": tokens, "steps": steps}
+    return {"tokens": tokens, "steps": steps, "rows": rows}
 
 
 def placement_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
