@@ -83,10 +83,9 @@ class EngineOptions:
 
 
 def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
-    """Prompt tokens per step: `--chunked-prefill-size`, except for models that keep their
-    own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
-    those prefill each prompt in one piece."""
-    return -1 if runner.own_cache else opts.chunked_prefill_size
+    """Prompt tokens per step: `--chunked-prefill-size`, for every model (DeepSeek-V4's
+    extend continues a cached prompt from its own state, deepseek_v4/extend.py)."""
+    return opts.chunked_prefill_size
 
 
 def radix_cache(runner: ModelRunner, opts: EngineOptions) -> bool:
@@ -203,7 +202,9 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None,
     if plan.extend:
         scored = set(plan.prompt_logits)
         full = [i for i, (rid, _, _) in enumerate(plan.extend) if rid in scored]
-        logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend], full=full)
+        ends = plan.extend_ends or [0] * len(plan.extend)
+        logits = runner.extend([Segment(r, ids, s, e) for (r, ids, s), e
+                                in zip(plan.extend, ends)], full=full)
         if full:
             if sched is not None:
                 _score_prompts(sched, [plan.extend[i] for i in full],

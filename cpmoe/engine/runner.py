@@ -107,6 +107,7 @@ class Segment:
     key: int
     ids: list[int]
     start: int = 0
+    end: int = 0  # the tokens its sequence will hold once its prompt is in (0: this one's end)
 
 
 @dataclass
@@ -349,7 +350,8 @@ class ModelRunner:
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=rel + starts[token_to_seq], token_to_seq=token_to_seq,
                              split=split, rel_positions=rel, q_runs=runs, packed_runs=packed,
-                             fp8_attention=self.fp8_attention)
+                             fp8_attention=self.fp8_attention,
+                             seq_ends=[max(s.end, s.start + len(s.ids)) for s in segments])
         if self.kv is not None:
             self._store_extend(batch, segments)
         elif any(s.start for s in segments):

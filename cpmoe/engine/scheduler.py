@@ -136,6 +136,9 @@ class StepPlan:
     fork: list[tuple[int, int, int]] = field(default_factory=list)  # (id, source, tokens)
     cache: list[int] = field(default_factory=list)  # ids whose KV stays as a cached prefix
     extend: list[tuple[int, list[int], int]] = field(default_factory=list)  # (id, ids, start)
+    # per extend segment, its request's tokens when all pending ones are cached (a chunk's
+    # whole prompt: V4's indexer ranks over the whole prompt's entries, whatever the chunks)
+    extend_ends: list[int] = field(default_factory=list)
     # (id, token to feed); a token -(i + 1) is row i of the previous step's sampled tokens
     decode: list[tuple[int, int]] = field(default_factory=list)
     overlap: bool = False  # the step's tokens stay on the device for the next step's feed
@@ -273,6 +276,7 @@ class Scheduler:
                   and not self.running[rid].output]
         return StepPlan(free=step.free, cache=[k for k in cache if k not in freed],
                         fork=step.forks, extend=extend,
+                        extend_ends=[len(self.running[rid].tokens) for rid, _, _ in extend],
                         decode=[(r.rid, r.last_token) for r in decode], prompt_logits=scored)
 
     def _evict(self, step: "_StepPages") -> bool:
