@@ -194,7 +194,9 @@ class Scheduler:
         # prompts admitted but not yet in `index` (being prefilled), to defer their sharers
         self.inflight = RadixIndex(kv.page_size) if self.index is not None else None
         self.chunk_size = chunk_size if chunk_size > 0 else None  # None: no chunking
-        self.max_running = max_running
+        # a model's own cache has a fixed number of sequence slots (DeepSeek-V4's
+        # `max_seqs`): admission stops there, a request never meets a full slot table
+        self.max_running = min(max_running, getattr(kv, "max_seqs", max_running))
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admitted, in admission order
