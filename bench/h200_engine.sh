@@ -207,6 +207,7 @@ PY
     step v4-tests python3 -m pytest tests/gpu/test_deepseek_v4_cuda.py \
       tests/gpu/test_v4_sparse_attention_cuda.py tests/gpu/test_v4_indexer_cuda.py \
       tests/gpu/test_v4_hyper_connection_cuda.py tests/gpu/test_v4_rope_cuda.py \
+      tests/gpu/test_v4_chunked_cuda.py \
       tests/gpu/test_cuda_paths.py::test_v4_triton_ops_match_references_at_model_shapes
     step v4-sparse-attention python3 -m bench.v4_sparse_attention \
       --out "$out/v4-sparse-attention.json"
