@@ -89,7 +89,7 @@ class PrefixPlan:
         entries = {}
         for m in rates:
             slots: list[int] = []
-            order: list[int] = []
+            order: list[torch.Tensor] = []
             per_rank = [-(-(st // m) // cp_size) for st in starts]
             total_local = sum(per_rank)
             new_at = cp_size * total_local
@@ -97,13 +97,13 @@ class PrefixPlan:
             for key, start, n, width in zip(keys, starts, lens, per_rank):
                 held = kv.own_entries(key, m, start // m) if width else []
                 slots += held + [kv.trash_entry[m]] * (width - len(held))
-                order += [(c % cp_size) * total_local + off + c // cp_size
-                          for c in range(start // m)]
+                c = torch.arange(start // m)  # entry c: row c // cp of rank c % cp's part
+                order.append((c % cp_size) * total_local + off + c // cp_size)
                 fresh = (start + n) // m - start // m
-                order += range(new_at, new_at + fresh)
+                order.append(torch.arange(new_at, new_at + fresh))
                 new_at += fresh
                 off += width
-            entries[m] = PrefixEntries(_on(slots, device), _on(order, device))
+            entries[m] = PrefixEntries(_on(slots, device), torch.cat(order).to(device))
         return cls(_on(slot, device), _on(pos, device), _on(rows, device), entries)
 
 
