@@ -13,6 +13,12 @@
 #                                               # gather, indexer kernel vs fp32 matmul,
 #                                               # hyper-connection kernels vs torch,
 #                                               # 4-layer V4 prefill + profiles (16K, 64K), decode
+#   bash bench/h200_engine.sh v4-serving OUT_DIR  # 4-layer V4 served: 32 streams decoding while
+#                                               # a 64K prompt is chunked in; fails unless their
+#                                               # p99 ITL <= 2 x (one chunk + one decode step)
+#     (its sizes: V4S_PROMPT V4S_CHUNK V4S_STREAMS V4S_OUTPUT V4S_DEVICE V4S_CONFIG (JSON of
+#     config fields over DeepseekV4Config's defaults) V4S_SERVE (more serve flags); a CPU
+#     run of the logic: V4S_DEVICE=cpu with a tiny config and small lengths)
 # serving needs fastapi/uvicorn there: carry .whl (device README) and install it first
 # (recent fastapi also imports opentelemetry-api: carry its wheel too).
 # Each step's output is saved as OUT_DIR/<step>.log; every step runs, and the part exits 1
@@ -28,11 +34,11 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|structured|fp8|fp8-prefill|v4)
+  smoke|decode|serving|prefix|structured|fp8|fp8-prefill|v4|v4-serving)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
   *) echo "unknown part $part (smoke | decode | serving | prefix | structured | fp8 |" \
-          "fp8-prefill | v4)" >&2; exit 2 ;;
+          "fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -201,6 +207,7 @@ PY
     step v4-tests python3 -m pytest tests/gpu/test_deepseek_v4_cuda.py \
       tests/gpu/test_v4_sparse_attention_cuda.py tests/gpu/test_v4_indexer_cuda.py \
       tests/gpu/test_v4_hyper_connection_cuda.py tests/gpu/test_v4_rope_cuda.py \
+      tests/gpu/test_v4_chunked_cuda.py \
       tests/gpu/test_cuda_paths.py::test_v4_triton_ops_match_references_at_model_shapes
     step v4-sparse-attention python3 -m bench.v4_sparse_attention \
       --out "$out/v4-sparse-attention.json"
@@ -221,6 +228,37 @@ PY
     step v4-one-batch python3 -m cpmoe.cli bench-one-batch --config "$v4" --device cuda \
       --dtype bfloat16 --routing uniform --batch-size 1,64 --input-len 4096 --output-len 32 \
       --out "$out/v4-4l-one-batch.json" --profile "$out/v4-one-batch-profile"
+    ;;
+  v4-serving)
+    # issue 48: V4 prompts are chunked (--chunked-prefill-size) next to decoding streams
+    prompt=${V4S_PROMPT:-65536} chunk=${V4S_CHUNK:-8192} streams=${V4S_STREAMS:-32}
+    dev=${V4S_DEVICE:-cuda} v4cfg=${V4S_CONFIG:-'{"num_hidden_layers": 4}'}
+    model=$(mktemp -d)
+    step v4-serving-model python3 - "$model" "$v4cfg" <<'PY'
+import json, pathlib, sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DeepseekV4Config, PreTrainedTokenizerFast
+dst = pathlib.Path(sys.argv[1])
+cfg = DeepseekV4Config(**json.loads(sys.argv[2])).to_dict()
+cfg["architectures"] = ["DeepseekV4ForCausalLM"]
+(dst / "config.json").write_text(json.dumps(cfg))
+# a word-level tokenizer over the whole vocabulary: every generated id streams a chunk
+tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg["vocab_size"])},
+                                 unk_token="t0"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
+PY
+    step v4-serving-bound python3 -m bench.v4_serving bound --config "$model/config.json" \
+      --prompt "$prompt" --chunk "$chunk" --streams "$streams" --device "$dev" \
+      --out "$out/v4-serving-bound.json"
+    # shellcheck disable=SC2086  # V4S_SERVE: more serve flags, word-split on purpose
+    step v4-serving-load python3 -m cpmoe.cli bench-serving --dataset random \
+      --random-input-len 256 --random-output-len "${V4S_OUTPUT:-1200}" \
+      --num-prompts "$streams" --long-prompt-len "$prompt" --out "$out/v4-serving.json" \
+      --launch --model "$model" --load-format dummy --routing uniform --device "$dev" \
+      --chunked-prefill-size "$chunk" ${V4S_SERVE:-}
+    step v4-serving-compare python3 -m bench.v4_serving check \
+      --bound "$out/v4-serving-bound.json" --serving "$out/v4-serving.json"
     ;;
 esac
 finish

@@ -43,6 +43,8 @@ class ForwardBatch:
     prefix: PackedPrefix | None = None  # extend: sequences with cached tokens on this rank
     cache_keys: list[int] | None = None  # [B]: each sequence's KV-cache key (request key)
     fp8_attention: bool = False  # extend: prefill attention in FP8 (--kv-cache-dtype fp8_e4m3)
+    seq_ends: list[int] | None = None  # extend: tokens each sequence holds once its prompt
+    # is in (a chunk's whole prompt), for models whose ranking spans the whole prompt
 
     @property
     def num_tokens(self) -> int:

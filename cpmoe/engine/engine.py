@@ -83,10 +83,9 @@ class EngineOptions:
 
 
 def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
-    """Prompt tokens per step: `--chunked-prefill-size`, except for models that keep their
-    own per-sequence state (DeepSeek-V4), whose extend cannot continue a cached prompt yet:
-    those prefill each prompt in one piece."""
-    return -1 if runner.own_cache else opts.chunked_prefill_size
+    """Prompt tokens per step: `--chunked-prefill-size`, for every model (DeepSeek-V4's
+    extend continues a cached prompt from its own state, deepseek_v4/extend.py)."""
+    return opts.chunked_prefill_size
 
 
 def radix_cache(runner: ModelRunner, opts: EngineOptions) -> bool:
@@ -102,27 +101,25 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
     if opts.routing == "uniform":
         from cpmoe.moe.uniform_routing import calibrate_on_random_prompts
         calibrate_on_random_prompts(runner)
-    tokens = opts.max_total_tokens
-    if tokens is None and runner.own_cache and runner.device.type == "cuda":
-        raise CacheFullError("this model (DeepSeek-V4) keeps its own per-sequence caches, "
-                             "not K/V pages, and cannot size them from "
-                             "--mem-fraction-static yet: set --max-total-tokens (token slots "
-                             "per rank)")
+    tokens, seqs = opts.max_total_tokens, opts.max_running_requests
     if tokens is None:
-        tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static, opts.kv_cache_dtype)
+        tokens = (runner.kv_tokens_for_memory(opts.mem_fraction_static, opts.kv_cache_dtype,
+                                              seqs)
                   if runner.device.type == "cuda" or default_tokens is None else default_tokens)
         if tokens < opts.page_size:
             raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
                 f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
                 f"GiB already allocated: raise it or set --max-total-tokens")
-    kv = runner.allocate_kv(tokens, opts.page_size, opts.kv_cache_dtype)
+    kv = runner.allocate_kv(tokens, opts.page_size, opts.kv_cache_dtype, seqs)
     graph_bytes = 0
     if not opts.disable_cuda_graph and runner.can_capture_graphs():
         graph_bytes = runner.capture_decode_graphs(opts.cuda_graph_max_bs)
-    if runner.device.type == "cuda" and not runner.own_cache:
+    if runner.device.type == "cuda":
         warm_up_prefill(runner, prefill_chunk(runner, opts))
-    return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes}
+    # kv_cp_size: the ranks a request's tokens spread over in the token accounting (1 for
+    # a model's own cache, whose books every rank keeps whole), for admission's arithmetic
+    return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes, "kv_cp_size": kv.cp_size}
 
 
 WARM_UP_KEY = -1  # a cache key no request uses
@@ -203,7 +200,9 @@ def run_step(runner: ModelRunner, plan: StepPlan, sched: Scheduler | None,
     if plan.extend:
         scored = set(plan.prompt_logits)
         full = [i for i, (rid, _, _) in enumerate(plan.extend) if rid in scored]
-        logits = runner.extend([Segment(r, ids, s) for r, ids, s in plan.extend], full=full)
+        ends = plan.extend_ends or [0] * len(plan.extend)
+        logits = runner.extend([Segment(r, ids, s, e) for (r, ids, s), e
+                                in zip(plan.extend, ends)], full=full)
         if full:
             if sched is not None:
                 _score_prompts(sched, [plan.extend[i] for i in full],

@@ -31,7 +31,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
         runner.allocate_kv(kv_slots_needed([len(p) for p in prompts], max_new_tokens,
                                            layout.attn_cp_size, layout.cp_strategy,
                                            options.page_size, chunk), options.page_size,
-                            options.kv_cache_dtype)
+                            options.kv_cache_dtype, options.max_running_requests)
     kv = runner.kv
     for i, p in enumerate(prompts):
         need = kv_slots_needed([len(p)], max_new_tokens, kv.cp_size, layout.cp_strategy,

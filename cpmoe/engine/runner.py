@@ -107,6 +107,7 @@ class Segment:
     key: int
     ids: list[int]
     start: int = 0
+    end: int = 0  # the tokens its sequence will hold once its prompt is in (0: this one's end)
 
 
 @dataclass
@@ -213,12 +214,12 @@ class ModelRunner:
         return kv_bytes_per_token(self.model, self.dtype, kv_dtype)
 
     def allocate_kv(self, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
-                    kv_dtype: str = "auto"):
+                    kv_dtype: str = "auto", max_seqs: int | None = None):
         """A cache of `max_tokens` token slots per rank (rounded up to whole pages), its pools
-        of --kv-cache-dtype `kv_dtype`."""
+        of --kv-cache-dtype `kv_dtype`; a model's own cache has `max_seqs` sequence slots."""
         self.use_kv_cache_dtype(kv_dtype)
         if self.own_cache:  # per-sequence model state, not K/V pages (DeepSeek-V4)
-            self.kv = self.model.make_kv_cache(max_tokens)
+            self.kv = self.model.make_kv_cache(max_tokens, max_seqs)
             return self.kv
         attn = self.model.model.layers[0].self_attn
         cp = self.groups.attn_cp
@@ -238,14 +239,16 @@ class ModelRunner:
             raise ValueError(refusal)
         self.fp8_attention = fp8_attention_applies(kv_dtype, self.device, self.dtype)
 
-    def kv_tokens_for_memory(self, mem_fraction: float, kv_dtype: str = "auto") -> int:
+    def kv_tokens_for_memory(self, mem_fraction: float, kv_dtype: str = "auto",
+                             max_seqs: int = 256) -> int:
         """KV token slots per rank that fit `mem_fraction` of the GPU's memory next to what is
         allocated now (weights), agreed over the ranks (SGLang's --mem-fraction-static), in
-        pools of --kv-cache-dtype `kv_dtype`."""
+        pools of --kv-cache-dtype `kv_dtype` (a model's own cache: of max_seqs slots)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = total * mem_fraction - torch.cuda.memory_allocated(self.device)
-        mine = torch.tensor([max(0, int(budget // self.kv_bytes_per_token(kv_dtype)))],
-                            dtype=torch.int64, device=self.device)
+        budget = int(total * mem_fraction - torch.cuda.memory_allocated(self.device))
+        fit = (self.model.cache_tokens_for_bytes(budget, max_seqs) if self.own_cache
+               else budget // self.kv_bytes_per_token(kv_dtype))
+        mine = torch.tensor([max(0, fit)], dtype=torch.int64, device=self.device)
         return int(min(self.gather_from_ranks(mine)))
 
     def can_capture_graphs(self) -> bool:
@@ -349,7 +352,8 @@ class ModelRunner:
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=rel + starts[token_to_seq], token_to_seq=token_to_seq,
                              split=split, rel_positions=rel, q_runs=runs, packed_runs=packed,
-                             fp8_attention=self.fp8_attention)
+                             fp8_attention=self.fp8_attention,
+                             seq_ends=[max(s.end, s.start + len(s.ids)) for s in segments])
         if self.kv is not None:
             self._store_extend(batch, segments)
         elif any(s.start for s in segments):

@@ -136,6 +136,9 @@ class StepPlan:
     fork: list[tuple[int, int, int]] = field(default_factory=list)  # (id, source, tokens)
     cache: list[int] = field(default_factory=list)  # ids whose KV stays as a cached prefix
     extend: list[tuple[int, list[int], int]] = field(default_factory=list)  # (id, ids, start)
+    # per extend segment, its request's tokens when all pending ones are cached (a chunk's
+    # whole prompt: V4's indexer ranks over the whole prompt's entries, whatever the chunks)
+    extend_ends: list[int] = field(default_factory=list)
     # (id, token to feed); a token -(i + 1) is row i of the previous step's sampled tokens
     decode: list[tuple[int, int]] = field(default_factory=list)
     overlap: bool = False  # the step's tokens stay on the device for the next step's feed
@@ -191,7 +194,9 @@ class Scheduler:
         # prompts admitted but not yet in `index` (being prefilled), to defer their sharers
         self.inflight = RadixIndex(kv.page_size) if self.index is not None else None
         self.chunk_size = chunk_size if chunk_size > 0 else None  # None: no chunking
-        self.max_running = max_running
+        # a model's own cache has a fixed number of sequence slots (DeepSeek-V4's
+        # `max_seqs`): admission stops there, a request never meets a full slot table
+        self.max_running = min(max_running, getattr(kv, "max_seqs", max_running))
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admitted, in admission order
@@ -273,6 +278,7 @@ class Scheduler:
                   and not self.running[rid].output]
         return StepPlan(free=step.free, cache=[k for k in cache if k not in freed],
                         fork=step.forks, extend=extend,
+                        extend_ends=[len(self.running[rid].tokens) for rid, _, _ in extend],
                         decode=[(r.rid, r.last_token) for r in decode], prompt_logits=scored)
 
     def _evict(self, step: "_StepPages") -> bool:

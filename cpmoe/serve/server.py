@@ -134,7 +134,8 @@ def serve(opts: ServeOptions, engine: EngineOptions, layout: ParallelLayout, mod
                                 exit_.on_failure, world, BatchLog(opts.decode_log_interval))
     try:
         limits = Limits(name, cfg.vocab_size, context,
-                        client.sizes["kv_capacity"], layout.attn_cp_size, layout.cp_strategy,
+                        client.sizes["kv_capacity"],
+                        client.sizes.get("kv_cp_size", layout.attn_cp_size), layout.cp_strategy,
                         opts.default_max_tokens, engine.page_size, engine.chunked_prefill_size,
                         opts.tool_call_parser, opts.reasoning_parser)
         app = build_app(ServeState(client, tokenizer, limits, metrics, _attach(client, exit_)))

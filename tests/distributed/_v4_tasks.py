@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.runner import ModelRunner
+from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
@@ -146,3 +146,40 @@ def cache_bytes_task(info: RankInfo, layout: ParallelLayout, model_dir: Path, se
                      new_tokens: int) -> dict:
     return cache_bytes_run(ProcessGroups.build(layout, info.rank, info.device), model_dir, seq,
                            new_tokens)
+
+
+def chunked_run(groups: ProcessGroups, model_dir: Path, seqs: list[list[int]], chunk: int,
+                new_tokens: int) -> dict:
+    """`greedy_run`'s outputs with every prompt prefilled `chunk` tokens at a time (all
+    prompts' next chunks in one extend step, each continuing its cached prefix, as the
+    scheduler runs them): the prefill logits of every position in flat order, then greedy
+    decode steps."""
+    runner = ModelRunner(model_dir, groups, torch.float32, show_progress=False)
+    runner.allocate_kv(sum(len(s) for s in seqs) + len(seqs) * new_tokens)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    done = [0] * len(seqs)
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        live = [i for i, s in enumerate(seqs) if done[i] < len(s)]
+        segs = [Segment(i, seqs[i][done[i]:done[i] + chunk], done[i], len(seqs[i]))
+                for i in live]
+        out = runner.extend(segs, last_only=False)
+        at = 0
+        for i, seg in zip(live, segs):
+            rows[i].append(out[at:at + len(seg.ids)])
+            at += len(seg.ids)
+            done[i] += len(seg.ids)
+    prefill = torch.cat([torch.cat(r) for r in rows])
+    keys = list(range(len(seqs)))
+    steps = [prefill[torch.tensor([len(s) for s in seqs]).cumsum(0) - 1]]
+    tokens = [steps[-1].argmax(-1).tolist()]
+    for _ in range(new_tokens - 1):
+        steps.append(runner.decode(keys, tokens[-1]))
+        tokens.append(steps[-1].argmax(-1).tolist())
+    return {"prefill": prefill, "steps": steps, "tokens": [list(t) for t in zip(*tokens)]}
+
+
+def chunked_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
+                 seqs: list[list[int]], chunks: list[int], new_tokens: int) -> dict | None:
+    groups = ProcessGroups.build(layout, info.rank, info.device)
+    out = {c: chunked_run(groups, model_dir, seqs, c, new_tokens) for c in chunks}
+    return out if info.rank == 0 else None

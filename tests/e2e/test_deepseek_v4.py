@@ -84,8 +84,8 @@ def test_greedy_generation_matches_hf(v4, runner):
 
 
 def test_prompts_longer_than_a_prefill_chunk_match_hf(v4, runner):
-    """V4's extend cannot continue a cached prompt yet, so the engine prefills its prompts in
-    one piece whatever --chunked-prefill-size says (chunks of 8 here)."""
+    """Prompts prefilled 8 tokens a step (--chunked-prefill-size), each chunk continuing its
+    cached prefix (deepseek_v4/extend.py), give HF's greedy tokens."""
     from cpmoe.engine.engine import EngineOptions
     hf_model, _ = v4
     prompts = random_ids([37, 20], seed=13)

@@ -111,3 +111,35 @@ def test_structured_part_runs_the_json_schema_load_and_the_same_load_without(tmp
     assert len(runs) == 2 and "--json-schema" not in runs[0]
     schema = runs[1].split("--json-schema ")[1].split()[0]
     assert Path(schema).is_file() and runs[0].split("--out")[0] == runs[1].split("--json")[0]
+
+
+def test_v4_serving_part_times_the_bound_serves_and_fails_over_it(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "v4-serving")
+    assert rc == 0, _failed_lines(out)
+    bound = next(c for c in calls if "bench.v4_serving bound" in c)
+    load = next(c for c in calls if "bench-serving" in c)
+    check = next(c for c in calls if "bench.v4_serving check" in c)
+    assert "--prompt 65536 --chunk 8192 --streams 32" in bound
+    assert "--num-prompts 32 --long-prompt-len 65536" in load
+    assert "--load-format dummy" in load and "--chunked-prefill-size 8192" in load
+    assert calls.index(bound) < calls.index(load) < calls.index(check)  # one GPU user a time
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", "v4-serving", fail="v4_serving check")
+    assert rc == 1 and _failed_lines(out)[0].startswith("v4-serving-compare:")
+
+
+def _v4_serving_files(tmp_path: Path, p99: float | None) -> list[str]:
+    import json
+    bound = {"chunk_mean_s": 0.5, "chunk_max_s": 0.7, "decode_median_s": 0.02}
+    serving = {"summary": {"failed": 0, "long_prompt": {
+        "prompt_len": 65536, "error": "", "step_s": 0.55,
+        "itl_during_s": {"mean": None, "p50": None, "p90": None, "p99": p99}}}}
+    (tmp_path / "b.json").write_text(json.dumps(bound))
+    (tmp_path / "s.json").write_text(json.dumps(serving))
+    return ["check", "--bound", str(tmp_path / "b.json"), "--serving", str(tmp_path / "s.json")]
+
+
+@pytest.mark.parametrize("p99, rc", [(1.0, 0), (1.03, 0), (1.05, 1), (None, 1)])
+def test_v4_serving_check_fails_past_twice_a_chunk_and_a_decode_step(tmp_path, capsys, p99, rc):
+    from bench.v4_serving import main
+    assert main(_v4_serving_files(tmp_path, p99)) == rc  # bound: 2 x (0.5 + 0.02) = 1.04 s
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1

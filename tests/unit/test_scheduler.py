@@ -122,21 +122,6 @@ def test_eos_finishes_a_request_and_its_pages_are_freed_next_step():
     assert s.plan().free == [0]
 
 
-def test_a_model_with_its_own_caches_on_cuda_needs_max_total_tokens() -> None:
-    """DeepSeek-V4's caches are not K/V pages: --mem-fraction-static cannot size them, so
-    CUDA without --max-total-tokens is one clear line (it raised AttributeError before)."""
-    import types
-
-    import pytest
-
-    from cpmoe.cp.kv_cache import CacheFullError
-    from cpmoe.engine.engine import EngineOptions, prepare_runner
-    runner = types.SimpleNamespace(own_cache=True, device=torch.device("cuda"),
-                                   allocate_kv=lambda *a: pytest.fail("no cache may be built"))
-    with pytest.raises(CacheFullError, match="--max-total-tokens"):
-        prepare_runner(runner, EngineOptions(), None)
-
-
 def test_decode_graph_table_rewrites_a_request_stored_again_under_its_old_id() -> None:
     """The graphs' block table is updated incrementally. A row keeps its entries while its
     sequence only grows; a request preempted and re-admitted under the same id holds new

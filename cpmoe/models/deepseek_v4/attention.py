@@ -41,7 +41,8 @@ from cpmoe.linear import Linear, param
 from cpmoe.models.layers import (RMSNorm, RotaryEmbedding, apply_interleaved_rope,
                                  default_inv_freq, unweighted_rms_norm)
 from cpmoe.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config, RopeSpec
-from cpmoe.models.deepseek_v4.indexer import ReferenceTopK, indexer_topk
+from cpmoe.models.deepseek_v4.indexer import (ReferenceTopK, indexer_topk, keys_to_ids,
+                                              order_keys)
 from cpmoe.models.deepseek_v4.rope import head_norm_rope_
 from cpmoe.models.deepseek_v4.sparse import kernel_applies
 from cpmoe.parallel.groups import ProcessGroups
@@ -210,8 +211,9 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
         scores = self.scorer(q, keys_Ed, x_TH, visible)
         if q.dtype == torch.float32:
             return self.reference_topk(scores, lo_T, total_T, k, rows_T)
-        picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        return torch.where(visible.gather(1, picks), picks, -1)
+        # equal scores to the lower entry, by order keys and a top-k (no sort); entries
+        # not visible scored -inf: -1
+        return keys_to_ids(order_keys(scores, c.expand_as(scores)).topk(k, dim=-1).values)
 
 
 # ---- attention -------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ runner treats the cache as the model's own and every rank sees every decode row)
 `sequence_bytes` is the exact size rule of the live data (tests compare it with
 `nbytes_used`, whose sharded part counts the entries this rank really holds); the rings are
 reserved per sequence slot up front (`reserved_bytes`); `plan` prints `cache_summary`.
+`cache_bytes` is the size of the whole allocation (rings of every slot, entry pools, page
+tables) for a capacity and slot count, `tokens_for_bytes` the largest capacity a byte budget
+allows: --mem-fraction-static sizes this cache as it sizes Qwen's pages. The slot count
+(`max_seqs`, --max-running-requests) caps the scheduler's admissions.
 """
 
 from __future__ import annotations
@@ -84,6 +88,59 @@ def _bounded_bytes(cfg: DeepseekV4Config, elem: int) -> int:
     return worst
 
 
+def _rates(cfg: DeepseekV4Config) -> list[int]:
+    return sorted({cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0})
+
+
+def entry_pages(cfg: DeepseekV4Config, capacity: int, max_seqs: int, cp_size: int
+                ) -> dict[int, int]:
+    """Pages a rate can need: every local entry of every sequence plus one partly filled
+    page per sequence (local entries of a sequence <= its tokens / (m cp) + 1)."""
+    return {m: -(-(capacity // (m * cp_size) + max_seqs) // ENTRY_PAGE) + max_seqs
+            for m in _rates(cfg)}
+
+
+def table_columns(pages: dict[int, int], capacity: int, cp_size: int) -> dict[int, int]:
+    """Page-table columns per rate: the pages of one sequence of `capacity` tokens."""
+    return {m: min(n, -(-_owned(capacity // m, 0, cp_size) // ENTRY_PAGE) + 1)
+            for m, n in pages.items()}
+
+
+def cache_bytes(cfg: DeepseekV4Config, capacity: int, max_seqs: int, cp_size: int,
+                elem: int) -> int:
+    """Bytes of every tensor a `V4Cache` of these sizes allocates on one rank: the rings of
+    max_seqs + 1 slots (window, open compressor rows), the entry pools and the int64 page
+    tables (the shapes of `V4Cache._layer_cache`)."""
+    S, D, dI = max_seqs + 1, cfg.head_dim, cfg.index_head_dim
+    pages = entry_pages(cfg, capacity, max_seqs, cp_size)
+    total = sum(S * c * 8 for c in table_columns(pages, capacity, cp_size).values())
+    for layer, kind in enumerate(cfg.layer_types):
+        total += S * cfg.sliding_window * D * elem
+        if kind == SLIDING:
+            continue
+        m = cfg.compress_rate(layer)
+        for dim, overlap in [(D, kind == CSA)] + ([(dI, True)] if kind == CSA else []):
+            width, ring = (2 if overlap else 1) * dim, (2 if overlap else 1) * m
+            total += (S * ring * 2 * width + (pages[m] + 1) * ENTRY_PAGE * dim) * elem
+    return total
+
+
+def tokens_for_bytes(cfg: DeepseekV4Config, budget: int, max_seqs: int, cp_size: int,
+                     elem: int) -> int:
+    """The largest capacity (token slots) whose `cache_bytes` fits `budget`, 0 when not
+    even the per-slot rings do (what --mem-fraction-static leaves sizes the cache)."""
+    if cache_bytes(cfg, 1, max_seqs, cp_size, elem) > budget:
+        return 0
+    lo, hi = 1, 2
+    while cache_bytes(cfg, hi, max_seqs, cp_size, elem) <= budget and hi < 1 << 40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # cache_bytes grows with capacity: bisect the last that fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cache_bytes(cfg, mid, max_seqs, cp_size, elem) <= budget else (
+            lo, mid)
+    return lo
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -121,21 +178,16 @@ class V4Cache(PagedKVCache):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.shard = shard  # (cp_rank, cp_size) of the compressed entries held here
         cp_size = shard[1]
-        self.max_seqs = max_seqs or min(capacity, DEFAULT_MAX_SEQS)
+        self.max_seqs = min(max_seqs or DEFAULT_MAX_SEQS, capacity)
         self.trash_seq = self.max_seqs
-        self.rates = sorted({cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0})
-        # Pages a rate can need: every local entry of every sequence plus one partly filled
-        # page per sequence (local entries of a sequence <= its tokens / (m cp) + 1).
-        self.num_entry_pages = {
-            m: -(-(capacity // (m * cp_size) + self.max_seqs) // ENTRY_PAGE) + self.max_seqs
-            for m in self.rates}
+        self.rates = _rates(cfg)
+        self.num_entry_pages = entry_pages(cfg, capacity, self.max_seqs, cp_size)
         self.trash_entry = {m: n * ENTRY_PAGE for m, n in self.num_entry_pages.items()}
         self.layers = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
         # Page ids of every slot's local entries (column j: entries j*ENTRY_PAGE ..), on the
         # device, so a step reads its rows' pages there; written when a page is taken. A
         # sequence holds at most `capacity` tokens.
-        cols = {m: min(n, -(-_owned(capacity // m, 0, cp_size) // ENTRY_PAGE) + 1)
-                for m, n in self.num_entry_pages.items()}
+        cols = table_columns(self.num_entry_pages, capacity, cp_size)
         self.page_table = {m: torch.zeros(self.max_seqs + 1, c, dtype=torch.int64,
                                           device=device) for m, c in cols.items()}
         self._new_pages: list[tuple[int, int, int, int]] = []  # (rate, slot, column, page)

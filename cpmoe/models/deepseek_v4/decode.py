@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from cpmoe import communicator
 from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4Compressor, Queries
 from cpmoe.models.deepseek_v4.cache import V4Cache
-from cpmoe.models.deepseek_v4.indexer import ReferenceTopK
+from cpmoe.models.deepseek_v4.indexer import ReferenceTopK, keys_to_ids, order_keys, top_keys
 from cpmoe.models.deepseek_v4.state import ENTRY_PAGE, CompressorPool, DecodeStep
 from cpmoe.models.layers import RotaryEmbedding
 from cpmoe.parallel import comm
@@ -63,28 +63,29 @@ def partial_sink_attention(q_BHD: torch.Tensor, kv_BND: torch.Tensor, valid_BN: 
     return torch.einsum("bhn,bnd->bhd", p, kvf), lse
 
 
+def local_candidates(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int, rank: int,
+                     size: int) -> torch.Tensor:
+    """This rank's indexer scores of its entries (local index j = entry j*size + rank) ->
+    its k best as int64 order keys [B, k] (`indexer.order_keys`: score, then entry id)."""
+    scores = scores_BC.float().masked_fill(~valid_BC, float("-inf"))
+    ids = torch.arange(scores.shape[1], device=scores.device) * size + rank
+    return top_keys(order_keys(scores, ids.expand_as(scores)), k)
+
+
 def _global_topk(scores_BC: torch.Tensor, valid_BC: torch.Tensor, k: int,
                  cp: Group) -> torch.Tensor:
-    """This rank's indexer scores of its entries (local index j = entry j*cp + rank) -> the
-    ids of the k best entries over all ranks [B, k] (-1: fewer than k entries), ordered by
-    score then entry id, the same on every rank."""
-    B = scores_BC.shape[0]
-    scores = scores_BC.masked_fill(~valid_BC, float("-inf"))
-    if scores.shape[1] < k:
-        scores = F.pad(scores, (0, k - scores.shape[1]), value=float("-inf"))
-    best = scores.sort(dim=-1, descending=True, stable=True)
-    top_s, top_j = best.values[:, :k], best.indices[:, :k]
-    ids = top_j * cp.size + cp.rank
-    if cp.size > 1:  # one all-gather of (score, id) candidates, ids exact in fp32
-        packed = torch.cat([top_s, ids.to(top_s.dtype)], dim=1)
-        parts = comm.all_gather(packed, cp).view(cp.size, B, 2 * k)
-        top_s = parts[..., :k].permute(1, 0, 2).reshape(B, -1)
-        ids = parts[..., k:].permute(1, 0, 2).reshape(B, -1).to(torch.int64)
-        by_id = ids.argsort(dim=-1, stable=True)
-        top_s, ids = top_s.gather(1, by_id), ids.gather(1, by_id)
-        by_score = top_s.argsort(dim=-1, descending=True, stable=True)[:, :k]
-        top_s, ids = top_s.gather(1, by_score), ids.gather(1, by_score)
-    return torch.where(top_s > float("-inf"), ids, -1)
+    """The ids of the k best entries over all ranks [B, k] (-1: fewer than k entries),
+    ordered by score then entry id (equal scores: the lower entry), the same on every rank.
+    Without a sort: the keys order by (score, entry id) and are unique, so `torch.topk` of
+    each rank's keys, then of the union (ONE all-gather of int64 keys), picks what a stable
+    sort of all entries' scores picks (the global top-k is the top-k of the per-rank
+    top-ks)."""
+    top = local_candidates(scores_BC, valid_BC, k, cp.rank, cp.size)
+    if cp.size > 1:
+        B = top.shape[0]
+        parts = comm.all_gather(top, cp).view(cp.size, B, k)
+        top = top_keys(parts.permute(1, 0, 2).reshape(B, cp.size * k), k)
+    return keys_to_ids(top)
 
 
 def _reference_topk(pick: ReferenceTopK, scores_BC: torch.Tensor, valid_BC: torch.Tensor,

@@ -76,6 +76,32 @@ def _order_bits(bits: torch.Tensor) -> torch.Tensor:
 _HIDDEN = int(_order_bits(torch.tensor([float("-inf")]).view(torch.int32))[0])
 
 
+_LOW = 0xFFFFFFFF
+
+
+def order_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 scores and int64 entry ids (< 2^32) -> int64 keys in the order of a stable
+    descending sort by score, then id: the score's order-preserving bits above, 2^32-1 - id
+    below (the kernel's keys, in torch). -0.0 counts as 0.0, as the sort compares them.
+    Keys are unique where ids are, so `torch.topk` of them picks what the sort picks."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().contiguous()
+    high = _order_bits(s.view(torch.int32)).to(torch.int64) << 32
+    return high | (_LOW - ids)
+
+
+def keys_to_ids(top: torch.Tensor) -> torch.Tensor:
+    """`order_keys` picks -> their entry ids, -1 where the score was -inf (not visible)."""
+    return torch.where((top >> 32) > _HIDDEN, _LOW - (top & _LOW), -1)
+
+
+def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest keys of each row, largest first, rows of fewer than k padded with the
+    key of a hidden entry (no sort: `torch.topk`)."""
+    if keys.shape[-1] < k:
+        keys = F.pad(keys, (0, k - keys.shape[-1]), value=(_HIDDEN << 32) | 0)
+    return keys.topk(k, dim=-1).values
+
+
 def _check_inputs(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
                   bounds: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Shape/dtype/layout checks only (no value is read, so no host sync)."""
@@ -126,8 +152,7 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, scale: fl
     """See the module docstring -> picks [T, min(k, C)] int64, best first, -1 where not
     visible."""
     order = indexer_scores(q, keys, w, scale, bounds, order_keys=True)
-    top = order.topk(min(k, order.shape[1]), dim=-1).values
-    return torch.where((top >> 32) > _HIDDEN, 0xFFFFFFFF - (top & 0xFFFFFFFF), -1)
+    return keys_to_ids(order.topk(min(k, order.shape[1]), dim=-1).values)
 
 
 def topk_as_reference(scores_TC: torch.Tensor, first_T: torch.Tensor,

@@ -41,7 +41,7 @@ from cpmoe import communicator
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.linear import Linear, param
 from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, Rope, rope_inv_freq
-from cpmoe.models.deepseek_v4.cache import V4Cache, cache_summary
+from cpmoe.models.deepseek_v4.cache import V4Cache, cache_summary, tokens_for_bytes
 from cpmoe.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config
 from cpmoe.models.deepseek_v4.decode import decode_attention
 from cpmoe.models.deepseek_v4.graph import V4DecodeGraphs
@@ -388,12 +388,19 @@ class DeepseekV4ForCausalLM(CausalLMHead):
         """`cpmoe plan`'s line on the decode cache: per-rank bytes under this layout."""
         return cache_summary(cfg, layout.attn_cp_size, dtype)
 
-    def make_kv_cache(self, capacity: int) -> V4Cache:
+    def make_kv_cache(self, capacity: int, max_seqs: int | None = None) -> V4Cache:
         """The runner's `allocate_kv` hook: V4 keeps per-sequence states, not K/V slots; this
-        CP rank holds its share of the compressed entries."""
+        CP rank holds its share of the compressed entries. max_seqs: sequence slots
+        (--max-running-requests; None: min(capacity, 256))."""
         cp = self.groups.attn_cp
         return V4Cache(self.config, capacity, self.dtype, self.model.embed_tokens.weight.device,
-                       (cp.rank, cp.size))
+                       (cp.rank, cp.size), max_seqs)
+
+    def cache_tokens_for_bytes(self, budget: int, max_seqs: int) -> int:
+        """The runner's `kv_tokens_for_memory` hook: the most token slots of a cache of
+        max_seqs sequence slots within `budget` bytes on this rank (`tokens_for_bytes`)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return tokens_for_bytes(self.config, budget, max_seqs, self.groups.attn_cp.size, elem)
 
     def can_capture_decode(self) -> bool:
         """The decode step is capture-safe in bf16: V4's clamped SwiGLU experts take the

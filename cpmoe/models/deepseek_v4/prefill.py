@@ -19,7 +19,10 @@ without per-sequence work:
   elsewhere gathered once and attended in fp32 by `sink_attention`, the reference.
   Per-block extents come from the plan (host), so nothing syncs.
 Exact for any CP split: K-side rows are in flat order on every rank and queries carry their
-absolute positions.
+absolute positions. A sequence that continues a cached prefix (a chunk of a long prompt)
+gets the prefix's ring rows ahead of its new K-side rows and its cached entries ahead of
+its new ones (`extend.py`), so a chunked prompt gives the whole prompt's logits; its rows'
+indexer top-k ranks over the whole prompt's entries (`ForwardBatch.seq_ends`).
 
 Legend: T = local query rows, N = flat K-side rows, E = entries of the batch, W = window,
 S = compressed keys per row, B = sequences, D = head dim.
@@ -35,6 +38,8 @@ from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.models.deepseek_v4.attention import DeepseekV4Attention, Queries
 from cpmoe.models.deepseek_v4.cache import V4Cache
 from cpmoe.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from cpmoe.models.deepseek_v4.extend import (PrefixPlan, augment_rows, entries_with_prefix,
+                                             prefix_rows)
 from cpmoe.models.deepseek_v4.sparse import kernel_applies, sparse_sink_attention
 from cpmoe.models.layers import RotaryEmbedding
 
@@ -69,41 +74,57 @@ def rows_per_block(keys: int, heads: int, head_dim: int, index_heads: int, entri
 
 @dataclass
 class EntryIndex:
-    """The compressed entries of every sequence at one rate m, in flat order."""
+    """The compressed entries of every sequence at one rate m, in flat order: per sequence
+    the entries closed before the forward (a cached prefix's, `extend.py`), then the ones
+    its new tokens close, which the forward pools."""
 
-    counts: list[int]  # entries per sequence (host)
+    counts: list[int]  # entries per sequence (host), prefix ones included
     offsets: list[int]  # first entry of each sequence (host), plus the total
-    start_row: torch.Tensor  # [E] flat K-side row where the entry's window starts
-    window: torch.Tensor  # [E] window index w within its sequence
+    start_row: torch.Tensor  # [E_new] flat K-side row where a new entry's window starts
+    window: torch.Tensor  # [E_new] its window index w within its sequence
 
     @classmethod
-    def build(cls, cu: list[int], rate: int, device: torch.device) -> "EntryIndex":
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        counts = [n // rate for n in lens]
+    def build(cls, cu: list[int], rate: int, device: torch.device,
+              firsts: list[int] | None = None, starts: list[int] | None = None
+              ) -> "EntryIndex":
+        """cu: flat K-side row offsets; sequence s's rows hold positions firsts[s] .. (its
+        first cached-prefix row, 0 without) and its new tokens start at starts[s]."""
+        n = len(cu) - 1
+        firsts, starts = firsts or [0] * n, starts or [0] * n
+        ends = [f + b - a for f, a, b in zip(firsts, cu[:-1], cu[1:])]
+        counts = [e // rate for e in ends]
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-        window = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1], dtype=torch.int64)[seq]
-        start = torch.tensor(cu[:-1], dtype=torch.int64)[seq] + window * rate
+        done = torch.tensor([st // rate for st in starts], dtype=torch.int64)
+        fresh = torch.tensor(counts, dtype=torch.int64) - done
+        fresh_off = torch.cumsum(fresh, 0) - fresh
+        seq = torch.repeat_interleave(torch.arange(n), fresh)
+        window = torch.arange(int(fresh.sum())) - fresh_off[seq] + done[seq]
+        base = torch.tensor(cu[:-1], dtype=torch.int64) - torch.tensor(firsts, dtype=torch.int64)
+        start = base[seq] + window * rate
         return cls(counts, offsets, start.to(device), window.to(device))
 
 
 @dataclass
 class PrefillPlan:
-    cu: list[int]  # flat K-side row offsets of the sequences (host)
+    cu: list[int]  # flat K-side row offsets of the sequences (host), prefix rows included
+    firsts: list[int]  # position of each sequence's first K-side row (host)
     row_seq: torch.Tensor  # [T] sequence of each local query row
-    row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0
+    row_base: torch.Tensor  # [T] flat K-side row of its sequence's position 0 (virtual
+    # when the sequence's rows start after position 0)
+    row_first: torch.Tensor  # [T] position of its sequence's first K-side row
     blocks: list[tuple[int, int, int, int]]  # (row0, row1, first seq, last seq + 1)
     entries: dict[int, EntryIndex]  # by compress rate
     # by compress rate: per local row, its sequence's first entry (flat), how many of its
     # sequence's entries it sees (the first ones: windows closed at its position) and how
-    # many its sequence has in this forward (the length of the reference's indexer row)
+    # many its whole prompt has (the length of the reference's indexer row: the same
+    # whatever the chunks, `ForwardBatch.seq_ends`)
     row_entries: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # by compress rate, per block (host): the end of the entries any of its rows may see
     # (flat entry index) and the most entries one of its rows sees
     seen: dict[int, list[tuple[int, int]]]
+    prefix: PrefixPlan | None = None  # sequences that continue a cached prefix
 
     @classmethod
     def build(cls, batch: ForwardBatch, cp_rank: int, cfg: DeepseekV4Config,
@@ -111,11 +132,26 @@ class PrefillPlan:
         """`dtype`: the model's; with the kernel (`kernel_applies`) blocks can be larger."""
         split = batch.split
         assert split is not None
-        cu, device = list(split.cu_seqlens), batch.positions.device
-        rates = {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}
-        entries = {m: EntryIndex.build(cu, m, device) for m in rates}
+        device = batch.positions.device
+        lens = [b - a for a, b in zip(split.cu_seqlens[:-1], split.cu_seqlens[1:])]
+        rates = sorted({cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0})
+        starts, prefix = _cached_starts(batch, lens), None
+        # the reference's indexer row of a chunk's query: its whole prompt's entries
+        ends = [max(e, st + n) for e, st, n in
+                zip(batch.seq_ends or [0] * len(lens), starts, lens)]
+        if any(starts):
+            kv = batch.kv
+            assert isinstance(kv, V4Cache) and batch.cache_keys is not None
+            prefix = PrefixPlan.build(kv, batch.cache_keys, starts, lens, cfg, rates,
+                                      kv.shard, device)
+        firsts = [st - min(st, prefix_rows(cfg)) for st in starts]
+        cu = [0]
+        for n, st, f in zip(lens, starts, firsts):
+            cu.append(cu[-1] + st - f + n)
+        entries = {m: EntryIndex.build(cu, m, device, firsts, starts) for m in rates}
         seqs = split.local_token_to_seq(cp_rank)  # host copies of batch.token_to_seq
-        pos = split.local_positions(cp_rank)  # and of batch.positions
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        pos = split.local_positions(cp_rank) + starts_t[seqs]  # and of batch.positions
         T, W = seqs.numel(), cfg.sliding_window
         csa = entries.get(cfg.compress_rate_csa) if CSA in cfg.layer_types else None
         hca = entries.get(cfg.compress_rate_hca) if HCA in cfg.layer_types else None
@@ -129,13 +165,23 @@ class PrefillPlan:
             first = torch.tensor(ei.offsets[:-1], dtype=torch.int64)[seqs]
             count = (pos + 1) // m
             end = first + count
-            total = torch.tensor(ei.counts, dtype=torch.int64)[seqs]
+            total = torch.tensor([e // m for e in ends], dtype=torch.int64)[seqs]
             row_entries[m] = (first.to(device), count.to(device), total.to(device))
             seen[m] = [(int(end[r0:r1].max()), int(count[r0:r1].max()))
                        for r0, r1, _, _ in blocks]
-        cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)
-        return cls(cu, batch.token_to_seq, cu_t[batch.token_to_seq], blocks, entries,
-                   row_entries, seen)
+        firsts_t = torch.tensor(firsts, dtype=torch.int64, device=device)[batch.token_to_seq]
+        cu_t = torch.tensor(cu[:-1], dtype=torch.int64, device=device)[batch.token_to_seq]
+        return cls(cu, firsts, batch.token_to_seq, cu_t - firsts_t, firsts_t, blocks, entries,
+                   row_entries, seen, prefix)
+
+
+def _cached_starts(batch: ForwardBatch, lens: list[int]) -> list[int]:
+    """Tokens each sequence held in the cache before this forward (the runner has counted
+    the new ones already), 0 without a cache."""
+    kv = batch.kv
+    if not isinstance(kv, V4Cache) or batch.cache_keys is None:
+        return [0] * len(lens)
+    return [kv.seqs[key].length - n for key, n in zip(batch.cache_keys, lens)]
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
@@ -160,16 +206,29 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
     """Layer `attn` for every local query row -> [T, Hq, D] (before the inverse RoPE and the
     output projection); with a cache, stores this CP rank's share of every sequence."""
     D, W, c = attn.head_dim, attn.window, attn.compressor
+    lc = batch.kv.layers[attn.layer] if isinstance(batch.kv, V4Cache) else None
+    if plan.prefix is not None:  # each sequence's cached rows ahead of its new ones
+        assert lc is not None
+        k_side = augment_rows(k_side, lc, plan.prefix)
     kv_N = k_side[:, :D]
     pool, N = kv_N, kv_N.shape[0]
     ent = index_keys = ei = None
     if c is not None:
         ei = plan.entries[c.rate]
         ent = c.pool_flat(k_side[:, D:D + 2 * c.width], ei.start_row, ei.window, rope)
+        if plan.prefix is not None:
+            assert lc is not None and lc.comp is not None
+            ent = entries_with_prefix(ent, lc.comp.entries, plan.prefix.entries[c.rate],
+                                      attn.groups.attn_cp)
         pool = torch.cat([kv_N, ent.to(kv_N.dtype)])
         if c.indexer is not None:
             index_keys = c.indexer.pool_flat(k_side[:, D + 2 * c.width:], ei.start_row,
                                              ei.window, rope)
+            if plan.prefix is not None:
+                assert lc is not None and lc.index is not None
+                index_keys = entries_with_prefix(index_keys, lc.index.entries,
+                                                 plan.prefix.entries[c.rate],
+                                                 attn.groups.attn_cp)
     out = torch.empty_like(qs.q)
     kernel = kernel_applies(qs.q.device, qs.q.dtype)
     arange_w = torch.arange(W, device=kv_N.device)
@@ -179,7 +238,9 @@ def prefill_attention(attn: DeepseekV4Attention, qs: Queries, k_side: torch.Tens
     for b, (r0, r1, s0, _) in enumerate(plan.blocks):
         r = slice(r0, r1)
         kpos = qs.pos[r][:, None] - (W - 1) + arange_w  # [rows, W]
-        idx, valid = plan.row_base[r][:, None] + kpos.clamp(min=0), kpos >= 0
+        # rows before a sequence's first K-side row are never valid (a prefix's reach)
+        idx = plan.row_base[r][:, None] + torch.maximum(kpos, plan.row_first[r][:, None])
+        valid = kpos >= 0
         keys = None  # keys a row may see lie in its first `keys` (default: all)
         if c is not None and plan.seen[c.rate][b][1] > 0:
             e1, most = plan.seen[c.rate][b]
@@ -219,7 +280,8 @@ def _store(attn: DeepseekV4Attention, plan: PrefillPlan, k_side: torch.Tensor,
     for s, key in enumerate(batch.cache_keys):
         a, b = plan.cu[s], plan.cu[s + 1]
         slot = kv.seq_slot(key)
-        _write_ring(lc.window, slot, k_side[a:b, :D])
+        f = plan.firsts[s]
+        _write_ring(lc.window, slot, k_side[a:b, :D], f)
         if c is None:
             continue
         ei = plan.entries[c.rate]
@@ -227,19 +289,19 @@ def _store(attn: DeepseekV4Attention, plan: PrefillPlan, k_side: torch.Tensor,
         mine = torch.tensor(kv.own_entries(key, c.rate, ei.counts[s]), dtype=torch.int64,
                             device=k_side.device)
         assert ent is not None and lc.comp is not None
-        _write_ring(lc.comp.rows, slot, k_side[a:b, D:D + 2 * c.width])
+        _write_ring(lc.comp.rows, slot, k_side[a:b, D:D + 2 * c.width], f)
         lc.comp.entries[mine] = ent[e0:e1][cp.rank::cp.size].to(lc.comp.entries.dtype)
         if c.indexer is not None:
             assert index_keys is not None and lc.index is not None
-            _write_ring(lc.index.rows, slot, k_side[a:b, D + 2 * c.width:])
+            _write_ring(lc.index.rows, slot, k_side[a:b, D + 2 * c.width:], f)
             lc.index.entries[mine] = index_keys[e0:e1][cp.rank::cp.size].to(
                 lc.index.entries.dtype)
 
 
-def _write_ring(ring_SRF: torch.Tensor, slot: int, rows_LF: torch.Tensor) -> None:
-    """Rows of positions 0..L-1 of one sequence -> its ring (position p at p % R); the
-    last R are kept."""
+def _write_ring(ring_SRF: torch.Tensor, slot: int, rows_LF: torch.Tensor, first: int) -> None:
+    """Rows of positions first..first+L-1 of one sequence -> its ring (position p at p % R);
+    the last R are kept."""
     L, R = rows_LF.shape[0], ring_SRF.shape[1]
     keep = min(L, R)
-    pos = torch.arange(L - keep, L, device=rows_LF.device)
+    pos = torch.arange(first + L - keep, first + L, device=rows_LF.device)
     ring_SRF[slot, pos % R] = rows_LF[L - keep:].to(ring_SRF.dtype)
