@@ -5,6 +5,8 @@
 #   bash bench/h200_engine.sh decode  OUT_DIR   # bench-one-batch vs HF (eager, compiled), 32K
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
+#   bash bench/h200_engine.sh fp8-serving OUT_DIR  # serving 1024/256 at 128: bf16 vs FP8
+#                                               # weights + FP8 K/V (target >= 1.3x)
 #   bash bench/h200_engine.sh structured OUT_DIR  # 64 JSON-schema streams vs the same without
 #                                               # (needs the xgrammar + apache-tvm-ffi wheels)
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
@@ -34,11 +36,11 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|structured|fp8|fp8-prefill|v4|v4-serving)
+  smoke|decode|serving|prefix|fp8-serving|structured|fp8|fp8-prefill|v4|v4-serving)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | prefix | structured | fp8 |" \
-          "fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
+  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving |" \
+          "structured | fp8 | fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
 esac
 case "$part" in
   smoke)
@@ -58,7 +60,7 @@ case "$part" in
     step one-batch-32k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 \
       --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
-  serving|prefix)
+  serving|prefix|fp8-serving)
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
 import json, pathlib, sys
@@ -76,6 +78,30 @@ tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
 PY
     serve=(--model "$model" --load-format dummy --routing uniform)
+    if [ "$part" = fp8-serving ]; then
+      # issue 45: random 1,024 / 256 at 128 in flight, bf16 against FP8 weights + FP8 K/V
+      # (FP8 prefill attention), the same load; FP8_SERVING_PROMPTS sets its size
+      load=(--dataset random --random-input-len 1024 --random-output-len 256
+            --num-prompts "${FP8_SERVING_PROMPTS:-512}" --max-concurrency 128)
+      step fp8-serving-bf16 python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/fp8-serving-bf16.json" --launch "${serve[@]}"
+      step fp8-serving-fp8 python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/fp8-serving-fp8.json" --launch "${serve[@]}" --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3
+      step fp8-serving-compare python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+bf16, fp8 = (json.loads((out / f"fp8-serving-{r}.json").read_text())["summary"]
+             for r in ("bf16", "fp8"))
+ratio = fp8["output_token_throughput"] / bf16["output_token_throughput"]
+print(f"output tok/s: bf16 {bf16['output_token_throughput']:.0f}, FP8 weights + FP8 K/V "
+      f"{fp8['output_token_throughput']:.0f} ({ratio:.2f}x, target >= 1.3); TPOT p50 "
+      f"{bf16['tpot_s']['p50'] * 1e3:.1f} / {fp8['tpot_s']['p50'] * 1e3:.1f} ms; TTFT mean "
+      f"{bf16['ttft_s']['mean'] * 1e3:.0f} / {fp8['ttft_s']['mean'] * 1e3:.0f} ms")
+sys.exit(0 if ratio >= 1.3 else 1)
+PY
+      finish
+    fi
     if [ "$part" = prefix ]; then
       # SGLang's generated-shared-prefix sizes (2,048-token prefix, 128-token question),
       # 128-token answers; 8 prefixes x 64 prompts, 128 in flight; the same run both ways

@@ -113,6 +113,19 @@ def test_structured_part_runs_the_json_schema_load_and_the_same_load_without(tmp
     assert Path(schema).is_file() and runs[0].split("--out")[0] == runs[1].split("--json")[0]
 
 
+def test_fp8_serving_part_runs_the_same_load_in_bf16_and_fp8_and_compares(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "fp8-serving")
+    assert rc == 0, _failed_lines(out)
+    runs = [c for c in calls if "bench-serving" in c]
+    assert len(runs) == 2 and "--quantization" not in runs[0]
+    assert runs[1].endswith("--quantization fp8 --kv-cache-dtype fp8_e4m3")
+    assert "--random-input-len 1024 --random-output-len 256" in runs[0]
+    assert runs[0].split("--out")[0] == runs[1].split("--out")[0]  # the same load
+    assert not any("long-prompt-len" in c for c in calls)  # not the serving part's runs
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", "fp8-serving", fail="fp8-serving")
+    assert rc == 1 and _failed_lines(out)
+
+
 def test_v4_serving_part_times_the_bound_serves_and_fails_over_it(tmp_path):
     rc, out, calls = _run(tmp_path, "h200_engine.sh", "v4-serving")
     assert rc == 0, _failed_lines(out)
