@@ -21,7 +21,8 @@ import time
 import torch
 
 from cpmoe.bench.spec import SHAPES
-from cpmoe.engine.engine import EngineOptions, prepare_runner, run_step
+from cpmoe.engine.engine import run_step
+from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.scheduler import StepPlan
 from cpmoe.parallel.groups import ProcessGroups

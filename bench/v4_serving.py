@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.engine import EngineOptions, prepare_runner
+from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
 

@@ -32,7 +32,8 @@ import torch
 from cpmoe.bench.model_task import prompts
 from cpmoe.bench.timing import device_name, free_cached, median, peak_bytes, reset_peak, sync
 from cpmoe.cp.kv_cache import kv_slots_needed
-from cpmoe.engine.engine import DeviceTokens, EngineOptions, prepare_runner
+from cpmoe.engine.engine import DeviceTokens
+from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement, layers_with_placement

@@ -66,7 +66,7 @@ def launched_vocab(flags: list[str]) -> int:
 
 
 def chunk_size(flags: list[str]) -> int:
-    from cpmoe.engine.engine import DEFAULT_CHUNKED_PREFILL
+    from cpmoe.engine.options import DEFAULT_CHUNKED_PREFILL
     value = next((flags[i + 1] for i, f in enumerate(flags[:-1])
                   if f == "--chunked-prefill-size"), None)
     return int(value) if value is not None else DEFAULT_CHUNKED_PREFILL

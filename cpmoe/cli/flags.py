@@ -83,7 +83,7 @@ def check_context(lengths: list[int], max_tokens: int, context: int, max_flag: s
 
 def add_engine_flags(p: argparse.ArgumentParser, max_total_default: str) -> None:
     """The engine's flags (SGLang names), shared by generate, check, serve and benchmarks."""
-    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.options import EngineOptions
     d = EngineOptions()
     g = p.add_argument_group("engine (SGLang flags)")
     g.add_argument("--max-total-tokens", type=int, default=None,
@@ -141,7 +141,7 @@ def add_quantization_flag(g) -> None:
 
 def engine_options(args: argparse.Namespace, cfg=None):
     """The engine flags, checked; with the model's config, also against the model."""
-    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.options import EngineOptions
     from cpmoe.engine.runner import kv_cache_refusal
     refusal = cfg and kv_cache_refusal(args.kv_cache_dtype, model_class(cfg.architecture))
     if refusal:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.engine import (Driver, EngineOptions, Frontend, engine_loop, prefill_chunk,
-                                 prepare_runner, radix_cache)
+from cpmoe.engine.engine import Driver, Frontend, engine_loop
+from cpmoe.engine.options import EngineOptions, prefill_chunk, prepare_runner, radix_cache
 from cpmoe.engine.generate import generate
 from cpmoe.engine.grammar import GrammarBackend
 from cpmoe.engine.runner import ModelRunner

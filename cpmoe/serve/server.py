@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.engine.engine import BatchFrontend, Driver, EngineOptions, engine_loop
+from cpmoe.engine.engine import BatchFrontend, Driver, engine_loop
+from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import SamplingParams

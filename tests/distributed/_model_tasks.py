@@ -78,7 +78,7 @@ def fp8_kv_task(info: RankInfo, layout: ParallelLayout, model_dir: Path,
     the logits of every step that sampled and the prompt index of each of their rows."""
     from unittest import mock
 
-    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.options import EngineOptions
     from cpmoe.engine.scheduler import Scheduler
 
     groups = ProcessGroups.build(layout, info.rank, info.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.options import EngineOptions
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 from tests.distributed._radix_tasks import Turn, engine_task, fork_task

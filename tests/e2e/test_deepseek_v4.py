@@ -86,7 +86,7 @@ def test_greedy_generation_matches_hf(v4, runner):
 def test_prompts_longer_than_a_prefill_chunk_match_hf(v4, runner):
     """Prompts prefilled 8 tokens a step (--chunked-prefill-size), each chunk continuing its
     cached prefix (deepseek_v4/extend.py), give HF's greedy tokens."""
-    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.options import EngineOptions
     hf_model, _ = v4
     prompts = random_ids([37, 20], seed=13)
     want = [hf_greedy(hf_model, p, 4) for p in prompts]

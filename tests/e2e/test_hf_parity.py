@@ -21,7 +21,7 @@ import contextlib
 import pytest
 import torch
 
-from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups

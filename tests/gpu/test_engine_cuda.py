@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpmoe.engine.engine import EngineOptions, prepare_runner
+from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups

@@ -124,7 +124,7 @@ def test_check_runs_over_the_kv_cache_dtype_it_is_given(qwen3_moe_dir):
     builds its cache in the dtype it is handed (the logits move by the rounding), and the
     result equals generate's own path over FP8 pools, the prefill's last position."""
     from cpmoe.check import _run
-    from cpmoe.engine.engine import EngineOptions
+    from cpmoe.engine.options import EngineOptions
     from cpmoe.engine.generate import generate
     from cpmoe.engine.runner import ModelRunner
     from cpmoe.parallel.groups import ProcessGroups

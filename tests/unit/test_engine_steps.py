@@ -11,7 +11,7 @@ import torch
 
 from cpmoe.bench.one_batch import _decode_overlapped, _decode_synced
 from cpmoe.engine import engine
-from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
@@ -75,7 +75,7 @@ def test_bench_decode_overlapped_equals_synced():
     (800, 2048, [[(800, 0)], [(16, 800)], [(400, 816)]])])
 def test_prefill_warm_up_runs_a_chunk_and_cached_prefix_extends_and_frees_them(
         monkeypatch, chunk, slots, extends):
-    from cpmoe.engine.engine import warm_up_prefill
+    from cpmoe.engine.options import warm_up_prefill
     runner = _runner()
     runner.allocate_kv(slots, 4)
     seen = []

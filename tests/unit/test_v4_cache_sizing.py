@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cpmoe.cp.kv_cache import CacheFullError
-from cpmoe.engine.engine import EngineOptions
+from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.models.deepseek_v4.cache import V4Cache, cache_bytes, tokens_for_bytes
