@@ -24,7 +24,7 @@ from cpmoe.bench.spec import SHAPES
 from cpmoe.engine.engine import run_step
 from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment
-from cpmoe.engine.scheduler import StepPlan
+from cpmoe.engine.request import StepPlan
 from cpmoe.parallel.groups import ProcessGroups
 
 

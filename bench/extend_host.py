@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpmoe.bench.spec import SHAPES
 from cpmoe.engine.engine import run_step
-from cpmoe.engine.scheduler import StepPlan
+from cpmoe.engine.request import StepPlan
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
 

@@ -16,7 +16,7 @@ from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.spec import SHAPES, BenchError, parse_config, read_shape
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype, read_config_json
-from cpmoe.engine.runner import fp8_attention_refusal, kv_cache_refusal
+from cpmoe.engine.sizing import fp8_attention_refusal, kv_cache_refusal
 from cpmoe.models.registry import check_model_fit, model_class
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a world builds a 30B model and captures graphs first

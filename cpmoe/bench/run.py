@@ -37,7 +37,7 @@ from cpmoe.bench.spec import (
 )
 from cpmoe.bench.timing import keep_multicast_off
 from cpmoe.config import DTYPES, parse_dtype
-from cpmoe.engine.runner import fp8_attention_refusal
+from cpmoe.engine.sizing import fp8_attention_refusal
 from cpmoe.models.registry import config_from_dict
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a 128K prefill's collectives wait at most for rank skew
@@ -53,7 +53,7 @@ def results_dir() -> Path:
 def check_memory(raw: dict, layouts: list, dtype: torch.dtype, device: str, where: str) -> None:
     """Refuse, in one line, a run whose weights alone cannot fit: per GPU on CUDA, all ranks
     together in this machine's available memory on CPU (every rank is a local process)."""
-    from cpmoe.engine.runner import memory_per_rank
+    from cpmoe.engine.sizing import memory_per_rank
     cfg, model_cls = config_from_dict(raw, where)
     for bl in layouts:
         per_rank = [m["weight_bytes"] for m in memory_per_rank(cfg, model_cls, bl.layout,

@@ -14,7 +14,8 @@ from cpmoe.config import ConfigError, parse_dtype
 from cpmoe.context import context_length, over_context
 from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from cpmoe.engine.runner import LOAD_FORMATS, QUANTIZATIONS
+from cpmoe.engine.runner import LOAD_FORMATS
+from cpmoe.engine.sizing import QUANTIZATIONS
 from cpmoe.engine.scheduler import SCHEDULE_POLICIES
 from cpmoe.loader import LoadError
 from cpmoe.models.registry import check_model_fit, load_model_config, model_class
@@ -142,7 +143,7 @@ def add_quantization_flag(g) -> None:
 def engine_options(args: argparse.Namespace, cfg=None):
     """The engine flags, checked; with the model's config, also against the model."""
     from cpmoe.engine.options import EngineOptions
-    from cpmoe.engine.runner import kv_cache_refusal
+    from cpmoe.engine.sizing import kv_cache_refusal
     refusal = cfg and kv_cache_refusal(args.kv_cache_dtype, model_class(cfg.architecture))
     if refusal:
         raise InputError(refusal)
@@ -206,7 +207,7 @@ def resolve(args: argparse.Namespace):
         raise InputError(f"--device cuda: --tp-size {layout.world_size} needs that many GPUs, "
                          f"{torch.cuda.device_count()} visible")
     dtype = parse_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    from cpmoe.engine.runner import fp8_attention_refusal
+    from cpmoe.engine.sizing import fp8_attention_refusal
     refusal = fp8_attention_refusal(getattr(args, "kv_cache_dtype", "auto"),
                                     torch.device(device), dtype)
     if refusal:

@@ -8,7 +8,7 @@ import json
 
 from cpmoe import communicator
 from cpmoe.cli.flags import InputError, resolve
-from cpmoe.engine.runner import with_quantization
+from cpmoe.engine.sizing import with_quantization
 from cpmoe.models.registry import load_model_config
 
 
@@ -18,7 +18,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return run_estimate(args)
     if stray_estimate_flag(args):
         raise InputError(stray_estimate_flag(args))
-    from cpmoe.engine.runner import kv_cache_refusal, memory_per_rank
+    from cpmoe.engine.sizing import kv_cache_refusal, memory_per_rank
     layout, model_dir, cfg, _, dtype = resolve(args)
     out = layout.summary()
     sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)]

@@ -54,7 +54,8 @@ from cpmoe.engine.logits import adjust_logits, prompt_logprobs, token_logprobs
 from cpmoe.engine.profiler import ProfileCommand, StepProfiler
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import sample
-from cpmoe.engine.scheduler import Request, Scheduler, StepPlan, TokenEvent
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request, StepPlan, TokenEvent
 from cpmoe.parallel import comm
 
 

@@ -13,7 +13,8 @@ from cpmoe.engine.engine import BatchFrontend, Driver, engine_loop
 from cpmoe.engine.options import EngineOptions, prefill_chunk, radix_cache
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
-from cpmoe.engine.scheduler import Request, Scheduler
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,

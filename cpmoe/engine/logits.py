@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.scheduler import Request
+from cpmoe.engine.request import Request
 
 
 def adjust_logits(logits_V: torch.Tensor, req: Request,

@@ -23,7 +23,8 @@ from cpmoe.engine.options import EngineOptions, prefill_chunk, prepare_runner, r
 from cpmoe.engine.generate import generate
 from cpmoe.engine.grammar import GrammarBackend
 from cpmoe.engine.runner import ModelRunner
-from cpmoe.engine.scheduler import Scheduler, TokenEvent
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from cpmoe.engine.profiler import ACTIVITIES, DEFAULT_DIR, ProfileCommand
-from cpmoe.engine.scheduler import TokenEvent
+from cpmoe.engine.request import TokenEvent
 from cpmoe.serve import logprobs as lp
 from cpmoe.serve import jobs, responses
 from cpmoe.serve import protocol as api

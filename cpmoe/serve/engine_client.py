@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
 from cpmoe.engine.profiler import ProfileCommand
-from cpmoe.engine.scheduler import Request, TokenEvent
+from cpmoe.engine.request import Request, TokenEvent
 from cpmoe.engine.serving import EngineSpec, serve_task
 from cpmoe.parallel.launch import RankInfo, RankPool
 from cpmoe.serve.metrics import BatchLog, Metrics

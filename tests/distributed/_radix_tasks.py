@@ -11,7 +11,8 @@ from cpmoe.engine.engine import BatchFrontend, Driver, engine_loop
 from cpmoe.engine.options import EngineOptions
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.sampling import SamplingParams
-from cpmoe.engine.scheduler import Request, Scheduler, TokenEvent
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request, TokenEvent
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpmoe.bench.spec import parse_config, read_shape
-from cpmoe.engine.runner import memory_per_rank
+from cpmoe.engine.sizing import memory_per_rank
 from cpmoe.estimate import cost
 from cpmoe.estimate.rates import H200, Link, interpolate
 from cpmoe.models.registry import model_class

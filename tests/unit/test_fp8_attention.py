@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpmoe.cp import fp8_attention as fa
-from cpmoe.engine.runner import fp8_attention_applies, fp8_attention_refusal
+from cpmoe.engine.sizing import fp8_attention_applies, fp8_attention_refusal
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.engine.runner import ModelRunner, memory_per_rank
+from cpmoe.engine.runner import ModelRunner
+from cpmoe.engine.sizing import memory_per_rank
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.layout import ParallelLayout

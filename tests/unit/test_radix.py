@@ -11,7 +11,8 @@ from cpmoe.cp.kv_cache import PagedKVCache
 from cpmoe.cp.split import CPSplit
 from cpmoe.engine.radix import RadixIndex
 from cpmoe.engine.sampling import SamplingParams
-from cpmoe.engine.scheduler import Request, Scheduler
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request
 from tests.unit.test_scheduler import run
 
 

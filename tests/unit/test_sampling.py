@@ -19,7 +19,7 @@ def test_a_step_chooses_each_row_as_its_request_alone_would() -> None:
     """Greedy rows are chosen together, sampled rows one by one: every row gets what
     `sample` gives that request's row on its own (its params, stream and step)."""
     from cpmoe.engine.engine import choose_tokens
-    from cpmoe.engine.scheduler import Request
+    from cpmoe.engine.request import Request
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=10, seed=3),
@@ -47,7 +47,7 @@ def _penalised_by_hand(logits: list[float], prompt: list[int], output: list[int]
 
 def test_penalties_match_openai_definitions_by_hand() -> None:
     from cpmoe.engine.logits import adjust_logits
-    from cpmoe.engine.scheduler import Request
+    from cpmoe.engine.request import Request
     row = torch.randn(30, generator=torch.Generator().manual_seed(1))
     prompt, output = [1, 2, 3, 3], [5, 7, 5, 2, 5]
     for pres, freq, rep in [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3),
@@ -62,7 +62,7 @@ def test_penalties_match_openai_definitions_by_hand() -> None:
 
 def test_min_tokens_forbids_eos_until_reached_and_greedy_penalised_rows_use_them() -> None:
     from cpmoe.engine.engine import choose_tokens
-    from cpmoe.engine.scheduler import Request
+    from cpmoe.engine.request import Request
     logits = torch.zeros(3, 10)
     logits[:, 9] = 5.0  # EOS is the argmax
     logits[:, 4] = 4.0

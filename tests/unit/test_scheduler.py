@@ -7,7 +7,8 @@ import torch
 
 from cpmoe.cp.kv_cache import PagedKVCache
 from cpmoe.engine.sampling import SamplingParams
-from cpmoe.engine.scheduler import Request, Scheduler, StepPlan
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request, StepPlan
 
 EOS = 0
 

@@ -26,7 +26,8 @@ from cpmoe.engine.grammar import GrammarBackend, GrammarSpec, apply_token_bitmas
 from cpmoe.engine.logits import adjust_logits
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams, sample
-from cpmoe.engine.scheduler import Request, Scheduler
+from cpmoe.engine.scheduler import Scheduler
+from cpmoe.engine.request import Request
 from cpmoe.models.registry import load_model_config
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.serve.reasoning import Qwen3Reasoning
