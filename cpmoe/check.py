@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cpmoe.cp.kv_cache import kv_slots_needed
+from cpmoe.cp.kv_capacity import kv_slots_needed
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.engine.rank_tasks import RunSpec, build_runner
 from cpmoe.models.deepseek_v4.indexer import ReferenceTopK

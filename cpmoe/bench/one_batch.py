@@ -31,7 +31,7 @@ import torch
 
 from cpmoe.bench.model_task import prompts
 from cpmoe.bench.timing import device_name, free_cached, median, peak_bytes, reset_peak, sync
-from cpmoe.cp.kv_cache import kv_slots_needed
+from cpmoe.cp.kv_capacity import kv_slots_needed
 from cpmoe.engine.engine import DeviceTokens
 from cpmoe.engine.options import EngineOptions, prepare_runner
 from cpmoe.engine.runner import ModelRunner, Segment

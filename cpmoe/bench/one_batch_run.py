@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.bench import one_batch as ob
-from cpmoe.bench import report as rp
+from cpmoe.bench import one_batch as ob, report as rp
 from cpmoe.bench.pooled import Pooled
 from cpmoe.bench.spec import SHAPES, BenchError, parse_config, read_shape
 from cpmoe.bench.timing import keep_multicast_off

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.bench import hf_task, model_task
-from cpmoe.bench import report as rp
+from cpmoe.bench import hf_task, model_task, report as rp
 from cpmoe.bench.pooled import OOM, Pooled
 from cpmoe.bench.spec import (
     SHAPES,

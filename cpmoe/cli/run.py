@@ -91,7 +91,7 @@ def read_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[l
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cpmoe.cp.kv_cache import kv_slots_needed, over_capacity
+    from cpmoe.cp.kv_capacity import kv_slots_needed, over_capacity
     from cpmoe.engine.sampling import SamplingParams
     from cpmoe.engine.rank_tasks import RunSpec, generate_task
     layout, model_dir, cfg, device, dtype = resolve(args)

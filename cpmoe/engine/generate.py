@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from cpmoe.cp.kv_cache import CacheFullError, kv_slots_needed, over_capacity
+from cpmoe.cp.kv_cache import CacheFullError
+from cpmoe.cp.kv_capacity import kv_slots_needed, over_capacity
 from cpmoe.engine.engine import BatchFrontend, Driver, engine_loop
 from cpmoe.engine.options import EngineOptions, prefill_chunk, radix_cache
 from cpmoe.engine.runner import ModelRunner

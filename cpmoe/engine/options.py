@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, CacheFullError
+from cpmoe.cp.kv_cache import CacheFullError
+from cpmoe.cp.kv_capacity import DEFAULT_PAGE_SIZE
 from cpmoe.engine.runner import ModelRunner, Segment, StepTimes
 
 

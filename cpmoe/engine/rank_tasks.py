@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cpmoe.engine.options import EngineOptions, prepare_runner
-from cpmoe.cp.kv_cache import kv_slots_needed
+from cpmoe.cp.kv_capacity import kv_slots_needed
 from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams

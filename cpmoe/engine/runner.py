@@ -16,8 +16,8 @@ import torch
 from cpmoe.config import read_config_json
 from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
 from cpmoe.cp.forward_batch import ForwardBatch
-from cpmoe.cp.kv_cache import (DEFAULT_PAGE_SIZE, CacheFullError, PagedKVCache, kv_cache_dtype,
-                               pages_for)
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, kv_cache_dtype
+from cpmoe.cp.kv_capacity import DEFAULT_PAGE_SIZE, pages_for
 from cpmoe.cp.split import CPSplit
 from cpmoe.engine.sizing import (fp8_attention_applies, fp8_attention_refusal,
                                  kv_bytes_per_token, kv_cache_refusal, with_quantization)

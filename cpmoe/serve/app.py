@@ -30,9 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from cpmoe.engine.profiler import ACTIVITIES, DEFAULT_DIR, ProfileCommand
 from cpmoe.engine.request import TokenEvent
-from cpmoe.serve import logprobs as lp
-from cpmoe.serve import jobs, responses
-from cpmoe.serve import protocol as api
+from cpmoe.serve import jobs, logprobs as lp, protocol as api, responses
 from cpmoe.serve.chat_output import ChatOutput
 from cpmoe.serve.detokenize import TextStream
 from cpmoe.serve.engine_client import EngineClient, EngineDown, QueueFull, RequestStream

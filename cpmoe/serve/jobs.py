@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpmoe.context import over_context
-from cpmoe.cp.kv_cache import DEFAULT_PAGE_SIZE, kv_slots_needed, over_capacity
+from cpmoe.cp.kv_capacity import DEFAULT_PAGE_SIZE, kv_slots_needed, over_capacity
 from cpmoe.engine.grammar import GrammarSpec
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.serve.protocol import (MAX_LOGIT_BIAS, MAX_PROMPTS, MAX_STOP_STRINGS, SEED_LIMIT,

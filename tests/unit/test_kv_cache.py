@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, decode_fill, request_rank_tokens
+from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache
+from cpmoe.cp.kv_capacity import decode_fill, request_rank_tokens
 from cpmoe.cp.split import CPSplit, rank_counts
 from cpmoe.engine.generate import kv_slots_needed
 
