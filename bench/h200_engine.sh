@@ -161,14 +161,17 @@ PY
     # (the 256 bytes, then words "t<id>", EOS at the config's ids), so grammars can spell JSON
     # and every token streams text. With random weights a JSON string almost never closes
     # (one allowed token of ~150K does), so both runs generate their whole output length.
+    # Both loads go to one server (the same kernels and cache state), each after its own
+    # warm-up request; STRUCTURED_LAYERS (default 48) runs fewer layers of the same widths,
+    # which gives the grammar's host work a larger share of each step (a harder ratio).
     model=$(mktemp -d)
-    step structured-model python3 - "$model" <<'PY'
+    step structured-model python3 - "$model" "${STRUCTURED_LAYERS:-48}" <<'PY'
 import json, pathlib, sys
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from cpmoe.bench.spec import SHAPES
 dst = pathlib.Path(sys.argv[1])
-cfg = SHAPES["qwen3-30b-a3b"]
+cfg = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=int(sys.argv[2]))
 (dst / "config.json").write_text(json.dumps(cfg))
 bos, eos = cfg["bos_token_id"], cfg["eos_token_id"]
 alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -183,14 +186,26 @@ tok.add_special_tokens([AddedToken("<|endoftext|>", special=True),
 PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                         pad_token="<|endoftext|>").save_pretrained(dst)
 PY
-    serve=(--model "$model" --load-format dummy --routing uniform)
+    python3 -m cpmoe.cli serve --model "$model" --load-format dummy --routing uniform \
+      --port 0 2> "$out/structured.server.log" &
+    server=$!
+    url=
+    for _ in $(seq 900); do  # model build, CUDA graphs and warm-up: minutes at most
+      url=$(sed -n 's/.*cpmoe: serving [^ ]* at \(http:[^ ]*\) .*/\1/p' \
+        "$out/structured.server.log" | head -n 1)
+      [ -n "$url" ] || ! kill -0 "$server" 2>/dev/null && break
+      sleep 1
+    done
+    vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
+      "$model/config.json")
     load=(--dataset random --random-input-len 256 --random-output-len 256 --num-prompts 256
-          --max-concurrency 64)
+          --max-concurrency 64 --base-url "${url:-http://server-not-ready}" --vocab-size "$vocab")
     step structured-plain python3 -m cpmoe.cli bench-serving "${load[@]}" \
-      --out "$out/structured-plain.json" --launch "${serve[@]}"
+      --out "$out/structured-plain.json"
     step structured-json python3 -m cpmoe.cli bench-serving "${load[@]}" \
-      --json-schema "$(dirname "$0")/structured-schema.json" \
-      --out "$out/structured-json.json" --launch "${serve[@]}"
+      --json-schema "$(dirname "$0")/structured-schema.json" --out "$out/structured-json.json"
+    kill -TERM "$server" 2>/dev/null
+    wait "$server"
     step structured-compare python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

@@ -22,6 +22,8 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_LOG"
 [ "${1:-}" = "-" ] && cat > /dev/null
 echo "fake output of: $*"
+# a server says where it serves on stderr, as `cpmoe serve` does
+[[ "$*" == *"cpmoe.cli serve"* ]] && echo "cpmoe: serving fake at http://127.0.0.1:1 (fake)" >&2
 if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then
   echo "fake failure" >&2
   exit 3
@@ -111,6 +113,11 @@ def test_structured_part_runs_the_json_schema_load_and_the_same_load_without(tmp
     assert len(runs) == 2 and "--json-schema" not in runs[0]
     schema = runs[1].split("--json-schema ")[1].split()[0]
     assert Path(schema).is_file() and runs[0].split("--out")[0] == runs[1].split("--json")[0]
+    # both loads against the one server the part started, at the address it printed
+    serve = [c for c in calls if "cpmoe.cli serve" in c]
+    assert len(serve) == 1 and "--load-format dummy" in serve[0]
+    assert all("--base-url http://127.0.0.1:1 " in r for r in runs)
+    assert calls.index(serve[0]) < calls.index(runs[0])
 
 
 def test_fp8_serving_part_runs_the_same_load_in_bf16_and_fp8_and_compares(tmp_path):
