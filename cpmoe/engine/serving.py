@@ -96,9 +96,10 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
                           opts.max_running_requests, spec.eos_ids,
                           radix=radix_cache(runner, opts),
                           policy=opts.schedule_policy)
-        frontend = LinkFrontend(spec, pids, sizes)
+        # the grammar backend first: the server reports ready once the frontend links up
         grammars = GrammarBackend(spec.model_dir, runner.config.vocab_size, spec.eos_ids,
                                   pin_memory=runner.device.type == "cuda")
+        frontend = LinkFrontend(spec, pids, sizes)
         driver = Driver(runner, sched, frontend, spec.idle_tick_s,
                         overlap=not opts.disable_overlap_schedule, grammars=grammars)
     try:
