@@ -189,6 +189,7 @@ PY
     python3 -m cpmoe.cli serve --model "$model" --load-format dummy --routing uniform \
       --port 0 2> "$out/structured.server.log" &
     server=$!
+    trap 'kill -TERM "$server" 2>/dev/null' EXIT  # stopped with the part, even by a timeout
     url=
     for _ in $(seq 900); do  # model build, CUDA graphs and warm-up: minutes at most
       url=$(sed -n 's/.*cpmoe: serving [^ ]* at \(http:[^ ]*\) .*/\1/p' \

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import ssl
 import sys
 import time
@@ -240,6 +241,10 @@ async def warm_up(url: str, model: str, first: tuple[list[int], int], n: int, vo
             raise BenchError(f"--warmup-requests: warm-up request {i} failed: {res.error}")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     for flag in ("num_prompts", "random_input_len", "random_output_len",
                  "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len",
@@ -268,6 +273,8 @@ def run_bench_serving(args: argparse.Namespace, argv: list[str]) -> int:
     requests = make_requests(args, vocab)
     response_format = read_json_schema(args.json_schema)
     server = Launched(args.launch) if args.launch is not None else None
+    if server is not None:  # a SIGTERM (a time limit's) still stops the server it started
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         url = server.url if server else args.base_url.rstrip("/")
         model = server.model if server else served_model(url)
