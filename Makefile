@@ -15,7 +15,8 @@ PY := $(VENV)/bin/python
 NEWEST_VENV := .venv-newest
 # the tests that compare against HF transformers' own models
 HF_PARITY_TESTS := tests/e2e/test_hf_parity.py tests/e2e/test_fp8_checkpoints.py \
-	tests/e2e/test_deepseek_v4.py tests/e2e/test_deepseek_v4_fp8.py
+	tests/e2e/test_deepseek_v4.py tests/e2e/test_deepseek_v4_fp8.py \
+	tests/distributed/test_deepseek_v4_cp.py
 DEMO_LAYOUT := --tp-size 4 --attn-cp-size 2 --moe-dp-size 1 --ep-size 4
 
 .PHONY: setup demo test test-newest-transformers clean
