@@ -11,7 +11,7 @@ A newcomer's reading order, from where a request enters down to the collectives:
    `serve/engine_client.py:EngineClient`.
 2. The step loop, one for generate and serve. `engine/engine.py:engine_loop` runs
    `engine/engine.py:Driver` steps; `engine/scheduler.py:Scheduler.plan` picks each step's
-   prefill chunks and decode rows (`engine/scheduler.py:StepPlan`) over the paged KV cache
+   prefill chunks and decode rows (`engine/request.py:StepPlan`) over the paged KV cache
    `cp/kv_cache.py:PagedKVCache` (its pages sharded over CP ranks) and the prefix cache
    `engine/radix.py`; `engine/runner.py:ModelRunner` runs a step (`ModelRunner.prefill`,
    `ModelRunner.decode`; CUDA graphs in `engine/cuda_graph.py`).
