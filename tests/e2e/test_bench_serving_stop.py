@@ -25,7 +25,7 @@ def test_sigterm_to_bench_serving_stops_the_server_it_launched(tmp_path):
         [sys.executable, "-m", "cpmoe.cli", "bench-serving", "--num-prompts", "64",
          "--random-input-len", "16", "--random-output-len", "4000", "--max-concurrency", "2",
          "--warmup-requests", "0", "--out", str(tmp_path / "b.json"), "--launch",
-         "--device", "cpu",         "--served-model-name", marker],
+         "--device", "cpu", "--served-model-name", marker],
         cwd=str(REPO_ROOT), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
