@@ -58,7 +58,7 @@ def test_mixed_long_and_short_prompts_give_the_generate_tokens(server, v4_dir):
         replies = list(pool.map(lambda p: _complete(server, p, MAX_TOKENS), prompts))
     ref = Reference(v4_dir, ())
     for n, p, r in zip(LENGTHS, prompts, replies):
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, f"{r.text}\nserver log:\n{server.stderr()[-4000:]}"
         got = r.json()["choices"][0]["token_ids"]
         assert got == ref.tokens(p, MAX_TOKENS), f"the {n}-token prompt"
 
