@@ -23,6 +23,7 @@ import torch
 
 from cpmoe.engine.runner import ModelRunner, Segment
 from cpmoe.parallel.groups import ProcessGroups
+from cpmoe.parallel.layout import ParallelLayout
 from tests._full import full_matrix
 from tests.distributed._v4_tasks import chunked_run, chunked_task, greedy_run, make_v4_model
 from tests.distributed.test_deepseek_v4_cp import (LENGTHS, MATRIX, NEW_TOKENS, V4_DEFAULT,
@@ -85,3 +86,14 @@ def test_v4_layout_chunked_prefill_equals_whole(layout, pools, model_dir, seqs, 
                                        NEW_TOKENS)[0]
     for chunk in CHUNKS:
         assert_like_whole(got[chunk], whole, TOL, f"{layout_id(layout)} chunk {chunk}")
+
+
+def test_a_one_token_chunk_alone_leaves_a_cp_rank_without_rows_and_equals_whole(
+        pools, model_dir, seqs, whole):
+    """Chunks of 299: the second step extends only the 300-token prompt's last token, so one
+    of 2 CP ranks has no row of the step (a served run of mixed prompts met this: the
+    output projection's view of 0 rows raised on that rank)."""
+    layout = ParallelLayout(tp_size=2, attn_cp_size=2, moe_dp_size=1, ep_size=2)
+    got = pools(layout.world_size).run(chunked_task, layout, model_dir, seqs, [299],
+                                       NEW_TOKENS)[0]
+    assert_like_whole(got[299], whole, TOL, "tp2-cp2 chunk 299")

@@ -304,7 +304,8 @@ class DeepseekV4Attention(nn.Module):
             o = head_norm_rope_(out_ThD, rope.cos, rope.sin, self.eps, norm=False, sin_sign=-1.0)
         else:
             o = apply_interleaved_rope(out_ThD, rope.cos, -rope.sin)
-        return self.o_b_proj(self._grouped_o_a(o.view(out_ThD.shape[0], self.o_groups, -1)))
+        T, Hq, D = out_ThD.shape  # T may be 0: a CP rank with no row of this step
+        return self.o_b_proj(self._grouped_o_a(o.view(T, self.o_groups, Hq * D // self.o_groups)))
 
     def _grouped_o_a(self, o_TGI: torch.Tensor) -> torch.Tensor:
         """Group g's rows o[:, g] times its block of o_a_proj -> [T, g * o_lora]. One bmm
