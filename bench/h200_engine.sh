@@ -88,18 +88,8 @@ PY
       step fp8-serving-fp8 python3 -m cpmoe.cli bench-serving "${load[@]}" \
         --out "$out/fp8-serving-fp8.json" --launch "${serve[@]}" --quantization fp8 \
         --kv-cache-dtype fp8_e4m3
-      step fp8-serving-compare python3 - "$out" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-bf16, fp8 = (json.loads((out / f"fp8-serving-{r}.json").read_text())["summary"]
-             for r in ("bf16", "fp8"))
-ratio = fp8["output_token_throughput"] / bf16["output_token_throughput"]
-print(f"output tok/s: bf16 {bf16['output_token_throughput']:.0f}, FP8 weights + FP8 K/V "
-      f"{fp8['output_token_throughput']:.0f} ({ratio:.2f}x, target >= 1.3); TPOT p50 "
-      f"{bf16['tpot_s']['p50'] * 1e3:.1f} / {fp8['tpot_s']['p50'] * 1e3:.1f} ms; TTFT mean "
-      f"{bf16['ttft_s']['mean'] * 1e3:.0f} / {fp8['ttft_s']['mean'] * 1e3:.0f} ms")
-sys.exit(0 if ratio >= 1.3 else 1)
-PY
+      step fp8-serving-compare python3 -m bench.serving_ratio "$out/fp8-serving-bf16.json" \
+        "$out/fp8-serving-fp8.json" --min 1.3 --names "bf16,FP8 weights + FP8 K/V"
       finish
     fi
     if [ "$part" = prefix ]; then
@@ -207,18 +197,8 @@ PY
       --json-schema "$(dirname "$0")/structured-schema.json" --out "$out/structured-json.json"
     kill -TERM "$server" 2>/dev/null
     wait "$server"
-    step structured-compare python3 - "$out" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-plain, js = (json.loads((out / f"structured-{r}.json").read_text())["summary"]
-             for r in ("plain", "json"))
-ratio = js["output_token_throughput"] / plain["output_token_throughput"]
-print(f"output tok/s: no grammar {plain['output_token_throughput']:.0f}, JSON schema "
-      f"{js['output_token_throughput']:.0f} ({ratio:.2f}x, target >= 0.80); output tokens "
-      f"{plain['total_output_tokens']} / {js['total_output_tokens']}; TPOT p50 "
-      f"{plain['tpot_s']['p50'] * 1e3:.1f} / {js['tpot_s']['p50'] * 1e3:.1f} ms")
-sys.exit(0 if ratio >= 0.8 else 1)
-PY
+    step structured-compare python3 -m bench.serving_ratio "$out/structured-plain.json" \
+      "$out/structured-json.json" --min 0.8 --names "no grammar,JSON schema"
     ;;
   fp8)
     step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py

@@ -163,3 +163,21 @@ def test_v4_serving_check_fails_past_twice_a_chunk_and_a_decode_step(tmp_path, c
     from bench.v4_serving import main
     assert main(_v4_serving_files(tmp_path, p99)) == rc  # bound: 2 x (0.5 + 0.02) = 1.04 s
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
+
+
+def _summary(tok_s: float) -> dict:
+    return {"summary": {"output_token_throughput": tok_s, "total_output_tokens": 1000,
+                        "tpot_s": {"p50": 0.016}, "ttft_s": {"mean": 0.3}}}
+
+
+@pytest.mark.parametrize("other, code", [(3000.0, 0), (2000.0, 1)])
+def test_serving_ratio_passes_at_the_target_and_fails_under_it(tmp_path, capsys, other, code):
+    import json
+
+    from bench.serving_ratio import main
+    base, run = tmp_path / "base.json", tmp_path / "other.json"
+    base.write_text(json.dumps(_summary(3500.0)))
+    run.write_text(json.dumps(_summary(other)))
+    assert main([str(base), str(run), "--min", "0.8", "--names", "plain,json"]) == code
+    out = capsys.readouterr().out
+    assert f"plain 3500, json {other:.0f} ({other / 3500:.2f}x, target >= 0.8)" in out

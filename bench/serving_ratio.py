@@ -1,0 +1,36 @@
+"""Two bench-serving results of the same load side by side: output tok/s of the second over
+the first, with output tokens, TPOT p50 and TTFT mean of both; exit 1 under --min.
+
+    python3 -m bench.serving_ratio BASE.json OTHER.json --min 0.8 --names "no grammar,JSON schema"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("base", type=Path)
+    p.add_argument("other", type=Path)
+    p.add_argument("--min", type=float, required=True, help="the ratio's target")
+    p.add_argument("--names", default="base,other", help="the two runs' names, comma-separated")
+    a = p.parse_args(argv)
+    names = a.names.split(",")
+    if len(names) != 2:
+        sys.exit(f"--names {a.names!r}: expected two comma-separated names")
+    base, other = (json.loads(f.read_text())["summary"] for f in (a.base, a.other))
+    ratio = other["output_token_throughput"] / base["output_token_throughput"]
+    print(f"output tok/s: {names[0]} {base['output_token_throughput']:.0f}, {names[1]} "
+          f"{other['output_token_throughput']:.0f} ({ratio:.2f}x, target >= {a.min}); output "
+          f"tokens {base['total_output_tokens']} / {other['total_output_tokens']}; TPOT p50 "
+          f"{base['tpot_s']['p50'] * 1e3:.1f} / {other['tpot_s']['p50'] * 1e3:.1f} ms; TTFT "
+          f"mean {base['ttft_s']['mean'] * 1e3:.0f} / {other['ttft_s']['mean'] * 1e3:.0f} ms")
+    return 0 if ratio >= a.min else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
