@@ -11,7 +11,7 @@ import torch
 from cpmoe.cp.kv_cache import CacheFullError
 from cpmoe.cp.kv_capacity import kv_slots_needed, over_capacity
 from cpmoe.engine.engine import BatchFrontend, Driver, engine_loop
-from cpmoe.engine.options import EngineOptions, prefill_chunk, radix_cache
+from cpmoe.engine.options import EngineOptions, radix_cache
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.engine.sampling import SamplingParams
 from cpmoe.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     layout = runner.layout
-    chunk = prefill_chunk(runner, options)
+    chunk = options.chunked_prefill_size
     if runner.kv is None:
         runner.allocate_kv(kv_slots_needed([len(p) for p in prompts], max_new_tokens,
                                            layout.attn_cp_size, layout.cp_strategy,

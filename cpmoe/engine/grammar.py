@@ -151,7 +151,10 @@ class GrammarBackend:
         # the H200 at ff2c6a2, which built it in the compile thread, had prefill steps of 1.9
         # and 4.1 s while that thread imported xgrammar and read the tokenizer).
         if importlib.util.find_spec("xgrammar") is not None:
-            self._warm_compiler()
+            try:
+                self._compiler = self._build_compiler()
+            except Exception:  # noqa: BLE001 -- no tokenizer files (--skip-tokenizer-init):
+                pass  # the first grammar request's compile raises it again, with its message
 
     def row(self, spec: GrammarSpec) -> RowGrammar:
         """A matcher for a new request; its grammar compiles in the background."""
@@ -173,15 +176,6 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                   stop_token_ids=list(self.eos_ids))
         return xgr.GrammarCompiler(info)
-
-    def _warm_compiler(self) -> None:
-        """Build the compiler ahead of the first grammar; a failure (no tokenizer files under
-        --skip-tokenizer-init) is left for that request's compile to report."""
-        try:
-            if self._compiler is None:
-                self._compiler = self._build_compiler()
-        except Exception:  # noqa: BLE001 -- raised again, with its message, by _compile
-            pass
 
     def fill(self, rows: list[RowGrammar | None]) -> torch.Tensor:
         """Bitmask [len(rows), words] (int32, host) of the tokens each row may take next: a

@@ -38,12 +38,6 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the K/V pools' (kv_cache.KV_CACHE_DTYPES)
 
 
-def prefill_chunk(runner: ModelRunner, opts: EngineOptions) -> int:
-    """Prompt tokens per step: `--chunked-prefill-size`, for every model (DeepSeek-V4's
-    extend continues a cached prompt from its own state, deepseek_v4/extend.py)."""
-    return opts.chunked_prefill_size
-
-
 def radix_cache(runner: ModelRunner, opts: EngineOptions) -> bool:
     """Whether the scheduler shares prompt prefixes: on unless --disable-radix-cache, for
     models whose K/V live in the paged cache (not DeepSeek-V4's own per-sequence state)."""
@@ -72,7 +66,7 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
     if not opts.disable_cuda_graph and runner.can_capture_graphs():
         graph_bytes = runner.capture_decode_graphs(opts.cuda_graph_max_bs)
     if runner.device.type == "cuda":
-        warm_up_prefill(runner, prefill_chunk(runner, opts))
+        warm_up_prefill(runner, opts.chunked_prefill_size)
     # kv_cp_size: the ranks a request's tokens spread over in the token accounting (1 for
     # a model's own cache, whose books every rank keeps whole), for admission's arithmetic
     return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes, "kv_cp_size": kv.cp_size}

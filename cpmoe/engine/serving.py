@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cpmoe.engine.engine import Driver, Frontend, engine_loop
-from cpmoe.engine.options import EngineOptions, prefill_chunk, prepare_runner, radix_cache
+from cpmoe.engine.options import EngineOptions, prepare_runner, radix_cache
 from cpmoe.engine.generate import generate
 from cpmoe.engine.grammar import GrammarBackend
 from cpmoe.engine.runner import ModelRunner
@@ -92,7 +92,7 @@ def serve_task(info: RankInfo, spec: EngineSpec) -> None:
     driver = None
     if info.rank == 0:
         opts = spec.options
-        sched = Scheduler(runner.kv, spec.layout.cp_strategy, prefill_chunk(runner, opts),
+        sched = Scheduler(runner.kv, spec.layout.cp_strategy, opts.chunked_prefill_size,
                           opts.max_running_requests, spec.eos_ids,
                           radix=radix_cache(runner, opts),
                           policy=opts.schedule_policy)
