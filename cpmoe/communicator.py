@@ -187,18 +187,20 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: Pro
 
 
 def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups,
-                         k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float
+                         k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+                         kv_scale: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend: this rank's queries [T, H, D] against their sequences' cached prefixes, whose
     K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32 (at CP 1 o as
     `prefix_partial` leaves it: q's dtype on CUDA), exact over the whole prefix. The queries
     are all-gathered over ATTN_CP, every rank attends all of them to its own shard, and one
     all-to-all returns each rank's partial results for its own rows, merged by log-sum-exp
-    (no rank ever holds another's prefix K/V)."""
+    (no rank ever holds another's prefix K/V). kv_scale: the layer's K/V scales of FP8
+    pools (`prefix_partial`)."""
     cp = groups.attn_cp
     assert batch.prefix is not None and batch.split is not None
     q_all = q if cp.size == 1 else comm.all_gather(batch.split.pad_local(q), cp)
-    o, lse = prefix_partial(q_all, batch.prefix, k_pool, v_pool, scale)
+    o, lse = prefix_partial(q_all, batch.prefix, k_pool, v_pool, scale, kv_scale)
     if cp.size == 1:
         return o, lse
     R, H, D = o.shape

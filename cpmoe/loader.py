@@ -11,6 +11,9 @@ comes with its scale grid `X.weight_scale_inv` or `X.scale`; the rank's slice of
 is read with the slice of the grid covering it and dequantized once, here, into the
 parameter's dtype. Every scale must belong to a weight, every FP8 weight must have one.
 
+K/V-cache scales (`self_attn.k_scale` / `v_scale` and the other names in quant/kv_scales.py)
+go into the attention modules' `kv_scale` buffers, for FP8 K/V pools.
+
 At the end every parameter must have been filled exactly once, and every checkpoint tensor
 (scales included) must have been either used or owned by another rank; otherwise one line
 names the tensor.
@@ -35,6 +38,7 @@ from cpmoe.linear import Linear
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.ops.fp8 import (FP4_NAMES, FP8_NAMES, MXFP4_BLOCK, dequantize, scale_grid,
                            scale_to_float)
+from cpmoe.quant.kv_scales import KVScales
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                      r"\.weight$")
@@ -155,7 +159,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path, *, show_progress: bool = 
                     tied_embeddings: bool = False,
                     quantization: Fp8Config | None = None) -> dict[str, int]:
     """Fill `model` from `model_dir`; returns counts {'loaded', 'skipped', 'bytes',
-    'scales'} (scales: block-scale tensors read with their weights)."""
+    'scales', 'kv_scales'} (scales: block-scale tensors read with their weights; kv_scales:
+    attention layers given K/V-cache scales)."""
     handles = []
     for f in checkpoint_files(model_dir):
         try:
@@ -211,7 +216,8 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
     rename = model.checkpoint_param_name
     filled: dict[str, int] = defaultdict(int)
     regions: set[tuple[str, str]] = set()
-    stats = {"loaded": 0, "skipped": 0, "bytes": 0, "scales": 0}
+    stats = {"loaded": 0, "skipped": 0, "bytes": 0, "scales": 0, "kv_scales": 0}
+    kv_scales = KVScales(model, LoadError)
     index = {name: (f, h) for f, h in handles for name in h.keys()}
     scale_of = _scale_pairs(index, quantization, where)
     scales = set(scale_of.values())
@@ -223,6 +229,8 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
                 if bar is not None:
                     bar.update(1)
                 if name in scales:  # read with its weight
+                    continue
+                if kv_scales.claim(handle, f, name, rename(name)):
                     continue
                 target = _resolve(rename(name), params, modules, tied_embeddings)
                 if target == "unexpected":
@@ -248,6 +256,7 @@ def fill_parameters(model: nn.Module, handles: list, where: str, *, show_progres
         names = _missing_tensor_names(missing, modules, regions)
         raise LoadError(f"{where}: checkpoint lacks {len(names)} tensor(s), first: "
                         f"{names[0]!r}")
+    stats["kv_scales"] = kv_scales.install(where)
     return stats
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe import ops
+from cpmoe.cp.kv_cache import widen_kv
 
 # Rows of queries processed at once: bounds the [H, rows, keys] mask/score memory.
 _QUERY_CHUNK = 1024
@@ -316,9 +317,11 @@ def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.
 
 
 def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   v_pool: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
-    slots of their sequence (into the pools viewed as [slots, Hkv, D]) -> o [R, H, D],
+    slots of their sequence (into the pools viewed as [slots, Hkv, D]; FP8 pools widened
+    times kv_scale's k_scale and v_scale, `kv_cache.widen_kv`) -> o [R, H, D],
     lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
     one varlen launch for every sequence, o in q's dtype (its readers widen it as they load
     it: no fp32 copy per layer); else sequence by sequence, o fp32."""
@@ -329,7 +332,9 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         k_all = k_pool.view(-1, *k_pool.shape[-2:])
         v_all = v_pool.view(-1, *v_pool.shape[-2:])
         qs = q if whole else q[prefix.q_rows]
-        k, v = k_all[prefix.slots].to(q.dtype), v_all[prefix.slots].to(q.dtype)  # FP8 pools
+        ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        k, v = widen_kv(k_all[prefix.slots], ks, q.dtype), widen_kv(v_all[prefix.slots], vs,
+                                                                    q.dtype)
         if fused:
             om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
                                       prefix.max_k, False, scale)

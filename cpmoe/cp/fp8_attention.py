@@ -6,9 +6,11 @@ n query rows against m keys, GQA heads as they are (G KV heads divide H). `causa
 row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp (natural
 log, fp32), to merge with attention over other keys (a run after the start of its sequence:
 its own keys causally, the keys before it in full; cuDNN's FP8 kernel takes no
-bottom-right-aligned mask on Hopper, "only supported on Blackwell"). q, k and v are quantized to e4m3 with per-tensor scales computed on the device
-(amax / 448: no host sync), cuDNN's `sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores
-(P quantized with scale 448, probabilities being <= 1) and writes O in e4m3 (the only output
+bottom-right-aligned mask on Hopper, "only supported on Blackwell"). q, k and v are
+quantized to e4m3 with per-tensor scales computed on the device (amax / 448: no host sync;
+K/V read from FP8 pools come widened times the checkpoint's k_scale / v_scale), cuDNN's
+`sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores (P quantized with scale 448,
+probabilities being <= 1) and writes O in e4m3 (the only output
 Hopper's FP8 kernel offers) with the scale of V (|o| <= max |v|: o is a convex combination of
 v rows), halved for headroom; O is dequantized once to q's dtype. Inputs already in FP8 (a
 pool's pages) are taken as they are with the descale they are given.
@@ -16,9 +18,9 @@ pool's pages) are taken as they are with the descale they are given.
 Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
 are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
 (quantization writes them anyway, the tail zeroed) and cuDNN's padding mask takes the real
-lengths from device tensors (every call, so one graph serves a whole bucket), so a server builds a handful of graphs (its warm-up chunk
-covers the common ones) and never one per new prompt length (a build took 1.4 s of host
-time on the H200 with cuDNN 9.19).
+lengths from device tensors (every call, so one graph serves a whole bucket), so a server
+builds a handful of graphs (its warm-up chunk covers the common ones) and never one per new
+prompt length (a build took 1.4 s of host time on the H200 with cuDNN 9.19).
 
 Needs the `nvidia-cudnn-frontend` package (the `cuda` extra: `pip install
 cpmoe[cuda]`), imported on first use; `install_hint()` says what is missing.

@@ -44,10 +44,19 @@ from cpmoe.cp.kv_capacity import pages_for, split_owners
 from cpmoe.cp.split import balancing_rotation, rank_counts
 
 # --kv-cache-dtype (SGLang's values): the pools' dtype; auto: the model's. FP8 pools hold
-# K/V as they are (scale 1, saturating: `ops.to_kv_cache` writes them) and attention widens
-# them back to the model's dtype as it reads them
+# K / k_scale and V / v_scale, saturating (`ops.to_kv_cache` writes them; the scales are the
+# checkpoint's per layer, else 1) and attention widens them back to the model's dtype times
+# the scale as it reads them (`widen_kv`)
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
+
+
+def widen_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Pool values -> `dtype`: FP8 codes times their scale (a 0-d float32 tensor; None: 1)
+    rounded once to `dtype`, as the decode kernel widens them; 16-bit values as they are."""
+    if scale is None or x.dtype.itemsize != 1:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -356,12 +365,14 @@ class PagedKVCache:
         pages = torch.tensor(seq.pages, dtype=torch.int64)
         return (pages[:, None] * ps + torch.arange(ps)).flatten()[:n]
 
-    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [n, Hkv, D] of the slots [n], in `dtype` (FP8 pools widened)."""
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype,
+             kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [n, Hkv, D] of the slots [n], in `dtype` (FP8 pools widened, times the
+        layer's k_scale and v_scale: kv_scale [4], `ops.norm`; None: 1)."""
         k, v = self.k[layer], self.v[layer]
-        return (k.view(-1, *k.shape[2:])[slots].to(dtype),
-                v.view(-1, *v.shape[2:])[slots].to(dtype))
+        ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        return (widen_kv(k.view(-1, *k.shape[2:])[slots], ks, dtype),
+                widen_kv(v.view(-1, *v.shape[2:])[slots], vs, dtype))
 
 
 class PageRelease:

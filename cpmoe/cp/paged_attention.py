@@ -3,7 +3,8 @@ KV pool, returning the output and its natural-log LSE so CP ranks' partials merg
 (`cpmoe.ops.merge_partials`).
 
     paged_decode_attention(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
-                           num_splits=None, out_dtype=None, workspace=None)
+                           num_splits=None, out_dtype=None, workspace=None,
+                           quant_group=None, kv_scale=None)
         -> (o_BHD, lse_BH)
 
 Legend: B rows (sequences), H local query heads, Hkv local KV heads, G = H // Hkv query
@@ -11,9 +12,11 @@ heads per KV head, D head dim, P max pages per row (block-table width), S splits
 
 Inputs:
 - q_BHD [B, H, D], bf16/fp16/fp32, last dim contiguous; any D (non-powers of two masked).
-- k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8 (e4m3fn / e5m2, scale 1:
-  `--kv-cache-dtype`, widened to q's dtype as they are loaded), last dim contiguous (other
-  strides are passed through, so views of a larger pool work); page_size a power of two.
+- k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8 (e4m3fn / e5m2:
+  `--kv-cache-dtype`, widened to q's dtype as they are loaded, times the layer's k_scale and
+  v_scale: kv_scale [4] float32 on the device, `ops.norm`; None: 1), last dim contiguous
+  (other strides are passed through, so views of a larger pool work); page_size a power of
+  two.
 - block_table_BP int32 [B, P]: row b's token t lives at page block_table[b, t // page_size],
   offset t % page_size. Entries past a row's ceil(kv_len / page_size) pages are never read.
 - kv_lens_B int32 [B]: keys stored for the row, 0 <= kv_len <= P * page_size (checked only on
@@ -59,7 +62,7 @@ import os
 import torch
 
 from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
-from cpmoe.ops import pdl_args, triton, use_triton
+from cpmoe.ops import pdl_args, triton, unit_kv_scale, use_triton
 from cpmoe.ops.fp8 import offer_quantized
 
 if triton is not None:
@@ -114,20 +117,28 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                            num_splits: int | None = None, out_dtype: torch.dtype | None = None,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           quant_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           quant_group: int | None = None, kv_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
     quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
     1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
     launches no quantization: `ops.fp8.offer_quantized`)."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
+    if kv_scale is not None and (kv_scale.shape != (4,) or kv_scale.dtype != torch.float32
+                                 or kv_scale.device != q_BHD.device):
+        raise ValueError(f"paged_decode_attention: kv_scale must be float32 [4] on "
+                         f"{q_BHD.device}, got {kv_scale.dtype} {tuple(kv_scale.shape)} on "
+                         f"{kv_scale.device}")
     out_dtype = out_dtype or q_BHD.dtype
     if not use_triton(q_BHD):
         o_BHD, lse_BH = paged_decode_attention_ref(q_BHD, k_cache, v_cache, block_table_BP,
-                                                   kv_lens_B, scale)
+                                                   kv_lens_B, scale, kv_scale)
         return o_BHD.to(out_dtype), lse_BH
     quant = quant_group == q_BHD.shape[2] and out_dtype in (torch.bfloat16, torch.float16)
+    if kv_scale is None:
+        kv_scale = unit_kv_scale(q_BHD.device)
     return _paged_decode_triton(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
-                                num_splits, out_dtype, workspace, quant)
+                                num_splits, out_dtype, workspace, quant, kv_scale)
 
 
 @functools.cache
@@ -150,9 +161,11 @@ def default_num_splits(batch: int, kv_heads: int, max_pages: int, page_size: int
 
 def paged_decode_attention_ref(q_BHD: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_table_BP: torch.Tensor,
-                               kv_lens_B: torch.Tensor, scale: float
+                               kv_lens_B: torch.Tensor, scale: float,
+                               kv_scale: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 -> (o_BHD float32, lse_BH float32). Reads kv_lens on the host (CPU path)."""
+    """float32 -> (o_BHD float32, lse_BH float32). Reads kv_lens on the host (CPU path).
+    FP8 pools' values are taken times kv_scale's k_scale and v_scale (in float32)."""
     B, H, D = q_BHD.shape
     _, page, Hkv, _ = k_cache.shape
     P = block_table_BP.shape[1]
@@ -171,13 +184,13 @@ def paged_decode_attention_ref(q_BHD: torch.Tensor, k_cache: torch.Tensor,
         rows = slice(b0, min(B, b0 + rows_per_chunk))
         o_BHD[rows], lse_BH[rows] = _ref_rows(q_BHD[rows], k_cache, v_cache,
                                               block_table_BP[rows, :pages_used],
-                                              kv_lens_B[rows], scale)
+                                              kv_lens_B[rows], scale, kv_scale)
     return o_BHD, lse_BH
 
 
 def _ref_rows(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
+              kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = q_BHD.shape
     num_pages, page, Hkv, _ = k_cache.shape
     L = table_BP.shape[1] * page
@@ -188,6 +201,8 @@ def _ref_rows(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hidden_BL11 = ~visible_BL[:, :, None, None]
     k_BLKD = k_cache[pages_BP].reshape(B, L, Hkv, D).float().masked_fill(hidden_BL11, 0.0)
     v_BLKD = v_cache[pages_BP].reshape(B, L, Hkv, D).float().masked_fill(hidden_BL11, 0.0)
+    if kv_scale is not None and k_cache.dtype in FP8_KV:
+        k_BLKD, v_BLKD = k_BLKD * kv_scale[0], v_BLKD * kv_scale[1]
     q_BKGD = q_BHD.float().reshape(B, Hkv, H // Hkv, D)
     scores_BKGL = torch.einsum("bkgd,blkd->bkgl", q_BKGD, k_BLKD) * scale
     scores_BKGL = scores_BKGL.masked_fill(~visible_BL[:, None, None, :], float("-inf"))
@@ -202,8 +217,8 @@ def _ref_rows(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                          num_splits: int | None, out_dtype: torch.dtype,
-                         workspace: tuple[torch.Tensor, torch.Tensor] | None, quant: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         workspace: tuple[torch.Tensor, torch.Tensor] | None, quant: bool,
+                         kv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = q_BHD.shape
     _, page, Hkv, _ = k_cache.shape
     P = block_table_BP.shape[1]
@@ -229,7 +244,7 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # KV_FP8 in the kernel)
     fp8 = {"KV_FP8": True, "num_stages": 2} if k_cache.dtype in FP8_KV else {}
     _paged_decode_stage1[(B, Hkv, num_splits)](
-        q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part,
+        q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table_BP.stride(0),
@@ -281,15 +296,17 @@ if triton is not None:
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS"])
-    def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
+    def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, kvs_ptr,
+                             scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
                              o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                             KV_FP8: tl.constexpr = False, kv_scale=1.0):
-        """KV_FP8: FP8 pools, widened to q's dtype as k * kv_scale (1.0: the pools hold K/V
-        as they are; exact). The multiply by a value known only at run time makes Triton
+                             KV_FP8: tl.constexpr = False):
+        """KV_FP8: FP8 pools, widened to q's dtype as k * k_scale and v * v_scale
+        (kvs_ptr[0:2], the layer's scales, read here so a captured graph keeps following
+        them; 1: exact). The multiply by a value known only at run time makes Triton
         widen each tile in registers and stage it in shared memory as 16-bit values, read
         into the MMA layout with ldmatrix; a plain cast let it stage the FP8 bytes and read
         them one by one into that layout (on the H200 at batch 64 x 1K: 51 us against 41 us
@@ -311,6 +328,8 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        k_scale = tl.load(kvs_ptr)  # used by FP8 pools only
+        v_scale = tl.load(kvs_ptr + 1)
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -322,7 +341,7 @@ if triton is not None:
             k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
                         + d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
-                k = (k.to(tl.float32) * kv_scale).to(q.dtype)
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
             if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
                 qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                             input_precision="ieee")
@@ -338,7 +357,7 @@ if triton is not None:
             v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
                         + d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
-                v = (v.to(tl.float32) * kv_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             if UPCAST:  # p rounded to bf16 as below, then exact products
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
                             input_precision="ieee")

@@ -7,6 +7,7 @@ new token) is computed from information all ranks share, so ranks never diverge.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, kv_cache_dtype
 from cpmoe.cp.kv_capacity import DEFAULT_PAGE_SIZE, pages_for
 from cpmoe.cp.split import CPSplit
 from cpmoe.engine.sizing import (fp8_attention_applies, fp8_attention_refusal,
-                                 kv_bytes_per_token, kv_cache_refusal, with_quantization)
+                                 kv_bytes_per_token, kv_cache_refusal, kv_scale_note,
+                                 with_quantization)
 from cpmoe.loader import fill_parameters, load_checkpoint
 from cpmoe.models.random_weights import RandomCheckpoint
 from cpmoe.models.registry import check_model_fit, config_from_dict, load_model_config
@@ -154,6 +156,9 @@ class ModelRunner:
             self.kv = self.model.make_kv_cache(max_tokens, max_seqs)
             return self.kv
         attn = self.model.model.layers[0].self_attn
+        note = kv_scale_note(kv_dtype, self.load_stats.get("kv_scales", 0))
+        if note and self.groups.rank == 0:
+            print(f"cpmoe: {note}", file=sys.stderr, flush=True)
         cp = self.groups.attn_cp
         self.kv = PagedKVCache(len(self.model.model.layers), pages_for(max_tokens, page_size),
                                page_size, attn.num_kv_heads, attn.head_dim,

@@ -38,6 +38,21 @@ def kv_cache_refusal(kv_dtype: str, model) -> str | None:
             f"per-sequence caches, not K/V pages; only auto applies to it")
 
 
+def kv_scale_note(kv_dtype: str, scaled_layers: int) -> str | None:
+    """The warning for K/V pools of --kv-cache-dtype `kv_dtype` given a checkpoint whose
+    `scaled_layers` attention layers carry K/V-cache scales (as SGLang and vLLM warn), or
+    None: FP8 pools without scales store K/V at scale 1; 16-bit pools ignore scales."""
+    fp8 = kv_dtype != "auto"
+    if fp8 and not scaled_layers:
+        return (f"--kv-cache-dtype {kv_dtype}: the checkpoint has no k_scale/v_scale, so "
+                f"K/V are stored at scale 1.0 (values past the format's largest, 448 for "
+                f"e4m3, saturate)")
+    if not fp8 and scaled_layers:
+        return (f"the checkpoint's k_scale/v_scale ({scaled_layers} layers) are unused: "
+                f"--kv-cache-dtype auto keeps K/V in the model's dtype")
+    return None
+
+
 def fp8_attention_applies(kv_dtype: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether --kv-cache-dtype `kv_dtype` also runs prefill attention in FP8: e4m3 pools of a
     16-bit model on CUDA (`cp.fp8_attention`, through cuDNN)."""

@@ -254,7 +254,8 @@ if triton is not None:
 
 def swiglu_quantize_fits(h: torch.Tensor, group: int) -> bool:
     """Whether `swiglu_quantize` takes packed gate/up rows h [P, 2I] here."""
-    return launch.use_triton(h) and h.dim() == 2 and h.shape[0] > 0 and h.shape[1] % (2 * group) == 0
+    return (launch.use_triton(h) and h.dim() == 2 and h.shape[0] > 0
+            and h.shape[1] % (2 * group) == 0)
 
 
 def swiglu_quantize(h: torch.Tensor, group: int = 128, limit: float | None = None,

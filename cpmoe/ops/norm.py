@@ -6,6 +6,10 @@ reference elsewhere.
 - `qkv_norm_rope_store(qkv, ...)`: the decode step's q/k/v in one pass over the fused QKV
   projection's rows: q and k through `norm_rope`, k and v written into the paged cache at
   their slots -> q. `to_kv_cache` / `kv_max`: how a K/V pool of a dtype stores a value.
+  An FP8 pool stores x / scale (`kv_scale`: a layer's [4] float32 k_scale, v_scale,
+  1 / k_scale, 1 / v_scale on the device, read by the kernel, so a CUDA graph keeps it);
+  the store multiplies by the reciprocals: a product rounds alike in torch, Triton and its
+  interpreter, a quotient need not.
 - `add_rms_norm(x, residual, weight, eps)`: the residual add and the RMSNorm after it
   -> (norm(x + residual), x + residual), the sum rounded to x's dtype first (as two ops);
   optionally also the normed rows in FP8 for the GEMM after it (`quant_group`).
@@ -14,6 +18,8 @@ reference elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -55,12 +61,31 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
-def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype,
+                inv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x as a K/V pool of `dtype` stores it: an FP8 pool (--kv-cache-dtype fp8_e4m3 /
-    fp8_e5m2, scale 1) saturates at the format's largest finite value, as the GPU's
-    conversion does (torch's e5m2 cast would overflow to inf), and rounds to nearest even."""
+    fp8_e5m2) holds x * inv_scale (1 / the checkpoint's k_scale or v_scale, a 0-d float32
+    tensor; None: 1) saturated at the format's largest finite value, as the GPU's
+    conversion does (torch's e5m2 cast would overflow to inf), rounded to nearest even. A
+    16-bit pool holds x as it is (no scale)."""
     fmax = kv_max(dtype)
-    return x.float().clamp(-fmax, fmax).to(dtype) if fmax else x.to(dtype)
+    if not fmax:
+        return x.to(dtype)
+    x = x.float() if inv_scale is None else x.float() * inv_scale
+    return x.clamp(-fmax, fmax).to(dtype)
+
+
+@functools.cache
+def unit_kv_scale(device: torch.device) -> torch.Tensor:
+    """The [4] K/V scales of a pool without a checkpoint's (all 1), one per device: what the
+    kernels read when no scale is given."""
+    return torch.ones(4, dtype=torch.float32, device=device)
+
+
+def fill_kv_scale(kv_scale: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """Set a layer's [4] K/V scales: k_scale, v_scale and their float32 reciprocals."""
+    s = torch.tensor([k_scale, v_scale], dtype=torch.float32)
+    kv_scale.copy_(torch.cat([s, 1.0 / s]))
 
 
 def kv_max(dtype: torch.dtype) -> float:
@@ -71,32 +96,35 @@ def kv_max(dtype: torch.dtype) -> float:
 def qkv_norm_rope_store_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
                             q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                             eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-                            ) -> torch.Tensor:
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * D]; caches [pages, page, kv_heads, D]; slots [T] flat
-    slot ids. -> q [T, heads, D] after norm_rope; k (norm_rope'd) and v land in the caches."""
+    slot ids; kv_scale (FP8 pools) the layer's [4] scales (module docstring; None: 1).
+    -> q [T, heads, D] after norm_rope; k (norm_rope'd) and v land in the caches."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     q = norm_rope_ref(q.reshape(T, heads, D), q_weight, eps, cos, sin)
     k = norm_rope_ref(k.reshape(T, kv_heads, D), k_weight, eps, cos, sin)
-    k_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(k, k_cache.dtype)
-    v_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(v.reshape(T, kv_heads, D), v_cache.dtype)
+    inv_k, inv_v = (None, None) if kv_scale is None else (kv_scale[2], kv_scale[3])
+    k_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(k, k_cache.dtype, inv_k)
+    v_cache.view(-1, kv_heads, D)[slots] = to_kv_cache(v.reshape(T, kv_heads, D),
+                                                       v_cache.dtype, inv_v)
     return q
 
 
 def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
                         q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                         eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-                        ) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See qkv_norm_rope_store_ref; one Triton program per row on CUDA."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     if (not launch.use_triton(qkv) or T == 0 or (q_weight is None) != (k_weight is None)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos,
-                                       sin, k_cache, v_cache, slots)
+                                       sin, k_cache, v_cache, slots, kv_scale)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -104,6 +132,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
     _qkv_norm_rope_store_kernel[(T,)](
         qkv, q, q_weight if q_weight is not None else qkv,
         k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
+        kv_scale if kv_scale is not None else unit_kv_scale(qkv.device),
         qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
         HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
         HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), **pdl_args(qkv))
@@ -212,23 +241,27 @@ if triton is not None:
         tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _to_kv(x, q_ptr, pool_ptr, KV_MAX: tl.constexpr):
-        """x rounded to q's dtype, then to the pool's (`to_kv_cache`)."""
+    def _to_kv(x, q_ptr, pool_ptr, inv_scale, KV_MAX: tl.constexpr):
+        """x rounded to q's dtype, then to the pool's (`to_kv_cache`: FP8 pools x * inv_scale)."""
         x = x.to(q_ptr.dtype.element_ty).to(tl.float32)
         if KV_MAX > 0:
-            x = tl.clamp(x, -KV_MAX, KV_MAX)
+            x = tl.clamp(x * inv_scale, -KV_MAX, KV_MAX)
         return x.to(pool_ptr.dtype.element_ty)
 
     @triton.jit
     def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                                    k_cache_ptr, v_cache_ptr, slots_ptr, row_stride, eps,
+                                    k_cache_ptr, v_cache_ptr, slots_ptr, scale_ptr,
+                                    row_stride, eps,
                                     heads, kv_heads, HAS_NORM: tl.constexpr,
                                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                     HALF: tl.constexpr, KV_MAX: tl.constexpr = 0.0,
                                     PDL: tl.constexpr = False):
         """KV_MAX > 0: FP8 pools; k and v, rounded to q's dtype first (as the torch path
-        rounds them), saturate at +-KV_MAX (`to_kv_cache`)."""
+        rounds them), times 1 / k_scale and 1 / v_scale (scale_ptr[2:4]), saturate at
+        +-KV_MAX (`to_kv_cache`)."""
         wait_for_producer(PDL)
+        inv_k = tl.load(scale_ptr + 2)  # used by FP8 pools only
+        inv_v = tl.load(scale_ptr + 3)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF)[None, :]
         row = qkv_ptr + t * row_stride
@@ -248,14 +281,14 @@ if triton is not None:
         a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, d, kv_mask, HAS_NORM,
                            HALF)
         k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
-        tl.store(k_dst, _to_kv(a, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
-        tl.store(k_dst + HALF, _to_kv(b, q_ptr, k_cache_ptr, KV_MAX), mask=kv_mask)
+        tl.store(k_dst, _to_kv(a, q_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
+        tl.store(k_dst + HALF, _to_kv(b, q_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
         v_src = k_src + kv_heads * (2 * HALF)
         v_dst = v_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
         tl.store(v_dst, _to_kv(tl.load(v_src, mask=kv_mask, other=0.0), q_ptr, v_cache_ptr,
-                               KV_MAX), mask=kv_mask)
+                               inv_v, KV_MAX), mask=kv_mask)
         tl.store(v_dst + HALF, _to_kv(tl.load(v_src + HALF, mask=kv_mask, other=0.0), q_ptr,
-                                      v_cache_ptr, KV_MAX), mask=kv_mask)
+                                      v_cache_ptr, inv_v, KV_MAX), mask=kv_mask)
 
 
     @triton.jit(do_not_specialize=["n_rows"])

@@ -15,6 +15,7 @@ from tests._quant_bounds import StepRun, decisive_agreement, flip_bound, logit_s
 from tests.conftest import CONFIGS
 from tests.distributed._model_tasks import fp8_kv_task, kv_and_sampling_task
 from tests.distributed.test_layouts import seqs  # noqa: F401  (fixture)
+from tests.e2e._fp8_helpers import with_kv_scales
 
 SAMPLING = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11)
 LAYOUTS = [
@@ -83,9 +84,9 @@ def kv_writes_altered(call: int, alter):
     import cpmoe.ops.norm as norm
     real, count = norm.to_kv_cache, [0]
 
-    def store(x, dtype):
+    def store(x, dtype, inv_scale=None):
         count[0] += 1
-        y = real(x, dtype)
+        y = real(x, dtype, inv_scale)
         return alter(y) if count[0] == call else y
 
     norm.to_kv_cache = store
@@ -131,6 +132,30 @@ def test_fp8_kv_cache_over_cp_shards_matches_single_rank(
     assert len(out["steps"]) == len(fp8_single["steps"]) > 1
     seen = decisive_agreement(step_run(out), step_run(fp8_single), fp8_bound(fp8_single))
     assert seen.rows >= len(seqs) and seen.tokens >= 1, f"compared too little: {seen}"
+
+
+@pytest.fixture(scope="module")
+def scaled_dir(qwen3_moe_dir, tmp_path_factory):  # noqa: F811
+    """The Qwen3-MoE checkpoint with per-layer k_scale / v_scale (tests/e2e/_fp8_helpers)."""
+    return with_kv_scales(qwen3_moe_dir, tmp_path_factory.mktemp("kv-scales") / "model")
+
+
+def test_checkpoint_kv_scales_over_cp_shards_match_single_rank(
+        pools, scaled_dir, seqs, fp8_single):  # noqa: F811
+    """The checkpoint's K/V scales on every rank: FP8 pools sharded over CP (tp2, cp2,
+    chunks of 16 read back as cached prefixes) equal one rank on the same checkpoint, within
+    what FP8 flips explain; and the scales change the run (scale 1 is another result)."""
+    layout = FP8_KV_LAYOUTS[0]
+    single = fp8_kv_task(RankInfo(0, 1, torch.device("cpu")), ParallelLayout(), scaled_dir,
+                         seqs, 6, 16)
+    out = pools(layout.world_size).run(fp8_kv_task, layout, scaled_dir, seqs, 6, 16)[0]
+    seen = decisive_agreement(step_run(out), step_run(single), fp8_bound(single))
+    assert seen.rows >= len(seqs) and seen.tokens >= 1, f"compared too little: {seen}"
+    # the same weights at scale 1 (the checkpoint without its scales): 0.50 apart, 17x the
+    # bound, when measured at 2026-12-04
+    moved = max((a - b).abs().max().item()
+                for a, b in zip(single["steps"], fp8_single["steps"]))
+    assert moved > 4 * fp8_bound(single), moved
 
 
 def test_one_flipped_kv_code_stays_within_the_fp8_bound(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -234,3 +235,22 @@ def write_v4_fp8_checkpoint(model_dir: Path, block: list[int], deq_dir: Path) ->
                                   "weight_block_size": list(block)}
     cfg["expert_dtype"] = "fp4"
     cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+# per layer: (k_scale, v_scale) and the names they are written under: compressed-tensors',
+# ModelOpt's, and the older single kv_scale (both the same); not powers of two, so a scale
+# applied on one side only, or a quotient rounded unlike the reciprocal product, shows
+KV_SCALES = ((0.0173, 0.291, ("self_attn.k_scale", "self_attn.v_scale")),
+             (0.77, 3.1, ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")),
+             (0.137, 0.137, ("self_attn.kv_scale",)))
+
+
+def with_kv_scales(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint in `src` with KV_SCALES' tensors added -> dst."""
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for layer, (k, v, names) in enumerate(KV_SCALES):
+        for name, value in zip(names, (k, v)):
+            state[f"model.layers.{layer}.{name}"] = torch.tensor(value, dtype=torch.float32)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

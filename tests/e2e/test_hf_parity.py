@@ -11,7 +11,9 @@ saved to hold the same weights, so any difference is cpmoe's (loader, model, run
 - an FP8 KV cache (`--kv-cache-dtype fp8_e4m3` / `fp8_e5m2`): the codes stored are HF's keys
   and values rounded to the format, saturating (but for values at a rounding midpoint), and
   every logit greedy decoding samples from (the prefill through the cache, then each decode
-  step) equals HF's attending exactly those codes, within 1e-4.
+  step) equals HF's attending exactly those codes, within 1e-4. With the checkpoint's
+  per-layer k_scale / v_scale (each of the three name forms hub checkpoints use) the codes
+  are HF's values divided by the scale, and HF attends the codes times the scale.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cpmoe.engine.generate import generate
 from cpmoe.engine.runner import ModelRunner
 from cpmoe.parallel.groups import ProcessGroups
 from tests._quant_bounds import rounding_flips
+from tests.e2e._fp8_helpers import KV_SCALES, with_kv_scales
 from tests.e2e._hf_helpers import hf_greedy
 
 KINDS = ("qwen3_moe", "qwen2_moe")
@@ -115,8 +118,8 @@ def recorded_kv_writes():
     import cpmoe.ops.norm as norm
     real, writes = norm.to_kv_cache, []
 
-    def store(x, dtype):
-        writes.append(real(x, dtype))
+    def store(x, dtype, inv_scale=None):
+        writes.append(real(x, dtype, inv_scale))
         return writes[-1]
 
     norm.to_kv_cache = store
@@ -126,32 +129,43 @@ def recorded_kv_writes():
         norm.to_kv_cache = real
 
 
-@pytest.mark.parametrize("kind, kv_dtype", [("qwen3_moe", "fp8_e4m3"), ("qwen2_moe", "fp8_e4m3"),
-                                            ("qwen3_moe", "fp8_e5m2")])
-def test_fp8_kv_cache_equals_hf_attending_the_stored_codes(kind, kv_dtype, make_hf_checkpoint,
-                                                           hf_models, prompts):
+@pytest.mark.parametrize("kind, kv_dtype, scaled", [
+    ("qwen3_moe", "fp8_e4m3", False), ("qwen2_moe", "fp8_e4m3", False),
+    ("qwen3_moe", "fp8_e5m2", False), ("qwen3_moe", "fp8_e4m3", True)])
+def test_fp8_kv_cache_equals_hf_attending_the_stored_codes(kind, kv_dtype, scaled,
+                                                           make_hf_checkpoint, hf_models,
+                                                           prompts, tmp_path):
     """The K/V codes cpmoe stores are HF's keys and values rounded to the format (code for
     code, but for flips: a value at a rounding midpoint, where the two float32 results may
     round either way, tests/_quant_bounds.py), and HF attending exactly those codes gives
     cpmoe's logits within 1e-4. HF does not round its own keys: that would let one flip
-    move the logits past any float32 tolerance."""
+    move the logits past any float32 tolerance. `scaled`: the checkpoint carries K/V-cache
+    scales (HF's model ignores them); the codes are the rounding of HF's value times the
+    float32 reciprocal of its layer's scale, and HF attends the codes times the scale."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     hf, model_dir = hf_models[kind], make_hf_checkpoint(kind)[1]
     layers = hf.config.num_hidden_layers
+    scales = [(1.0, 1.0)] * layers
+    if scaled:
+        model_dir = with_kv_scales(model_dir, tmp_path / "scaled")
+        scales = [(k, v) for k, v, _ in KV_SCALES]
+        assert len(scales) == layers
     stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attention(module, query, key, value, *args, **kwargs):  # key, value [1, Hkv, T, D]
         exact[module.layer_idx] = (key[0].transpose(0, 1), value[0].transpose(0, 1))
-        k, v = (t.float().transpose(0, 1)[None] for t in stored[module.layer_idx])
+        k, v = ((t.float() * s).transpose(0, 1)[None]
+                for t, s in zip(stored[module.layer_idx], scales[module.layer_idx]))
         return sdpa_attention_forward(module, query, k, v, *args, **kwargs)
 
     name = f"cpmoe_test_{kv_dtype}"
     AttentionInterface.register(name, attention)
     plain = hf.config._attn_implementation
     runner = make_runner(model_dir)
+    assert runner.load_stats["kv_scales"] == (layers if scaled else 0)
     flips = total = 0
     for p in prompts:
         steps: list[torch.Tensor] = []
@@ -175,9 +189,10 @@ def test_fp8_kv_cache_equals_hf_attending_the_stored_codes(kind, kv_dtype, make_
         err = (got - want).abs().max().item()
         assert err <= TOL, f"{kind} {kv_dtype}: max |cpmoe - HF| logit diff {err:.3e} > {TOL}"
         for layer in range(layers):
-            for codes, values in zip(stored[layer], exact[layer]):
+            for codes, values, s in zip(stored[layer], exact[layer], scales[layer]):
                 assert codes.dtype == fmt
-                flips += rounding_flips(codes, values, KV_REL, KV_ATOL)
+                inv = 1.0 / torch.tensor(s, dtype=torch.float32)
+                flips += rounding_flips(codes, values.float() * inv, KV_REL, KV_ATOL)
                 total += codes.numel()
         # not vacuous: attending FP8-rounded K/V moves HF's logits past 10x the tolerance
         assert (hf_logits(hf, seq)[len(p) - 1:] - want).abs().max().item() > 10 * TOL

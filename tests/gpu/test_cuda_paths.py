@@ -197,6 +197,15 @@ def test_triton_ops_match_references_at_model_shapes():
         top = caches[1].float().view(-1, 4, 128)[slots[::7], 0, 5]
         # e4m3 saturates at 448; e5m2: 3e4 -> bf16 29952 -> 28672 (steps of 4096 there)
         assert top.eq(448.0 if fmt == torch.float8_e4m3fn else 28672.0).all(), top
+        # a checkpoint's K/V scales (read from the device): still bit for bit
+        kv_scale = torch.empty(4, device=dev)
+        ops.fill_kv_scale(kv_scale, 0.0173, 91.0)
+        ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                                *caches[:2], slots, kv_scale)
+        ops.qkv_norm_rope_store_ref(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                                    *caches[2:], slots, kv_scale)
+        for got, want in zip(caches[:2], caches[2:]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), fmt
     # residual add + RMSNorm: the sum exactly as torch's bf16 add, the norm within bf16
     x, r = torch.randn(64, 2048, device=dev, dtype=bf), torch.randn(64, 2048, device=dev, dtype=bf)
     out, summed = ops.add_rms_norm(x, r, nw.repeat(16), 1e-6)

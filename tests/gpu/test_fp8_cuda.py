@@ -117,6 +117,46 @@ def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits
 
 
 @cuda
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_attention_reads_fp8_pools_times_the_layer_scales(splits):
+    """FP8 pools with a checkpoint's k_scale / v_scale at Qwen3-30B-A3B's heads: the kernel
+    (scales read from the device, so a graph replay follows a changed scale) against the
+    float32 reference over codes x scale, within 2^-5 of the attention of |v|, and again on
+    a replay after the scales change. The bound: the widened K rounded to bf16 moves each
+    score by up to 2^-9 of sum |q_i k_i| x scale (about 1e-2 here, so p by 1%), and p, the
+    widened V and o round to bf16 (2^-9 each); a scale not applied is off by its factor."""
+    from cpmoe.cp.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from cpmoe.ops import fill_kv_scale
+    torch.manual_seed(1)
+    B, H, Hkv, D, page, pages = 16, 32, 4, 128, 16, 32
+    kc, vc = (torch.randn(2, B * pages, page, Hkv, D, device="cuda") * 30
+              ).to(torch.float8_e4m3fn).unbind(0)
+    table = torch.randperm(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+    lens = torch.randint(1, pages * page, (B,), device="cuda", dtype=torch.int32)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    kv_scale = torch.empty(4, device="cuda")
+
+    def check(o):
+        want, _ = paged_decode_attention_ref(q, kc, vc, table, lens, D ** -0.5, kv_scale)
+        mag, _ = paged_decode_attention_ref(q, kc, vc.float().abs().to(vc.dtype), table, lens,
+                                            D ** -0.5, kv_scale)
+        assert ((o.float() - want).abs() <= 2.0 ** -5 * mag + 1e-3).all()
+
+    fill_kv_scale(kv_scale, 0.01, 0.3)
+    graph = torch.cuda.CUDAGraph()
+    paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits,
+                           kv_scale=kv_scale)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        o, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits,
+                                      kv_scale=kv_scale)
+    graph.replay()
+    check(o)
+    fill_kv_scale(kv_scale, 0.02, 1.7)
+    graph.replay()
+    check(o)
+
+
+@cuda
 @pytest.mark.parametrize("limit", [None, 7.0])
 @pytest.mark.parametrize("rows", [1, 37, 5000])
 def test_swiglu_quantize_matches_swiglu_kernel_then_quantize_act_ref(limit, rows):

@@ -184,6 +184,27 @@ def test_packed_prefix_leaves_out_empty_shards_and_matches_per_sequence_attentio
     assert none.counts == [] and torch.isinf(lse).all()
 
 
+def test_packed_prefix_attends_fp8_codes_times_the_layer_scales():
+    """FP8 pools with a checkpoint's k_scale / v_scale: the cached prefix is attended as
+    codes x scale (against each sequence's masked softmax over those values)."""
+    from cpmoe.ops import fill_kv_scale
+
+    torch.manual_seed(5)
+    pool_k = torch.randn(6, 4, 2, 16).to(torch.float8_e4m3fn)
+    pool_v = torch.randn(6, 4, 2, 16).to(torch.float8_e4m3fn)
+    rows, slots = [torch.tensor([0, 1, 2])], [torch.tensor([4, 5, 6, 9])]
+    prefix = att.PackedPrefix.build(rows, slots, torch.device("cpu"))
+    kv_scale = torch.empty(4)
+    fill_kv_scale(kv_scale, 0.6, 3.3)
+    q = torch.randn(3, 8, 16)
+    o, lse = att.prefix_partial(q, prefix, pool_k, pool_v, 0.3, kv_scale)
+    k = pool_k.view(-1, 2, 16)[slots[0]].float() * 0.6
+    v = pool_v.view(-1, 2, 16)[slots[0]].float() * 3.3
+    want_o, want_lse = _masked_softmax(q, torch.zeros(3), k, v, torch.zeros(4), 0.3)
+    assert (o.double() - want_o).abs().max() < 1e-5
+    assert (lse.double() - want_lse).abs().max() < 1e-5
+
+
 def test_packed_prefix_over_every_row_in_order_attends_in_place():
     """Every query row, in order (each sequence of a CP-1 step has a prefix): in_order, and
     prefix_partial gives what it gives when the rows are gathered and scattered back."""

@@ -87,6 +87,36 @@ def test_fp8_kv_pools_round_to_nearest_and_saturate() -> None:
     assert v_cache.view(8, 1, 8)[slots].float().equal(v.to(torch.float8_e4m3fn).float())
 
 
+def test_fp8_kv_pools_store_values_over_their_scale() -> None:
+    """A checkpoint's k_scale / v_scale: the pool holds x / scale (times the float32
+    reciprocal), rounded and saturated as at scale 1. By hand, e4m3, scale 0.5: 0.3 -> 0.6 =
+    0.5 x 1.2 -> 0.5 x (1 + 2/8) = 0.625; 500 -> 1000, past 448: saturates; at scale 4:
+    500 -> 125 = 64 x 1.953 -> 64 x (1 + 8/8) = 128. 16-bit pools ignore the scale."""
+    x = torch.tensor([0.3, 500.0, -500.0])
+    two = torch.tensor(2.0)
+    assert ops.to_kv_cache(x, torch.float8_e4m3fn, two).float().tolist() == [0.625, 448.0,
+                                                                             -448.0]
+    assert ops.to_kv_cache(x, torch.float8_e4m3fn, torch.tensor(0.25)).float().tolist()[1] == 128
+    assert ops.to_kv_cache(x.bfloat16(), torch.bfloat16, two).equal(x.bfloat16())
+    scale = torch.empty(4)
+    ops.fill_kv_scale(scale, 0.3, 7.0)
+    assert scale.tolist() == torch.tensor([0.3, 7.0, 1 / 0.3, 1 / 7.0]).tolist()
+    assert ops.unit_kv_scale(torch.device("cpu")).tolist() == [1.0] * 4
+    # the decode store: k after norm + RoPE times 1/k_scale, v times 1/v_scale
+    torch.manual_seed(2)
+    weight, cos, sin = torch.rand(8), torch.rand(3, 4).repeat(1, 2), torch.rand(3, 4).repeat(1, 2)
+    qkv, slots = torch.randn(3, 4 * 8) * 4, torch.tensor([5, 0, 2])
+    k_cache = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    ops.qkv_norm_rope_store_ref(qkv, 2, 1, weight, weight, 1e-6, cos, sin, k_cache, v_cache,
+                                slots, scale)
+    k = ops.norm_rope_ref(qkv[:, 16:24].view(3, 1, 8), weight, 1e-6, cos, sin)
+    inv_k, inv_v = (1 / torch.tensor([0.3, 7.0])).unbind()
+    assert k_cache.view(8, 1, 8)[slots].float().equal((k * inv_k).to(k_cache.dtype).float())
+    v = qkv[:, 24:].view(3, 1, 8)
+    assert v_cache.view(8, 1, 8)[slots].float().equal((v * inv_v).to(v_cache.dtype).float())
+
+
 _KERNELS = r"""
 import torch
 from cpmoe import ops
@@ -151,6 +181,19 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             assert (g == w).float().mean() > 0.9
         if fmt == torch.float8_e4m3fn:  # saturated, not NaN
             assert caches[1].float().view(-1, 2, 16)[14, 0, 5] == 448.0
+    # with a layer's K/V scales (k_scale 0.05, v_scale 40: the v past 448 fits, 1e4 / 40)
+    scale = torch.empty(4)
+    ops.fill_kv_scale(scale, 0.05, 40.0)
+    caches = [torch.full((4, 4, 2, 16), float("nan")).to(torch.float8_e4m3fn) for _ in range(4)]
+    ops.qkv_norm_rope_store(qkv, 4, 2, None, None, 1e-6, cos, sin, *caches[:2], slots, scale)
+    ops.qkv_norm_rope_store_ref(qkv, 4, 2, None, None, 1e-6, cos, sin, *caches[2:], slots,
+                                scale)
+    for got, want in zip(caches[:2], caches[2:]):
+        g, w = got.float().view(-1, 2, 16)[slots], want.float().view(-1, 2, 16)[slots]
+        near = (g - w).abs() <= 2.0 ** -3 * torch.maximum(g.abs(), w.abs()) + 2.0 ** -16
+        power = w.abs() == 2.0 ** torch.log2(w.abs()).round()
+        assert (near | power).all() and (g == w).float().mean() > 0.9
+    assert caches[1].float().view(-1, 2, 16)[14, 0, 5] == 256.0  # 1e4 / 40 = 250 -> 256
     # residual add + RMSNorm: the sum is returned too, rounded like the separate add
     x, r, w = torch.randn(6, 40).to(dtype), torch.randn(6, 40).to(dtype), torch.rand(40).to(dtype)
     (out, s), (ref_out, ref_s) = ops.add_rms_norm(x, r, w, 1e-6), ops.add_rms_norm_ref(x, r, w, 1e-6)

@@ -123,6 +123,28 @@ def test_fp8_pools_attend_the_keys_they_hold(fmt: torch.dtype, dtype: torch.dtyp
     assert (unrounded - want_o).abs().max() > 10 * tol
 
 
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pools_attend_their_codes_times_the_layer_scales(fmt: torch.dtype) -> None:
+    """A checkpoint's k_scale / v_scale (kv_scale [4]): attention reads each code times its
+    scale; against the naive float64 loop over codes x scale. Scale 1 would differ."""
+    lens = [3, 0, 40, 17]
+    k_cache, v_cache, table, lens_B, rows_k, rows_v = build_paged(lens, 16, 2, 32,
+                                                                 torch.float32, seed=4)
+    k8, v8 = k_cache.to(fmt), v_cache.to(fmt)
+    kv_scale = torch.empty(4)
+    ops.fill_kv_scale(kv_scale, 0.37, 2.9)
+    q = torch.randn(len(lens), 8, 32)
+    o, lse = pa.paged_decode_attention(q, k8, v8, table, lens_B, 0.2, kv_scale=kv_scale)
+    want_o, want_lse = naive_attention(q, [k.to(fmt).float() * 0.37 for k in rows_k],
+                                       [v.to(fmt).float() * 2.9 for v in rows_v], 0.2)
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    unscaled, _ = pa.paged_decode_attention(q, k8, v8, table, lens_B, 0.2)
+    assert (unscaled.double() - want_o).abs().max() > 0.1
+    with pytest.raises(ValueError, match="kv_scale must be float32 \\[4\\]"):
+        pa.paged_decode_attention(q, k8, v8, table, lens_B, 0.2, kv_scale=kv_scale[:2])
+
+
 def test_shards_merge_to_the_full_result() -> None:
     """The CP use: each rank holds some of a row's keys; merged partials equal the whole."""
     lens = [0, 1, 40, 77, 33]
@@ -195,7 +217,7 @@ U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 **
 
 
 def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views=False,
-          workspace=False, pool=None):
+          workspace=False, pool=None, kv_scale=None):
     k_cache, v_cache, table, lens_B, _, _ = build_paged(lens, page, kv_heads, dim, dtype, 11)
     if pool is not None:  # --kv-cache-dtype fp8: the kernel widens what the pools hold
         k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
@@ -208,9 +230,12 @@ def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views
     if workspace:
         ws = (torch.empty(len(lens), heads, splits, dim), torch.empty(len(lens), heads, splits))
     o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale,
-                                       num_splits=splits, out_dtype=out_dtype, workspace=ws)
-    want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
-    abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.abs(), table, lens_B, scale)
+                                       num_splits=splits, out_dtype=out_dtype, workspace=ws,
+                                       kv_scale=kv_scale)
+    want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale,
+                                                     kv_scale)
+    abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.abs(), table, lens_B, scale,
+                                             kv_scale)
     # the kernel rounds p to the K/V dtype for the PV product and o once to out_dtype:
     # |o - ref| <= u_kv * attn(|v|) + u_out * |ref| (+ fp32 accumulation slack)
     u_out = U[out_dtype or dtype]
@@ -235,6 +260,16 @@ check([130, 2], 16, 8, 2, 256, torch.bfloat16, 2)
 for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and three splits
     check([0, 1, 16, 150], 16, 8, 2, 32, torch.bfloat16, 1, pool=pool)
     check([70, 5], 16, 8, 2, 32, torch.float32, 3, pool=pool)
+    # a checkpoint's K/V scales, read by the kernel from the device (float32 q: the scaled
+    # codes are products rounded once, as the reference's)
+    kv_scale = torch.empty(4)
+    ops.fill_kv_scale(kv_scale, 0.37, 2.9)
+    torch.manual_seed(5)
+    q, *_, o_scaled, _ = check([70, 5, 0], 16, 8, 2, 32, torch.float32, 3, pool=pool,
+                               kv_scale=kv_scale)
+    torch.manual_seed(5)
+    q1, *_, o_unit, _ = check([70, 5, 0], 16, 8, 2, 32, torch.float32, 3, pool=pool)
+    assert torch.equal(q, q1) and (o_scaled - o_unit).abs().max() > 0.1  # scales applied
 
 # CP merge with the kernel: two shards of row keys merged equal the whole
 q, kc, vc, tb, lb, o, lse = check([50, 20], 16, 8, 2, 32, torch.float32, 2)

@@ -56,6 +56,9 @@ class QwenMoeAttention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        # FP8 pools' per-layer K/V scales (k_scale, v_scale, 1/k_scale, 1/v_scale; all 1
+        # unless the checkpoint has self_attn.k_scale / v_scale: `quant.kv_scales`)
+        self.register_buffer("kv_scale", torch.ones(4, dtype=torch.float32), persistent=False)
         self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = None  # see fuse_qkv
         self.o_quant_group: int | None = None  # an FP8 o_proj's: decode attention quantizes
 
@@ -76,7 +79,8 @@ class QwenMoeAttention(nn.Module):
         elif batch.kv is not None and batch.write_slots is not None:
             # q/k norm + RoPE and the K/V writes in one kernel (as decode), K/V read back
             q = self._store(qkv, rope, batch, layer)
-            o = self._extend(q, *batch.kv.read(layer, batch.write_slots, q.dtype), batch, layer)
+            o = self._extend(q, *batch.kv.read(layer, batch.write_slots, q.dtype,
+                                               self.kv_scale), batch, layer)
         else:
             q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D,
                                  self.num_kv_heads * D], dim=-1)
@@ -98,7 +102,7 @@ class QwenMoeAttention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return qkv_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, *norms, *rope,
-                                   kv.k[layer], kv.v[layer], batch.write_slots)
+                                   kv.k[layer], kv.v[layer], batch.write_slots, self.kv_scale)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 layer: int) -> torch.Tensor:
@@ -115,7 +119,8 @@ class QwenMoeAttention(nn.Module):
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
                                           v_flat, cu, self.scale, batch.packed_runs)
         o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
-                                                           kv.v[layer], self.scale)
+                                                           kv.v[layer], self.scale,
+                                                           self.kv_scale)
         return merge_two_attention(o, lse, o_pre, lse_pre, torch.empty_like(q))
 
     def _decode(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -129,7 +134,8 @@ class QwenMoeAttention(nn.Module):
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,
                                         out_dtype=torch.float32 if cp > 1 else q.dtype,
-                                        quant_group=self.o_quant_group if cp == 1 else None)
+                                        quant_group=self.o_quant_group if cp == 1 else None,
+                                        kv_scale=self.kv_scale)
         return communicator.merge_decode_attention(o, lse, self.groups).to(q.dtype)
 
 
