@@ -53,9 +53,12 @@ def parse_quantization(raw: dict, where: str = "config.json") -> Fp8Config | Non
     if not isinstance(q, dict):
         raise ConfigError(f"{where}: quantization_config must be an object, got {q!r}")
     method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _kv_cache_only(q, where)
     if method != "fp8":
         raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not "
-                          f"supported (only 'fp8')")
+                          f"supported (only 'fp8', or 'compressed-tensors' with a "
+                          f"kv_cache_scheme only)")
     for key, allowed in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)),
                          ("scale_fmt", ("ue8m0", "float")), ("expert_dtype", ("fp8", "fp4"))):
         value = q.get(key, raw.get(key) if key == "expert_dtype" else None)
@@ -74,6 +77,29 @@ def parse_quantization(raw: dict, where: str = "config.json") -> Fp8Config | Non
     return Fp8Config(block=(block[0], block[1]), scale_fmt=q.get("scale_fmt") or "float",
                      expert_dtype=q.get("expert_dtype") or raw.get("expert_dtype") or "fp8",
                      modules_to_not_convert=tuple(skip))
+
+
+def _kv_cache_only(q: dict, where: str) -> None:
+    """An llm-compressor (compressed-tensors) quantization_config that quantizes only the
+    K/V cache: 16-bit weights (no config_groups) and a per-tensor FP8 kv_cache_scheme, whose
+    k_scale / v_scale tensors the loader reads (quant/kv_scales.py) -> no weight quantization.
+    Anything else is one line naming the field."""
+    groups = q.get("config_groups") or {}
+    if groups:
+        raise ConfigError(f"{where}: quantization_config.config_groups: compressed-tensors "
+                          f"weight quantization is not supported (only a kv_cache_scheme over "
+                          f"16-bit weights), got groups {sorted(groups)}")
+    kv = q.get("kv_cache_scheme")
+    if kv is None:
+        return None
+    want = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+    for key, value in want.items():
+        if not isinstance(kv, dict) or kv.get(key, value) != value:
+            got = kv.get(key) if isinstance(kv, dict) else kv
+            raise ConfigError(f"{where}: quantization_config.kv_cache_scheme.{key} {got!r} is "
+                              f"not supported (only {value!r}: one static FP8 scale per "
+                              f"layer for K and for V)")
+    return None
 
 
 def read_config_json(model_dir: Path) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cpmoe.config import read_config_json
+from cpmoe.config import parse_quantization, read_config_json
 from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, kv_cache_dtype
@@ -107,8 +107,9 @@ class ModelRunner:
                      seed: int, quantization: str | None = None) -> None:
         config, model_cls = config_from_dict(
             {k: v for k, v in config_json.items() if k != "quantization_config"})
-        # random weights are 16-bit: an FP8 checkpoint's shape is quantized online
-        fp8 = quantization or ("fp8" if "quantization_config" in config_json else None)
+        # random weights are 16-bit: an FP8 checkpoint's shape is quantized online (a
+        # K/V-cache-only quantization_config quantizes no weight)
+        fp8 = quantization or ("fp8" if parse_quantization(config_json) is not None else None)
         config = with_quantization(config, fp8)
         self._build(config, model_cls, groups, dtype)
         source = RandomCheckpoint.of(model_cls, config, seed, groups.device, dtype)

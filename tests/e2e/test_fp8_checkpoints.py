@@ -151,8 +151,8 @@ def test_unknown_quant_method_is_refused(fp8_checkpoint, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as e:
         load_model_config(d)
-    assert "quantization_config.quant_method 'awq' is not supported (only 'fp8')" in \
-        _one_line(e)
+    assert ("quantization_config.quant_method 'awq' is not supported (only 'fp8', or "
+            "'compressed-tensors' with a kv_cache_scheme only)") in _one_line(e)
 
 
 def test_layout_cutting_a_block_is_refused_naming_sizes(fp8_checkpoint):

@@ -102,3 +102,54 @@ def test_the_runner_says_when_scales_are_missing_or_unused(scaled_dir, qwen3_moe
     assert "k_scale/v_scale (3 layers) are unused" in capsys.readouterr().err
     runner_of(scaled_dir).allocate_kv(64, kv_dtype="fp8_e4m3")
     assert capsys.readouterr().err == ""
+
+
+KV_ONLY = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
+           "quantization_status": "frozen", "ignore": ["lm_head"],
+           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                               "dynamic": False, "symmetric": True}}
+
+
+def with_config(model_dir, quantization_config: dict):
+    import json
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = quantization_config
+    path.write_text(json.dumps(cfg))
+    return model_dir
+
+
+def test_a_kv_cache_only_compressed_tensors_checkpoint_loads_its_scales(scaled_dir, tmp_path):
+    """llm-compressor's K/V-cache-only output (16-bit weights, kv_cache_scheme, k_scale /
+    v_scale): weights load as they are (no FP8), the scales as above; a dummy load of its
+    config quantizes nothing either."""
+    d = with_config(edited(scaled_dir, tmp_path, lambda s: None), KV_ONLY)
+    runner = runner_of(d)
+    assert runner.config.quantization is None and runner.load_stats["kv_scales"] == 3
+    assert runner.model.model.layers[1].self_attn.kv_scale[:2].tolist() == pytest.approx(
+        [0.77, 3.1])
+    plain = runner_of(scaled_dir)
+    for a, b in zip(runner.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)
+    dummy = ModelRunner(d, ProcessGroups.single(), torch.float32, load_format="dummy")
+    assert dummy.config.quantization is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"config_groups": {"group_0": {"targets": ["Linear"]}}},
+     "config_groups: compressed-tensors weight quantization is not supported"),
+    ({"kv_cache_scheme": dict(KV_ONLY["kv_cache_scheme"], strategy="attn_head")},
+     "kv_cache_scheme.strategy 'attn_head' is not supported (only 'tensor'"),
+    ({"kv_cache_scheme": dict(KV_ONLY["kv_cache_scheme"], num_bits=4)},
+     "kv_cache_scheme.num_bits 4 is not supported"),
+    ({"kv_cache_scheme": dict(KV_ONLY["kv_cache_scheme"], dynamic=True)},
+     "kv_cache_scheme.dynamic True is not supported"),
+    ({"quant_method": "awq"}, "quant_method 'awq' is not supported (only 'fp8', or "
+                              "'compressed-tensors' with a kv_cache_scheme only)"),
+])
+def test_other_compressed_tensors_configs_are_refused_in_one_line(change, message):
+    from cpmoe.config import ConfigError, parse_quantization
+    with pytest.raises(ConfigError) as e:
+        parse_quantization({"quantization_config": {**KV_ONLY, **change}}, "m/config.json")
+    assert message in str(e.value) and "m/config.json" in str(e.value)
+    assert "\n" not in str(e.value)
