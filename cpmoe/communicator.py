@@ -188,7 +188,7 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, groups: Pro
 
 def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGroups,
                          k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                         kv_scale: torch.Tensor | None = None
+                         kv_scale: torch.Tensor | None = None, fp8: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend: this rank's queries [T, H, D] against their sequences' cached prefixes, whose
     K/V stays sharded over the CP ranks -> (o [T, H, D], lse [T, H]) fp32 (at CP 1 o as
@@ -196,11 +196,11 @@ def attend_cached_prefix(q: torch.Tensor, batch: ForwardBatch, groups: ProcessGr
     are all-gathered over ATTN_CP, every rank attends all of them to its own shard, and one
     all-to-all returns each rank's partial results for its own rows, merged by log-sum-exp
     (no rank ever holds another's prefix K/V). kv_scale: the layer's K/V scales of FP8
-    pools (`prefix_partial`)."""
+    pools; fp8: this rank attends its shard in FP8 (`prefix_partial`)."""
     cp = groups.attn_cp
     assert batch.prefix is not None and batch.split is not None
     q_all = q if cp.size == 1 else comm.all_gather(batch.split.pad_local(q), cp)
-    o, lse = prefix_partial(q_all, batch.prefix, k_pool, v_pool, scale, kv_scale)
+    o, lse = prefix_partial(q_all, batch.prefix, k_pool, v_pool, scale, kv_scale, fp8)
     if cp.size == 1:
         return o, lse
     R, H, D = o.shape

@@ -149,7 +149,7 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
     through cuDNN (`fp8_attention`)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if fused and fp8 and runs is not None:
-        return _prefill_runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs)
+        return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs)[0]
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
@@ -220,28 +220,53 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
     return out
 
 
-def _prefill_runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                      cu_seqlens: list[int], scale: float,
-                      runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
-    """`_prefill_runs_cuda` in FP8 (`fp8_attention`): a run at the start of its sequence
-    in one square causal call; a later one as its own keys causally and the keys before it
-    in full, merged by log-sum-exp (the FP8 kernel's causal mask is top-left aligned on
-    Hopper, as cuDNN's is in torch)."""
+def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+              cu_seqlens: list[int], scale: float, runs: list[tuple[int, int, int, int]],
+              with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_prefill_runs_cuda` in FP8 (`fp8_attention`) -> (o in q's dtype, lse [T, H] fp32
+    when `with_lse`): a run at the start of its sequence (or chunk) in one square causal
+    call; a later one as its own keys causally and the keys before it in full, merged by
+    log-sum-exp (the FP8 kernel's causal mask is top-left aligned on Hopper, as cuDNN's is
+    in torch). Every row lies in a run (`query_runs`)."""
     from cpmoe.cp.fp8_attention import fp8_attention
 
     out = torch.empty_like(q)
+    lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse
+           else None)
     for row0, row1, s, p0 in runs:
         n, base = row1 - row0, cu_seqlens[s]
         own = slice(base + p0, base + p0 + n)
         if p0 == 0:
-            out[row0:row1] = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale,
-                                           causal=True)[0]
+            o, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True,
+                                  lse=with_lse)
+            out[row0:row1] = o
+            if lse is not None:
+                lse[row0:row1] = l1
             continue
         o1, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True, lse=True)
         o2, l2 = fp8_attention(q[row0:row1], k_flat[base:base + p0], v_flat[base:base + p0],
                                scale, False, lse=True)
         ops.merge_two_attention(o1, l1, o2, l2, out[row0:row1])
-    return out
+        if lse is not None:
+            lse[row0:row1] = torch.logaddexp(l1, l2)
+    return out, lse
+
+
+def fp8_runs_apply(q: torch.Tensor, runs: list[tuple[int, int, int, int]] | None,
+                   fp8: bool) -> bool:
+    """Whether an extend chunk's attention (its own keys, `chunk_attention_with_lse`, and the
+    cached prefix, `prefix_partial`) runs in FP8: --kv-cache-dtype fp8_e4m3 on CUDA (16-bit
+    q) and every query run at least FP8_MIN_ROWS long (shorter runs, as the few-token
+    extends of a mixed step, would pay cuDNN's smallest bucket for no gain)."""
+    return (fp8 and _fp8_device(q) and bool(runs)
+            and min(b - a for a, b, _, _ in runs) >= FP8_MIN_ROWS)
+
+
+FP8_MIN_ROWS = 128  # cuDNN FP8's smallest graph bucket (cp.fp8_attention)
+
+
+def _fp8_device(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def _varlen_runs(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -296,11 +321,14 @@ def merge_with_lse(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
 
 def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                              k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
-                             scale: float, packed: PackedRuns | None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale: float, packed: PackedRuns | None,
+                             runs: list[tuple[int, int, int, int]] | None = None,
+                             fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """As `prefill_attention` (positions relative to the chunk's first token), returning
-    (o [T, H, D], lse [T, H] fp32); on CUDA given `packed`, one varlen launch (o in q's
-    dtype), else per sequence (o fp32)."""
+    (o [T, H, D], lse [T, H] fp32); in FP8 where `fp8_runs_apply` (per run, o in q's dtype);
+    on CUDA given `packed`, one varlen launch (o in q's dtype), else per sequence (o fp32)."""
+    if fp8_runs_apply(q, runs, fp8):
+        return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs, with_lse=True)
     T, H, D = q.shape
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)
@@ -317,14 +345,18 @@ def chunk_attention_with_lse(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.
 
 
 def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   v_pool: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None,
+                   fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [R, H, D]: the packed sequences' rows (`prefix.q_rows`) against this rank's cached
     slots of their sequence (into the pools viewed as [slots, Hkv, D]; FP8 pools widened
     times kv_scale's k_scale and v_scale, `kv_cache.widen_kv`) -> o [R, H, D],
     lse [R, H] fp32 (-inf for rows of no packed sequence). On CUDA (16-bit) one gather and
     one varlen launch for every sequence, o in q's dtype (its readers widen it as they load
-    it: no fp32 copy per layer); else sequence by sequence, o fp32."""
+    it: no fp32 copy per layer); else sequence by sequence, o fp32. `fp8` (the step's
+    `fp8_runs_apply`, e4m3 pools): sequence by sequence in FP8, the pools' codes read as
+    they are with k_scale / v_scale as their descales (no widening), o in q's dtype."""
+    if fp8 and prefix.counts:
+        return _prefix_fp8(q, prefix, k_pool, v_pool, scale, kv_scale)
     R, H, D = q.shape
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if prefix.counts:
@@ -353,5 +385,30 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         om, lm = partial_attention(qs[row:row + rows], zero.expand(rows), k[key:key + slots],
                                    v[key:key + slots], zero.expand(slots), scale)
         o[prefix.q_rows[row:row + rows]], lse[prefix.q_rows[row:row + rows]] = om, lm
+        row, key = row + rows, key + slots
+    return o, lse
+
+
+def _prefix_fp8(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, scale: float, kv_scale: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_partial` in FP8: each packed sequence's rows against its cached slots, no
+    mask, through `fp8_attention` (e4m3 codes as stored, their scales as descales)."""
+    from cpmoe.cp.fp8_attention import fp8_attention
+
+    R, H, D = q.shape
+    o = torch.zeros(R, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((R, H), float("-inf"), device=q.device)
+    k_all = k_pool.view(-1, *k_pool.shape[-2:])
+    v_all = v_pool.view(-1, *v_pool.shape[-2:])
+    unit = torch.ones(2, dtype=torch.float32, device=q.device) if kv_scale is None else None
+    k_descale, v_descale = (unit[0:1], unit[1:2]) if unit is not None else (kv_scale[0:1],
+                                                                            kv_scale[1:2])
+    row = key = 0
+    for rows, slots in prefix.counts:
+        r = prefix.q_rows[row:row + rows]
+        sl = prefix.slots[key:key + slots]
+        o[r], lse[r] = fp8_attention(q[r], k_all[sl], v_all[sl], scale, False, lse=True,
+                                     k_descale=k_descale, v_descale=v_descale)
         row, key = row + rows, key + slots
     return o, lse

@@ -192,16 +192,31 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def warm_up(device: torch.device, heads: int, kv_heads: int, dim: int, scale: float,
-            max_rows: int) -> int:
-    """Build the square causal graphs of every bucket up to `max_rows` (a server's prefill
-    chunk) before the first request -> graphs built."""
-    built = 0
+            max_rows: int, max_keys: int = 0) -> int:
+    """Build before the first request -> graphs built: the square causal graphs of every
+    bucket up to `max_rows` (a server's prefill chunk), and for a chunk of max_rows after a
+    cached prefix (extend, `cp.attention.fp8_runs_apply`) its causal graph with the
+    log-sum-exp and the full-attention graphs of its prefix for every key bucket up to
+    `max_keys` (a rank's K/V capacity). A shorter last chunk of a prompt builds its own on
+    first use (about 1.4 s each)."""
+    wanted = []
     n = _MIN_BUCKET
     while n <= bucket(max_rows):
-        if (device, n, n, heads, kv_heads, dim, True, False, scale) not in _GRAPHS:
-            x = torch.zeros(n, heads, dim, dtype=torch.bfloat16, device=device)
-            kv = torch.zeros(n, kv_heads, dim, dtype=torch.bfloat16, device=device)
-            fp8_attention(x, kv, kv, scale, causal=True)
-            built += 1
+        wanted.append((n, n, True, False))
         n *= 2
+    if max_keys:
+        rows = bucket(max_rows)
+        wanted.append((rows, rows, True, True))
+        m = _MIN_BUCKET
+        while m <= bucket(max_keys):
+            wanted.append((rows, m, False, True))
+            m *= 2
+    built = 0
+    for n, m, causal, lse in wanted:
+        if (device, n, m, heads, kv_heads, dim, causal, lse, scale) in _GRAPHS:
+            continue
+        x = torch.zeros(n, heads, dim, dtype=torch.bfloat16, device=device)
+        kv = torch.zeros(m, kv_heads, dim, dtype=torch.bfloat16, device=device)
+        fp8_attention(x, kv, kv, scale, causal=causal, lse=lse)
+        built += 1
     return built

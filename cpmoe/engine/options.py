@@ -91,7 +91,8 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
     if runner.fp8_attention:  # FP8 attention's cuDNN graphs, one per length bucket
         from cpmoe.cp.fp8_attention import warm_up
         attn = runner.model.model.layers[0].self_attn
-        warm_up(runner.device, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, n)
+        warm_up(runner.device, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, n,
+                kv.capacity)
     runner.extend([Segment(WARM_UP_KEY, ids)])
     # short extends after it take the few-slot experts path: 16 tokens (16-row tiles) and
     # WARM_UP_MIXED (64-row tiles), each a kernel variant a mixed step would otherwise

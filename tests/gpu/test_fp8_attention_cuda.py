@@ -15,8 +15,9 @@ Cases: square causal runs (no padding, power-of-two lengths; 1,000 rows padded t
 1,024 bucket), full attention of 300 queries against 1,000 keys (both padded) with its
 log-sum-exp against float32's, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
 `prefill_attention(fp8=True)` on the two runs a zigzag CP split gives a rank (the second
-merged from its own keys and the keys before it by log-sum-exp), against float32. The graph
-cache: a second call of a shape builds nothing.
+merged from its own keys and the keys before it by log-sum-exp), against float32; an extend
+chunk after a prefix held in e4m3 pools at a layer's K/V scales (`chunk_attention_with_lse`
+and `prefix_partial` with fp8). The graph cache: a second call of a shape builds nothing.
 """
 
 from __future__ import annotations
@@ -136,3 +137,38 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path():
         assert _rel(want[r0:r1], ref) < 0.01  # the 16-bit path, for scale
         print(f"run at {p0}: fp8 {_rel(got[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
         assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))
+
+
+def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error():
+    """A 1,000-token chunk after 3,000 cached tokens held in e4m3 pools at a layer's K/V
+    scales (prefix codes read as they are, the scales as descales): the chunk's own keys
+    (`chunk_attention_with_lse`, fp8) and the prefix (`prefix_partial`, fp8), merged, within
+    1.5x the emulated FP8 error of exact attention over all 4,000 keys, as above."""
+    from cpmoe.cp import attention as att
+    from cpmoe.ops import fill_kv_scale, merge_two_attention
+    g = torch.Generator(device="cuda").manual_seed(7)
+    P, n = 3000, 1000
+    k = torch.randn(P + n, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(P + n, G, D, device="cuda", generator=g).bfloat16()
+    q = torch.randn(n, H, D, device="cuda", generator=g).bfloat16()
+    kv_scale = torch.empty(4, device="cuda")
+    fill_kv_scale(kv_scale, float(k[:P].float().abs().max()) / 448,
+                  float(v[:P].float().abs().max()) / 448)
+    slots = torch.randperm(4096, device="cuda")[:P]  # the prefix's slots, shuffled pages
+    pool_k = torch.zeros(256, 16, G, D, device="cuda", dtype=torch.float8_e4m3fn)
+    pool_v = torch.zeros_like(pool_k)
+    pool_k.view(-1, G, D)[slots] = (k[:P].float() * kv_scale[2]).to(torch.float8_e4m3fn)
+    pool_v.view(-1, G, D)[slots] = (v[:P].float() * kv_scale[3]).to(torch.float8_e4m3fn)
+    pos, seq = torch.arange(n, device="cuda"), torch.zeros(n, dtype=torch.int64, device="cuda")
+    runs = [(0, n, 0, 0)]
+    assert att.fp8_runs_apply(q, runs, True)
+    o1, l1 = att.chunk_attention_with_lse(q, pos, seq, k[P:], v[P:], [0, n], SCALE, None,
+                                          runs, True)
+    prefix = att.PackedPrefix.build([torch.arange(n)], [slots.cpu()], torch.device("cuda"))
+    o2, l2 = att.prefix_partial(q, prefix, pool_k, pool_v, SCALE, kv_scale, fp8=True)
+    got = torch.empty_like(q)
+    merge_two_attention(o1, l1, o2, l2, got)
+    ref = exact(q, k, v, True)  # bottom-right causal: the chunk ends at key P + n
+    emul = emulate(q, k, v, True)
+    print(f"extend after {P}: fp8 {_rel(got, ref):.4f}, emulated {_rel(emul, ref):.4f}")
+    assert _rel(got, ref) <= 1.5 * _rel(emul, ref)

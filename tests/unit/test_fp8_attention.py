@@ -55,3 +55,26 @@ def test_quantize_keeps_the_largest_value_at_448_and_zeroes_the_padding():
     assert (x8[100:].float() == 0).all()
     zero8, zero_descale = fa.quantize(torch.zeros(3, 2, 8, dtype=torch.bfloat16), 3)
     assert zero_descale.item() == pytest.approx(1.0 / fa.E4M3_MAX) and (zero8.float() == 0).all()
+
+
+def test_warm_up_builds_the_chunk_graphs_and_its_prefix_graphs(monkeypatch):
+    """A server's warm-up (chunk 300, 1,000 K/V slots a rank): square causal graphs of every
+    bucket up to the chunk's (512), the chunk's causal graph with its log-sum-exp (an extend)
+    and its full-attention graphs against every key bucket up to 1,024 (the cached prefix);
+    a second warm-up builds nothing."""
+    calls = []
+
+    def record(q, k, v, scale, causal, lse=False):
+        calls.append((q.shape[0], k.shape[0], causal, lse))
+        fa._GRAPHS[(q.device, q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                    causal, lse, scale)] = None
+
+    monkeypatch.setattr(fa, "fp8_attention", record)
+    monkeypatch.setattr(fa, "_GRAPHS", {})
+    cpu = torch.device("cpu")
+    assert fa.warm_up(cpu, 4, 2, 16, 0.25, 300, 1000) == 8
+    assert calls == [(128, 128, True, False), (256, 256, True, False),
+                     (512, 512, True, False), (512, 512, True, True),
+                     (512, 128, False, True), (512, 256, False, True),
+                     (512, 512, False, True), (512, 1024, False, True)]
+    assert fa.warm_up(cpu, 4, 2, 16, 0.25, 300, 1000) == 0

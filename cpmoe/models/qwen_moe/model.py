@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cpmoe import communicator
-from cpmoe.cp.attention import chunk_attention_with_lse, prefill_attention
+from cpmoe.cp.attention import chunk_attention_with_lse, fp8_runs_apply, prefill_attention
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.paged_attention import paged_decode_attention
 from cpmoe.linear import Linear, column_shard, fuse_linears, kv_head_shard, row_shard
@@ -116,11 +116,13 @@ class QwenMoeAttention(nn.Module):
             return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
                                      cu, self.scale, batch.q_runs, batch.packed_runs,
                                      batch.fp8_attention)
+        fp8 = fp8_runs_apply(q, batch.q_runs, batch.fp8_attention)  # the chunk and prefix
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
-                                          v_flat, cu, self.scale, batch.packed_runs)
+                                          v_flat, cu, self.scale, batch.packed_runs,
+                                          batch.q_runs, fp8)
         o_pre, lse_pre = communicator.attend_cached_prefix(q, batch, self.groups, kv.k[layer],
                                                            kv.v[layer], self.scale,
-                                                           self.kv_scale)
+                                                           self.kv_scale, fp8)
         return merge_two_attention(o, lse, o_pre, lse_pre, torch.empty_like(q))
 
     def _decode(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -1,0 +1,111 @@
+"""FP8 extend attention (`--kv-cache-dtype fp8_e4m3`, CUDA): the chunk of a long prompt
+after its cached prefix runs its own keys and the prefix in FP8 through `fp8_attention`, as
+a whole prefill does. cuDNN is not here, so these tests replace `fp8_attention` by float32
+attention with the same interface (`emulate`: FP8 inputs taken times their descales, the
+causal mask top-left aligned as cuDNN's FP8 kernel has it on Hopper) and let the FP8 paths
+run on CPU; the paths must then give what the 16-bit paths give (tests/e2e/test_hf_parity.py
+holds those to HF). What they prove is the dispatch: runs sliced and split at their first
+position, the two parts merged with their log-sum-exp, each prefix sequence's rows and
+codes, the pools' scales as descales, rows scattered back, and the model taking the path.
+The kernel's own error is tests/gpu/test_fp8_attention_cuda.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpmoe.cp.fp8_attention as fa
+from cpmoe.cp import attention as att
+from cpmoe.cp.split import CPSplit
+from cpmoe.ops import fill_kv_scale
+
+CALLS: list[tuple[int, int, bool, bool]] = []  # (rows, keys, causal, fp8 keys) per call
+
+
+def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
+    """fp8_attention's interface in float32, no quantization; records each call."""
+    fp8 = k.dtype == torch.float8_e4m3fn
+    CALLS.append((q.shape[0], k.shape[0], causal, fp8))
+    kf = k.float() * k_descale.view(()) if fp8 else k.float()
+    vf = v.float() * v_descale.view(()) if fp8 else v.float()
+    group = q.shape[1] // k.shape[1]
+    kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    if causal:
+        n = q.shape[0]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hnm,mhd->nhd", s.softmax(-1), vf).to(q.dtype)
+    return out, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    monkeypatch.setattr(fa, "fp8_attention", emulate)
+    monkeypatch.setattr(att, "_fp8_device", lambda q: True)
+    CALLS.clear()
+    return CALLS
+
+
+def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
+    """A zigzag CP rank's rows of two sequences (two runs each, the second starting after
+    keys of the chunk): FP8 per run equals the per-sequence path, o and lse."""
+    torch.manual_seed(0)
+    split = CPSplit.build([600, 520], 2, "zigzag")
+    pos, seq = split.local_positions(0), split.local_token_to_seq(0)
+    runs = att.query_runs(pos, seq)
+    assert len(runs) == 4 and min(b - a for a, b, _, _ in runs) >= att.FP8_MIN_ROWS
+    q = torch.randn(pos.numel(), 8, 16)
+    k, v = torch.randn(1120, 2, 16), torch.randn(1120, 2, 16)
+    cu = list(split.cu_seqlens)
+    o, lse = att.chunk_attention_with_lse(q, pos, seq, k, v, cu, 0.25, None, runs, True)
+    want_o, want_lse = att.chunk_attention_with_lse(q, pos, seq, k, v, cu, 0.25, None)
+    torch.testing.assert_close(o.float(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    # a run at its sequence's start: one causal call; a later one: causal + the keys before
+    assert sorted(c[2] for c in fp8_on_cpu) == [False, False, True, True, True, True]
+    assert not att.fp8_runs_apply(q, runs, False)
+    assert not att.fp8_runs_apply(q, [(0, 127, 0, 0)] + runs, True)  # a short run: 16-bit
+
+
+def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
+    """Two sequences' rows (not in order) against their slots of e4m3 pools with a layer's
+    K/V scales: the codes go to fp8_attention as they are, the scales as descales, and the
+    result equals the widening path; rows of no packed sequence see nothing."""
+    torch.manual_seed(1)
+    pool_k = (torch.randn(40, 8, 2, 16) * 20).to(torch.float8_e4m3fn)
+    pool_v = (torch.randn(40, 8, 2, 16) * 20).to(torch.float8_e4m3fn)
+    rows = [torch.arange(130, 300), torch.arange(0, 130)]
+    slots = [torch.randperm(320)[:200], torch.randperm(320)[:77]]
+    prefix = att.PackedPrefix.build(rows, slots, torch.device("cpu"))
+    kv_scale = torch.empty(4)
+    fill_kv_scale(kv_scale, 0.03, 0.7)
+    q = torch.randn(310, 8, 16)
+    o, lse = att.prefix_partial(q, prefix, pool_k, pool_v, 0.25, kv_scale, fp8=True)
+    want_o, want_lse = att.prefix_partial(q, prefix, pool_k, pool_v, 0.25, kv_scale)
+    torch.testing.assert_close(o.float(), want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(lse[300:]).all() and not o[300:].any()
+    assert fp8_on_cpu == [(170, 200, False, True), (130, 77, False, True)]
+
+
+def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir):
+    """A 300-token prompt in two chunks of 150 over e4m3 pools: with FP8 attention on, the
+    second chunk's attention (its own keys and the cached 150) goes through fp8_attention in
+    every layer, and its logits equal the 16-bit path's."""
+    from cpmoe.engine.runner import ModelRunner, Segment
+    from cpmoe.parallel.groups import ProcessGroups
+
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = []
+    for fp8 in (False, True):
+        runner = ModelRunner(qwen3_moe_dir, ProcessGroups.single(), torch.float32,
+                             show_progress=False)
+        runner.allocate_kv(512, kv_dtype="fp8_e4m3")
+        runner.fp8_attention = fp8  # what CUDA sets for e4m3 pools of a 16-bit model
+        runner.extend([Segment(0, ids[:150])])
+        fp8_on_cpu.clear()
+        logits.append(runner.extend([Segment(0, ids[150:], 150)]))
+        calls = list(fp8_on_cpu)
+    layers = len(runner.model.model.layers)
+    assert calls == [(150, 150, True, False), (150, 150, False, True)] * layers
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
