@@ -91,8 +91,9 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
     if runner.fp8_attention:  # FP8 attention's cuDNN graphs, one per length bucket
         from cpmoe.cp.fp8_attention import warm_up
         attn = runner.model.model.layers[0].self_attn
+        # a prefix on a rank is at most a sequence's: the context length, if the cache holds it
         warm_up(runner.device, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, n,
-                kv.capacity)
+                min(kv.capacity, runner.config.max_position_embeddings))
     runner.extend([Segment(WARM_UP_KEY, ids)])
     # short extends after it take the few-slot experts path: 16 tokens (16-row tiles) and
     # WARM_UP_MIXED (64-row tiles), each a kernel variant a mixed step would otherwise
