@@ -7,6 +7,9 @@
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
 #   bash bench/h200_engine.sh fp8-serving OUT_DIR  # serving 1024/256 at 128: bf16 vs FP8
 #                                               # weights + FP8 K/V (target >= 1.3x)
+#   bash bench/h200_engine.sh fp8-long OUT_DIR  # one 128K prompt served in 8K chunks: TTFT of
+#                                               # bf16 vs FP8 weights + FP8 K/V (FP8 extend
+#                                               # attention; FP8_LONG_LEN sets the length)
 #   bash bench/h200_engine.sh structured OUT_DIR  # 64 JSON-schema streams vs the same without
 #                                               # (needs the xgrammar + apache-tvm-ffi wheels)
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
@@ -36,10 +39,10 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|fp8-serving|structured|fp8|fp8-prefill|v4|v4-serving)
+  smoke|decode|serving|prefix|fp8-serving|fp8-long|structured|fp8|fp8-prefill|v4|v4-serving)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
-  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving |" \
+  *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving | fp8-long |" \
           "structured | fp8 | fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
 esac
 case "$part" in
@@ -60,7 +63,7 @@ case "$part" in
     step one-batch-32k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 \
       --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
-  serving|prefix|fp8-serving)
+  serving|prefix|fp8-serving|fp8-long)
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
 import json, pathlib, sys
@@ -90,6 +93,21 @@ PY
         --kv-cache-dtype fp8_e4m3
       step fp8-serving-compare python3 -m bench.serving_ratio "$out/fp8-serving-bf16.json" \
         "$out/fp8-serving-fp8.json" --min 1.3 --names "bf16,FP8 weights + FP8 K/V"
+      finish
+    fi
+    if [ "$part" = fp8-long ]; then
+      # issue 45: one long prompt at a time, chunked in (the default --chunked-prefill-size
+      # 8192), one output token: the output tok/s ratio is the TTFT ratio. FP8's later chunks
+      # attend their cached prefix in FP8; the target is the issue's for a 128K prefill
+      load=(--dataset random --random-input-len "${FP8_LONG_LEN:-131072}" --random-output-len 1
+            --num-prompts 2 --max-concurrency 1)
+      step fp8-long-bf16 python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/fp8-long-bf16.json" --launch "${serve[@]}"
+      step fp8-long-fp8 python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/fp8-long-fp8.json" --launch "${serve[@]}" --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3
+      step fp8-long-compare python3 -m bench.serving_ratio "$out/fp8-long-bf16.json" \
+        "$out/fp8-long-fp8.json" --min 1.45 --names "bf16,FP8 weights + FP8 K/V"
       finish
     fi
     if [ "$part" = prefix ]; then

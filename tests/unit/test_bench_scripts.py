@@ -133,6 +133,18 @@ def test_fp8_serving_part_runs_the_same_load_in_bf16_and_fp8_and_compares(tmp_pa
     assert rc == 1 and _failed_lines(out)
 
 
+def test_fp8_long_part_serves_one_long_prompt_at_a_time_both_ways(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "fp8-long")
+    assert rc == 0, _failed_lines(out)
+    runs = [c for c in calls if "bench-serving" in c]
+    assert len(runs) == 2 and "--quantization" not in runs[0]
+    assert runs[1].endswith("--quantization fp8 --kv-cache-dtype fp8_e4m3")
+    assert "--random-input-len 131072 --random-output-len 1 --num-prompts 2 " \
+           "--max-concurrency 1" in runs[0]
+    assert runs[0].split("--out")[0] == runs[1].split("--out")[0]  # the same load
+    assert any("bench.serving_ratio" in c and "--min 1.45" in c for c in calls)
+
+
 def test_v4_serving_part_times_the_bound_serves_and_fails_over_it(tmp_path):
     rc, out, calls = _run(tmp_path, "h200_engine.sh", "v4-serving")
     assert rc == 0, _failed_lines(out)
