@@ -256,13 +256,19 @@ def fp8_runs_apply(q: torch.Tensor, runs: list[tuple[int, int, int, int]] | None
                    fp8: bool) -> bool:
     """Whether an extend chunk's attention (its own keys, `chunk_attention_with_lse`, and the
     cached prefix, `prefix_partial`) runs in FP8: --kv-cache-dtype fp8_e4m3 on CUDA (16-bit
-    q) and every query run at least FP8_MIN_ROWS long (shorter runs, as the few-token
-    extends of a mixed step, would pay cuDNN's smallest bucket for no gain)."""
-    return (fp8 and _fp8_device(q) and bool(runs)
+    q), at most _RUNS_PER_LAUNCH runs, each at least FP8_MIN_ROWS long: FP8 takes a few
+    calls per run and per prefixed sequence, where the 16-bit path takes one varlen launch
+    for all, so many short runs (a shared-prefix load's questions, the few-token extends of
+    a mixed step) stay 16-bit and the long chunks of long prompts go FP8."""
+    return (fp8 and _fp8_device(q) and bool(runs) and len(runs) <= _RUNS_PER_LAUNCH
             and min(b - a for a, b, _, _ in runs) >= FP8_MIN_ROWS)
 
 
-FP8_MIN_ROWS = 128  # cuDNN FP8's smallest graph bucket (cp.fp8_attention)
+# a zigzag rank's run of an 8K chunk at CP 4. Estimated, not measured: 1,024 rows against
+# 4K prefix keys at 32 heads of 128 are ~86 GFLOP a layer, ~90 us at the 977 TFLOP/s
+# cuDNN's sdpa_fp8 reached at 16K on the H200, several times the few calls' launches and
+# quantizations
+FP8_MIN_ROWS = 1024
 
 
 def _fp8_device(q: torch.Tensor) -> bool:

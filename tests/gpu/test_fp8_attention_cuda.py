@@ -140,14 +140,14 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path():
 
 
 def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error():
-    """A 1,000-token chunk after 3,000 cached tokens held in e4m3 pools at a layer's K/V
+    """A 1,024-token chunk after 3,000 cached tokens held in e4m3 pools at a layer's K/V
     scales (prefix codes read as they are, the scales as descales): the chunk's own keys
     (`chunk_attention_with_lse`, fp8) and the prefix (`prefix_partial`, fp8), merged, within
     1.5x the emulated FP8 error of exact attention over all 4,000 keys, as above."""
     from cpmoe.cp import attention as att
     from cpmoe.ops import fill_kv_scale, merge_two_attention
     g = torch.Generator(device="cuda").manual_seed(7)
-    P, n = 3000, 1000
+    P, n = 3000, 1024
     k = torch.randn(P + n, G, D, device="cuda", generator=g).bfloat16()
     v = torch.randn(P + n, G, D, device="cuda", generator=g).bfloat16()
     q = torch.randn(n, H, D, device="cuda", generator=g).bfloat16()

@@ -50,12 +50,12 @@ def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
     """A zigzag CP rank's rows of two sequences (two runs each, the second starting after
     keys of the chunk): FP8 per run equals the per-sequence path, o and lse."""
     torch.manual_seed(0)
-    split = CPSplit.build([600, 520], 2, "zigzag")
+    split = CPSplit.build([4400, 4160], 2, "zigzag")
     pos, seq = split.local_positions(0), split.local_token_to_seq(0)
     runs = att.query_runs(pos, seq)
     assert len(runs) == 4 and min(b - a for a, b, _, _ in runs) >= att.FP8_MIN_ROWS
     q = torch.randn(pos.numel(), 8, 16)
-    k, v = torch.randn(1120, 2, 16), torch.randn(1120, 2, 16)
+    k, v = torch.randn(8560, 2, 16), torch.randn(8560, 2, 16)
     cu = list(split.cu_seqlens)
     o, lse = att.chunk_attention_with_lse(q, pos, seq, k, v, cu, 0.25, None, runs, True)
     want_o, want_lse = att.chunk_attention_with_lse(q, pos, seq, k, v, cu, 0.25, None)
@@ -64,7 +64,8 @@ def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
     # a run at its sequence's start: one causal call; a later one: causal + the keys before
     assert sorted(c[2] for c in fp8_on_cpu) == [False, False, True, True, True, True]
     assert not att.fp8_runs_apply(q, runs, False)
-    assert not att.fp8_runs_apply(q, [(0, 127, 0, 0)] + runs, True)  # a short run: 16-bit
+    assert not att.fp8_runs_apply(q, [(0, 1023, 0, 0)] + runs, True)  # a short run: 16-bit
+    assert not att.fp8_runs_apply(q, runs * 5, True)  # more runs than one launch's worth
 
 
 def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
@@ -74,7 +75,7 @@ def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
     torch.manual_seed(1)
     pool_k = (torch.randn(40, 8, 2, 16) * 20).to(torch.float8_e4m3fn)
     pool_v = (torch.randn(40, 8, 2, 16) * 20).to(torch.float8_e4m3fn)
-    rows = [torch.arange(130, 300), torch.arange(0, 130)]
+    rows = [torch.arange(130, 300), torch.arange(0, 130)]  # any sizes: the caller decides
     slots = [torch.randperm(320)[:200], torch.randperm(320)[:77]]
     prefix = att.PackedPrefix.build(rows, slots, torch.device("cpu"))
     kv_scale = torch.empty(4)
@@ -89,23 +90,23 @@ def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
 
 
 def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir):
-    """A 300-token prompt in two chunks of 150 over e4m3 pools: with FP8 attention on, the
-    second chunk's attention (its own keys and the cached 150) goes through fp8_attention in
-    every layer, and its logits equal the 16-bit path's."""
+    """A 2,200-token prompt in two chunks of 1,100 over e4m3 pools: with FP8 attention on,
+    the second chunk's attention (its own keys and the cached 1,100) goes through
+    fp8_attention in every layer, and its logits equal the 16-bit path's."""
     from cpmoe.engine.runner import ModelRunner, Segment
     from cpmoe.parallel.groups import ProcessGroups
 
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 256, (2200,), generator=torch.Generator().manual_seed(2)).tolist()
     logits = []
     for fp8 in (False, True):
         runner = ModelRunner(qwen3_moe_dir, ProcessGroups.single(), torch.float32,
                              show_progress=False)
-        runner.allocate_kv(512, kv_dtype="fp8_e4m3")
+        runner.allocate_kv(2304, kv_dtype="fp8_e4m3")
         runner.fp8_attention = fp8  # what CUDA sets for e4m3 pools of a 16-bit model
-        runner.extend([Segment(0, ids[:150])])
+        runner.extend([Segment(0, ids[:1100])])
         fp8_on_cpu.clear()
-        logits.append(runner.extend([Segment(0, ids[150:], 150)]))
+        logits.append(runner.extend([Segment(0, ids[1100:], 1100)]))
         calls = list(fp8_on_cpu)
     layers = len(runner.model.model.layers)
-    assert calls == [(150, 150, True, False), (150, 150, False, True)] * layers
+    assert calls == [(1100, 1100, True, False), (1100, 1100, False, True)] * layers
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
