@@ -127,12 +127,13 @@ bf16 = "*bf16"
 for fn, pointers, constexprs, unaligned in (
         (paged_attention._paged_decode_stage1,
          {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "bt_ptr": "*i32", "lens_ptr": "*i32",
-          "o_ptr": "*fp32", "lse_ptr": "*fp32"},
+          "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
          {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False,
           "UPCAST": False}, ("bt_sb", "NUM_SPLITS", "GROUP")),
         (ops.norm._qkv_norm_rope_store_kernel,
          {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
-          "sin_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "slots_ptr": "*i64"},
+          "sin_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "slots_ptr": "*i64",
+          "scale_ptr": "*fp32"},
          {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64}, ("kv_heads",)),
         (ops.routing._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
          {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
@@ -147,12 +148,13 @@ for fn, pointers, constexprs, unaligned in (
     ptx = compile_sm90(fn, pointers, dict(constexprs, PDL=True), unaligned, {"num_warps": 4})
     waits_first(ptx, fn.fn.__name__)
 # FP8 K/V pools (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): decode attention compiles with FP8
-# loads, widened to bf16; the store rounds to nearest and saturates (satfinite)
+# loads, widened to bf16 times the layer's scales (loaded, as the store's reciprocals); the
+# store rounds to nearest and saturates (satfinite)
 for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     ptx = compile_sm90(
         paged_attention._paged_decode_stage1,
         {"q_ptr": bf16, "k_ptr": fmt, "v_ptr": fmt, "bt_ptr": "*i32", "lens_ptr": "*i32",
-         "o_ptr": "*fp32", "lse_ptr": "*fp32"},
+         "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
         {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False, "UPCAST": False,
          "PDL": True, "KV_FP8": True}, ("bt_sb", "NUM_SPLITS", "GROUP"),
         {"num_warps": 4, "num_stages": 2})
@@ -160,7 +162,8 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     ptx = compile_sm90(
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
-         "sin_ptr": bf16, "k_cache_ptr": fmt, "v_cache_ptr": fmt, "slots_ptr": "*i64"},
+         "sin_ptr": bf16, "k_cache_ptr": fmt, "v_cache_ptr": fmt, "slots_ptr": "*i64",
+         "scale_ptr": "*fp32"},
         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True,
          "KV_MAX": 448.0 if name == "e4m3x2" else 57344.0}, ("kv_heads",), {"num_warps": 4})
     assert re.search(r"cvt\.rn\.satfinite\." + name, waits_first(ptx, ("store", fmt))), fmt
