@@ -46,7 +46,7 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
     # every argument not in `unaligned` 16-divisible, as launches specialize them
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in constexprs else pointers.get(
-        p, "fp32" if p in ("limit", "eps", "scale_log2", "kv_scale") else "i32") for p in params}
+        p, "fp32" if p in ("limit", "eps", "scale_log2") else "i32") for p in params}
     aligned = [i for i, p in enumerate(params) if sig[p] != "constexpr" and p not in unaligned]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
