@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cpmoe import ops
-from cpmoe.cp.kv_cache import widen_kv
+from cpmoe.cp.kv_cache import pool_rows, widen_kv
 
 # Rows of queries processed at once: bounds the [H, rows, keys] mask/score memory.
 _QUERY_CHUNK = 1024
@@ -371,8 +371,8 @@ def prefix_partial(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
         v_all = v_pool.view(-1, *v_pool.shape[-2:])
         qs = q if whole else q[prefix.q_rows]
         ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-        k, v = widen_kv(k_all[prefix.slots], ks, q.dtype), widen_kv(v_all[prefix.slots], vs,
-                                                                    q.dtype)
+        k = widen_kv(pool_rows(k_all, prefix.slots), ks, q.dtype)
+        v = widen_kv(pool_rows(v_all, prefix.slots), vs, q.dtype)
         if fused:
             om, lm = varlen_attention(qs, k, v, prefix.cu_q, prefix.cu_k, prefix.max_q,
                                       prefix.max_k, False, scale)
@@ -414,7 +414,8 @@ def _prefix_fp8(q: torch.Tensor, prefix: PackedPrefix, k_pool: torch.Tensor,
     for rows, slots in prefix.counts:
         r = prefix.q_rows[row:row + rows]
         sl = prefix.slots[key:key + slots]
-        o[r], lse[r] = fp8_attention(q[r], k_all[sl], v_all[sl], scale, False, lse=True,
-                                     k_descale=k_descale, v_descale=v_descale)
+        o[r], lse[r] = fp8_attention(q[r], pool_rows(k_all, sl), pool_rows(v_all, sl), scale,
+                                     False, lse=True, k_descale=k_descale,
+                                     v_descale=v_descale)
         row, key = row + rows, key + slots
     return o, lse

@@ -142,9 +142,10 @@ def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
     if x.dtype != torch.float8_e4m3fn:
         return quantize(x, rows)
     assert descale is not None, "FP8 inputs need their descale"
-    if rows > x.shape[0]:
-        pad = torch.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        x = torch.cat([x, pad])
+    if rows > x.shape[0]:  # zero-padded through the bytes (e4m3 0 is byte 0)
+        padded = torch.zeros((rows, *x.shape[1:]), dtype=torch.uint8, device=x.device)
+        padded[:x.shape[0]].copy_(x.view(torch.uint8))
+        x = padded.view(torch.float8_e4m3fn)
     return x.contiguous(), descale.float().view(1, 1, 1, 1)
 
 

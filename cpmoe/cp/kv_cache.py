@@ -51,6 +51,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 
 
+def pool_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool [slots, ...] rows at `slots`, in the pool's dtype; an FP8 pool's through its
+    bytes (a uint8 gather, which every device's index kernel takes)."""
+    if pool.dtype.itemsize == 1 and pool.dtype.is_floating_point:
+        return pool.view(torch.uint8)[slots].view(pool.dtype)
+    return pool[slots]
+
+
 def widen_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Pool values -> `dtype`: FP8 codes times their scale (a 0-d float32 tensor; None: 1)
     rounded once to `dtype`, as the decode kernel widens them; 16-bit values as they are."""
@@ -371,8 +379,8 @@ class PagedKVCache:
         layer's k_scale and v_scale: kv_scale [4], `ops.norm`; None: 1)."""
         k, v = self.k[layer], self.v[layer]
         ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-        return (widen_kv(k.view(-1, *k.shape[2:])[slots], ks, dtype),
-                widen_kv(v.view(-1, *v.shape[2:])[slots], vs, dtype))
+        return (widen_kv(pool_rows(k.view(-1, *k.shape[2:]), slots), ks, dtype),
+                widen_kv(pool_rows(v.view(-1, *v.shape[2:]), slots), vs, dtype))
 
 
 class PageRelease:

@@ -78,3 +78,14 @@ def test_warm_up_builds_the_chunk_graphs_and_its_prefix_graphs(monkeypatch):
                      (512, 128, False, True), (512, 256, False, True),
                      (512, 512, False, True), (512, 1024, False, True)]
     assert fa.warm_up(cpu, 4, 2, 16, 0.25, 300, 1000) == 0
+
+
+def test_pool_codes_go_in_as_they_are_padded_with_zeros():
+    """K/V codes read from an e4m3 pool: padded to the bucket with zero codes, values
+    unchanged, their descale (a view of the layer's scales) shaped for the graph."""
+    codes = (torch.randn(5, 2, 16) * 50).to(torch.float8_e4m3fn)
+    scales = torch.tensor([0.3, 2.0, 1 / 0.3, 0.5])
+    x, d = fa._as_fp8(codes, 128, scales[0:1])
+    assert x.dtype == torch.float8_e4m3fn and x.shape == (128, 2, 16)
+    assert x[:5].view(torch.uint8).equal(codes.view(torch.uint8))
+    assert not x[5:].float().any() and d.shape == (1, 1, 1, 1) and float(d) == 0.3
