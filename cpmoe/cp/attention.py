@@ -145,10 +145,10 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
     """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
     `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
     (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
-    per run; neither syncs with the host. `fp8` (CUDA, given the runs): each run in FP8
-    through cuDNN (`fp8_attention`)."""
+    per run; neither syncs with the host. `fp8` (CUDA, given the runs, where
+    `fp8_runs_apply`): each run in FP8 through cuDNN (`fp8_attention`)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
-    if fused and fp8 and runs is not None:
+    if fp8_runs_apply(q, runs, fp8):
         return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs)[0]
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]

@@ -116,16 +116,20 @@ def test_fp8_attention_lse_is_the_rows_log_sum_exp():
 
 
 def test_prefill_attention_fp8_runs_match_the_16_bit_path():
-    """One 2,000-token sequence, a rank's two zigzag runs (positions 0..499 and
-    1500..1999): fp8=True within the FP8 error of the 16-bit path, per run."""
+    """One 4,096-token sequence, a rank's two zigzag runs (positions 0..1023 and
+    3072..4095): fp8=True within the FP8 error of the 16-bit path, per run (and runs under
+    FP8_MIN_ROWS stay 16-bit)."""
+    from cpmoe.cp.attention import FP8_MIN_ROWS, fp8_runs_apply
     g = torch.Generator(device="cuda").manual_seed(5)
-    L = 2000
+    L = 4096
     k = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
     v = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
-    pos = torch.cat([torch.arange(0, 500), torch.arange(1500, 2000)]).cuda()
+    pos = torch.cat([torch.arange(0, 1024), torch.arange(3072, 4096)]).cuda()
     q = torch.randn(pos.numel(), H, D, device="cuda", generator=g).bfloat16()
     seq = torch.zeros_like(pos)
-    runs = [(0, 500, 0, 0), (500, 1000, 0, 1500)]
+    runs = [(0, 1024, 0, 0), (1024, 2048, 0, 3072)]
+    assert fp8_runs_apply(q, runs, True) and FP8_MIN_ROWS == 1024
+    assert not fp8_runs_apply(q, [(0, 500, 0, 0)], True)
     want = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs)
     got = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs, fp8=True)
     for (r0, r1, _, p0) in runs:
