@@ -198,11 +198,16 @@ PY
       --port 0 2> "$out/structured.server.log" &
     server=$!
     trap 'kill -TERM "$server" 2>/dev/null' EXIT  # stopped with the part, even by a timeout
+    served_at() {
+      sed -n 's/.*cpmoe: serving [^ ]* at \(http:[^ ]*\) .*/\1/p' \
+        "$out/structured.server.log" | head -n 1
+    }
     url=
     for _ in $(seq 900); do  # model build, CUDA graphs and warm-up: minutes at most
-      url=$(sed -n 's/.*cpmoe: serving [^ ]* at \(http:[^ ]*\) .*/\1/p' \
-        "$out/structured.server.log" | head -n 1)
-      [ -n "$url" ] || ! kill -0 "$server" 2>/dev/null && break
+      url=$(served_at)
+      [ -n "$url" ] && break
+      # a server that exited may have printed its address after the read above
+      kill -0 "$server" 2>/dev/null || { url=$(served_at); break; }
       sleep 1
     done
     vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
