@@ -120,29 +120,23 @@ def test_structured_part_runs_the_json_schema_load_and_the_same_load_without(tmp
     assert calls.index(serve[0]) < calls.index(runs[0])
 
 
-def test_fp8_serving_part_runs_the_same_load_in_bf16_and_fp8_and_compares(tmp_path):
-    rc, out, calls = _run(tmp_path, "h200_engine.sh", "fp8-serving")
+@pytest.mark.parametrize("part, load, target", [
+    ("fp8-serving", "--random-input-len 1024 --random-output-len 256", "1.3"),
+    ("fp8-long", "--random-input-len 131072 --random-output-len 1 --num-prompts 2 "
+                 "--max-concurrency 1", "1.45")])
+def test_fp8_serving_parts_run_the_same_load_in_bf16_and_fp8_and_compare(tmp_path, part, load,
+                                                                          target):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", part)
     assert rc == 0, _failed_lines(out)
     runs = [c for c in calls if "bench-serving" in c]
     assert len(runs) == 2 and "--quantization" not in runs[0]
     assert runs[1].endswith("--quantization fp8 --kv-cache-dtype fp8_e4m3")
-    assert "--random-input-len 1024 --random-output-len 256" in runs[0]
+    assert load in runs[0]
     assert runs[0].split("--out")[0] == runs[1].split("--out")[0]  # the same load
     assert not any("long-prompt-len" in c for c in calls)  # not the serving part's runs
-    rc, out, _ = _run(tmp_path, "h200_engine.sh", "fp8-serving", fail="fp8-serving")
+    assert any("bench.serving_ratio" in c and f"--min {target} " in c for c in calls)
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", part, fail=f"{part}-fp8.json")
     assert rc == 1 and _failed_lines(out)
-
-
-def test_fp8_long_part_serves_one_long_prompt_at_a_time_both_ways(tmp_path):
-    rc, out, calls = _run(tmp_path, "h200_engine.sh", "fp8-long")
-    assert rc == 0, _failed_lines(out)
-    runs = [c for c in calls if "bench-serving" in c]
-    assert len(runs) == 2 and "--quantization" not in runs[0]
-    assert runs[1].endswith("--quantization fp8 --kv-cache-dtype fp8_e4m3")
-    assert "--random-input-len 131072 --random-output-len 1 --num-prompts 2 " \
-           "--max-concurrency 1" in runs[0]
-    assert runs[0].split("--out")[0] == runs[1].split("--out")[0]  # the same load
-    assert any("bench.serving_ratio" in c and "--min 1.45" in c for c in calls)
 
 
 def test_v4_serving_part_times_the_bound_serves_and_fails_over_it(tmp_path):
