@@ -183,29 +183,41 @@ def test_triton_ops_match_references_at_model_shapes():
     torch.testing.assert_close(q, q_ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
     assert torch.equal(caches[1], caches[3])  # v is copied as it is
-    # FP8 pools (--kv-cache-dtype): the kernel's stores equal torch's bit for bit (round to
-    # bf16 as the torch path does, then to nearest FP8, saturating); some v past the range
+    # FP8 pools (--kv-cache-dtype): the kernel's stores equal torch's conversion bit for bit
+    # (round to bf16, times 1 / scale, then to nearest FP8, saturating); some v past the
+    # range. v is copied as it is, so its codes are torch's of the same input; k goes through
+    # the kernel's norm + RoPE, whose bf16 result may differ from the torch path's by an ulp
+    # (checked with bf16's tolerance above), so its codes are compared with torch's
+    # conversion of the kernel's own bf16 k (what the kernel stores into a bf16 pool)
     qkv[::7, 36 * 128 + 5] = 3e4
+    k16 = torch.zeros(256, 16, 4, 128, device=dev, dtype=bf)
+    ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
+                            k16, torch.zeros_like(k16), slots)
+    k16 = k16.view(-1, 4, 128)[slots]
+    v16 = qkv[:, 36 * 128:].reshape(64, 4, 128)
+    kv_scale = torch.empty(4, device=dev)
+    ops.fill_kv_scale(kv_scale, 0.0173, 91.0)
     for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
-        caches = [torch.zeros(256, 16, 4, 128, device=dev, dtype=fmt) for _ in range(4)]
-        ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
-                                *caches[:2], slots)
-        ops.qkv_norm_rope_store_ref(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
-                                    *caches[2:], slots)
-        for got, want in zip(caches[:2], caches[2:]):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), fmt
-        top = caches[1].float().view(-1, 4, 128)[slots[::7], 0, 5]
-        # e4m3 saturates at 448; e5m2: 3e4 -> bf16 29952 -> 28672 (steps of 4096 there)
-        assert top.eq(448.0 if fmt == torch.float8_e4m3fn else 28672.0).all(), top
-        # a checkpoint's K/V scales (read from the device): still bit for bit
-        kv_scale = torch.empty(4, device=dev)
-        ops.fill_kv_scale(kv_scale, 0.0173, 91.0)
-        ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
-                                *caches[:2], slots, kv_scale)
-        ops.qkv_norm_rope_store_ref(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf), sin[:64].to(bf),
-                                    *caches[2:], slots, kv_scale)
-        for got, want in zip(caches[:2], caches[2:]):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), fmt
+        # unit scales, then a checkpoint's K/V scales (read from the device)
+        for scale in (None, kv_scale):
+            caches = [torch.zeros(256, 16, 4, 128, device=dev, dtype=fmt) for _ in range(2)]
+            ops.qkv_norm_rope_store(qkv, 32, 4, nw, nw, 1e-6, cos[:64].to(bf),
+                                    sin[:64].to(bf), *caches, slots, scale)
+            inv = (None, None) if scale is None else (scale[2], scale[3])
+            for name, cache, x, inv_x in (("k", caches[0], k16, inv[0]),
+                                          ("v", caches[1], v16, inv[1])):
+                got = cache.view(-1, 4, 128)[slots].view(torch.uint8)
+                want = ops.to_kv_cache(x, fmt, inv_x).view(torch.uint8)
+                bad = (got != want).nonzero()
+                assert bad.numel() == 0, (
+                    f"{fmt} {name} scale={scale is not None}: {bad.shape[0]} codes differ, "
+                    f"first at {bad[:4].tolist()}: input {x[tuple(bad[:4].t())].tolist()} "
+                    f"stored {got[tuple(bad[:4].t())].tolist()} "
+                    f"torch {want[tuple(bad[:4].t())].tolist()}")
+            if scale is None:
+                top = caches[1].float().view(-1, 4, 128)[slots[::7], 0, 5]
+                # e4m3 saturates at 448; e5m2: 3e4 -> bf16 29952 -> 28672 (steps of 4096)
+                assert top.eq(448.0 if fmt == torch.float8_e4m3fn else 28672.0).all(), top
     # residual add + RMSNorm: the sum exactly as torch's bf16 add, the norm within bf16
     x, r = torch.randn(64, 2048, device=dev, dtype=bf), torch.randn(64, 2048, device=dev, dtype=bf)
     out, summed = ops.add_rms_norm(x, r, nw.repeat(16), 1e-6)
