@@ -254,21 +254,35 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 
 def fp8_runs_apply(q: torch.Tensor, runs: list[tuple[int, int, int, int]] | None,
                    fp8: bool) -> bool:
-    """Whether an extend chunk's attention (its own keys, `chunk_attention_with_lse`, and the
-    cached prefix, `prefix_partial`) runs in FP8: --kv-cache-dtype fp8_e4m3 on CUDA (16-bit
-    q), at most _RUNS_PER_LAUNCH runs, each at least FP8_MIN_ROWS long: FP8 takes a few
-    calls per run and per prefixed sequence, where the 16-bit path takes one varlen launch
-    for all, so many short runs (a shared-prefix load's questions, the few-token extends of
-    a mixed step) stay 16-bit and the long chunks of long prompts go FP8."""
+    """Whether a step's attention (a prefill's runs; an extend chunk's own keys,
+    `chunk_attention_with_lse`, and its cached prefix, `prefix_partial`) runs in FP8:
+    --kv-cache-dtype fp8_e4m3 on CUDA (16-bit q), at most _RUNS_PER_LAUNCH runs, each
+    attending at least FP8_MIN_PAIRS query-key pairs of its chunk (`run_pairs`). FP8 takes
+    a few calls per run and per prefixed sequence, where the 16-bit path takes one varlen
+    launch for all, so short runs (a served batch of 1K prompts, a shared-prefix load's
+    questions, the few-token extends of a mixed step) stay 16-bit and the long runs of long
+    prompts go FP8."""
     return (fp8 and _fp8_device(q) and bool(runs) and len(runs) <= _RUNS_PER_LAUNCH
-            and min(b - a for a, b, _, _ in runs) >= FP8_MIN_ROWS)
+            and min(run_pairs(run) for run in runs) >= FP8_MIN_PAIRS)
 
 
-# a zigzag rank's run of an 8K chunk at CP 4. Estimated, not measured: 1,024 rows against
-# 4K prefix keys at 32 heads of 128 are ~86 GFLOP a layer, ~90 us at the 977 TFLOP/s
-# cuDNN's sdpa_fp8 reached at 16K on the H200, several times the few calls' launches and
-# quantizations
-FP8_MIN_ROWS = 1024
+def run_pairs(run: tuple[int, int, int, int]) -> int:
+    """The query-key pairs a run of n rows from position p0 of its chunk attends in the
+    chunk: its causal square and the chunk's keys before it (a cached prefix not counted)."""
+    row0, row1, _, p0 = run
+    n = row1 - row0
+    return n * p0 + n * (n + 1) // 2
+
+
+# An 8K chunk's causal square. On the H200 at b5d587a a served step of 8 prompts of 1,024
+# tokens took 550 ms with one cuDNN FP8 call per run and 130 ms with 16-bit attention (one
+# varlen launch for all; bench/results/fp8-serving-b5d587a.log): each of its 384 FP8 calls
+# (8 runs x 48 layers) added about 1.1 ms, where a 1K run's attention takes ~14 us, so the
+# calls' own work (q, k and v quantized, the descales, the graph's launch) is what cost. An
+# 8K square (0.55 TFLOP at 32 heads of 128) takes ~0.9 ms of 16-bit attention, which FP8
+# cuts by a third; 16K and 128K prompts and the 8K chunks of a long served prompt stay FP8
+# (1.13x / 1.53x prefill, 2.10x the 128K TTFT at b5d587a)
+FP8_MIN_PAIRS = 8192 * 8193 // 2
 
 
 def _fp8_device(q: torch.Tensor) -> bool:

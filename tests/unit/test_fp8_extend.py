@@ -38,12 +38,38 @@ def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
     return out, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
 
 
+# a 1,024-row run's causal square: the tests' runs of about 1,100 rows go FP8 (the real
+# threshold, an 8K square, would need prompts too large for float32 attention on CPU)
+SMALL_PAIRS = 1024 * 1025 // 2
+
+
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
     monkeypatch.setattr(fa, "fp8_attention", emulate)
     monkeypatch.setattr(att, "_fp8_device", lambda q: True)
+    monkeypatch.setattr(att, "FP8_MIN_PAIRS", SMALL_PAIRS)
     CALLS.clear()
     return CALLS
+
+
+def test_fp8_takes_few_runs_of_much_attention(monkeypatch):
+    """The rule at its real threshold (an 8K chunk's causal square of query-key pairs a
+    run): a served batch of 1K prompts and a short prompt's zigzag runs stay 16-bit; a 16K
+    prompt, an 8K chunk and a 1K run late in its chunk go FP8; never past 16 runs, never
+    without the flag."""
+    monkeypatch.setattr(att, "_fp8_device", lambda q: True)
+    q = torch.empty(0)
+    assert att.run_pairs((0, 8192, 0, 0)) == att.FP8_MIN_PAIRS == 8192 * 8193 // 2
+    assert not att.fp8_runs_apply(q, [(i * 1024, (i + 1) * 1024, i, 0) for i in range(8)],
+                                  True)
+    assert not att.fp8_runs_apply(q, [(0, 4096, 0, 0), (4096, 8192, 0, 12288)], True)
+    assert att.fp8_runs_apply(q, [(0, 16384, 0, 0)], True)
+    assert att.fp8_runs_apply(q, [(0, 8192, 0, 0)], True)
+    assert not att.fp8_runs_apply(q, [(0, 8191, 0, 0)], True)
+    assert att.fp8_runs_apply(q, [(0, 1024, 0, 32768)], True)
+    assert not att.fp8_runs_apply(q, [(0, 8192, 0, 0), (8192, 9216, 1, 0)], True)  # one short
+    assert not att.fp8_runs_apply(q, [(0, 8192, i, 0) for i in range(17)], True)
+    assert not att.fp8_runs_apply(q, [(0, 16384, 0, 0)], False)
 
 
 def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
@@ -53,7 +79,7 @@ def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
     split = CPSplit.build([4400, 4160], 2, "zigzag")
     pos, seq = split.local_positions(0), split.local_token_to_seq(0)
     runs = att.query_runs(pos, seq)
-    assert len(runs) == 4 and min(b - a for a, b, _, _ in runs) >= att.FP8_MIN_ROWS
+    assert len(runs) == 4 and min(att.run_pairs(r) for r in runs) >= att.FP8_MIN_PAIRS
     q = torch.randn(pos.numel(), 8, 16)
     k, v = torch.randn(8560, 2, 16), torch.randn(8560, 2, 16)
     cu = list(split.cu_seqlens)
