@@ -1,5 +1,6 @@
 """Two bench-serving results of the same load side by side: output tok/s of the second over
-the first, with output tokens, TPOT p50 and TTFT mean of both; exit 1 under --min.
+the first, with output tokens, TPOT p50 and TTFT mean of both (TPOT "-" for one-token
+outputs, whose ratio is the TTFT's); exit 1 under --min.
 
     python3 -m bench.serving_ratio BASE.json OTHER.json --min 0.8 --names "no grammar,JSON schema"
 """
@@ -27,9 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"output tok/s: {names[0]} {base['output_token_throughput']:.0f}, {names[1]} "
           f"{other['output_token_throughput']:.0f} ({ratio:.2f}x, target >= {a.min}); output "
           f"tokens {base['total_output_tokens']} / {other['total_output_tokens']}; TPOT p50 "
-          f"{base['tpot_s']['p50'] * 1e3:.1f} / {other['tpot_s']['p50'] * 1e3:.1f} ms; TTFT "
-          f"mean {base['ttft_s']['mean'] * 1e3:.0f} / {other['ttft_s']['mean'] * 1e3:.0f} ms")
+          f"{_ms(base['tpot_s']['p50'])} / {_ms(other['tpot_s']['p50'])} ms; TTFT mean "
+          f"{_ms(base['ttft_s']['mean'])} / {_ms(other['ttft_s']['mean'])} ms "
+          f"({base['ttft_s']['mean'] / other['ttft_s']['mean']:.2f}x lower)")
     return 0 if ratio >= a.min else 1
+
+
+def _ms(seconds: float | None) -> str:
+    """A time in ms; "-" where the runs had none (TPOT of one-token outputs)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 if __name__ == "__main__":

@@ -187,3 +187,18 @@ def test_serving_ratio_passes_at_the_target_and_fails_under_it(tmp_path, capsys,
     assert main([str(base), str(run), "--min", "0.8", "--names", "plain,json"]) == code
     out = capsys.readouterr().out
     assert f"plain 3500, json {other:.0f} ({other / 3500:.2f}x, target >= 0.8)" in out
+
+
+def test_serving_ratio_of_one_token_outputs_has_no_tpot(tmp_path, capsys):
+    """fp8-long's loads give one output token a request: no TPOT (None), the TTFT ratio."""
+    import json
+
+    from bench.serving_ratio import main
+    base, run = tmp_path / "base.json", tmp_path / "other.json"
+    for path, tok_s, ttft in ((base, 0.096, 20.8), (run, 0.202, 9.9)):
+        summary = _summary(tok_s)
+        summary["summary"].update(tpot_s={"p50": None}, ttft_s={"mean": ttft})
+        path.write_text(json.dumps(summary))
+    assert main([str(base), str(run), "--min", "1.45", "--names", "bf16,fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "TPOT p50 - / - ms; TTFT mean 20800.0 / 9900.0 ms (2.10x lower)" in out, out
