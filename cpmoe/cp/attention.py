@@ -255,23 +255,30 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 def fp8_runs_apply(q: torch.Tensor, runs: list[tuple[int, int, int, int]] | None,
                    fp8: bool) -> bool:
     """Whether a step's attention (a prefill's runs; an extend chunk's own keys,
-    `chunk_attention_with_lse`, and its cached prefix, `prefix_partial`) runs in FP8:
-    --kv-cache-dtype fp8_e4m3 on CUDA (16-bit q), at most _RUNS_PER_LAUNCH runs, each
-    attending at least FP8_MIN_PAIRS query-key pairs of its chunk (`run_pairs`). FP8 takes
-    a few calls per run and per prefixed sequence, where the 16-bit path takes one varlen
-    launch for all, so short runs (a served batch of 1K prompts, a shared-prefix load's
-    questions, the few-token extends of a mixed step) stay 16-bit and the long runs of long
-    prompts go FP8."""
-    return (fp8 and _fp8_device(q) and bool(runs) and len(runs) <= _RUNS_PER_LAUNCH
-            and min(run_pairs(run) for run in runs) >= FP8_MIN_PAIRS)
+    `chunk_attention_with_lse`, and its cached prefix, `prefix_partial`) runs in FP8: `fp8`
+    (what the runner decided for the step, `fp8_worth`) on CUDA with 16-bit q."""
+    return fp8 and _fp8_device(q) and bool(runs)
 
 
-def run_pairs(run: tuple[int, int, int, int]) -> int:
-    """The query-key pairs a run of n rows from position p0 of its chunk attends in the
-    chunk: its causal square and the chunk's keys before it (a cached prefix not counted)."""
+def fp8_worth(runs: list[tuple[int, int, int, int]], starts: list[int]) -> bool:
+    """Whether FP8 attention pays for a step of these query runs (`query_runs`; starts[s]:
+    sequence s's cached tokens): at most _RUNS_PER_LAUNCH runs, each attending at least
+    FP8_MIN_PAIRS query-key pairs (`run_pairs`). FP8 takes a few cuDNN calls per run and
+    per prefixed sequence, each quantizing its inputs, where 16-bit attention takes one
+    varlen launch for all, so short runs (a served batch of 1K prompts, a shared-prefix
+    load's questions, the few-token extends of a mixed step) stay 16-bit and the long runs
+    of long prompts, or any run after a long cached prefix, go FP8."""
+    return (bool(runs) and len(runs) <= _RUNS_PER_LAUNCH
+            and min(run_pairs(run, starts[run[2]]) for run in runs) >= FP8_MIN_PAIRS)
+
+
+def run_pairs(run: tuple[int, int, int, int], start: int = 0) -> int:
+    """The query-key pairs a run of n rows from position p0 of its chunk attends: its causal
+    square, the chunk's keys before it and its sequence's `start` cached tokens (whichever
+    CP rank holds them)."""
     row0, row1, _, p0 = run
     n = row1 - row0
-    return n * p0 + n * (n + 1) // 2
+    return n * (start + p0) + n * (n + 1) // 2
 
 
 # An 8K chunk's causal square. On the H200 at b5d587a a served step of 8 prompts of 1,024
@@ -281,7 +288,8 @@ def run_pairs(run: tuple[int, int, int, int]) -> int:
 # calls' own work (q, k and v quantized, the descales, the graph's launch) is what cost. An
 # 8K square (0.55 TFLOP at 32 heads of 128) takes ~0.9 ms of 16-bit attention, which FP8
 # cuts by a third; 16K and 128K prompts and the 8K chunks of a long served prompt stay FP8
-# (1.13x / 1.53x prefill, 2.10x the 128K TTFT at b5d587a)
+# (1.13x / 1.53x prefill, 2.10x the 128K TTFT at b5d587a), and so does a shorter run after
+# a long cached prefix (a CP rank's share of a chunk), whose prefix makes up the pairs
 FP8_MIN_PAIRS = 8192 * 8193 // 2
 
 

@@ -42,7 +42,7 @@ class ForwardBatch:
     kv_lens: torch.Tensor | None = None  # decode: int32 [B] tokens this rank stores
     prefix: PackedPrefix | None = None  # extend: sequences with cached tokens on this rank
     cache_keys: list[int] | None = None  # [B]: each sequence's KV-cache key (request key)
-    fp8_attention: bool = False  # extend: prefill attention in FP8 (--kv-cache-dtype fp8_e4m3)
+    fp8_attention: bool = False  # extend: attention in FP8 (fp8_e4m3 pools and `fp8_worth`)
     seq_ends: list[int] | None = None  # extend: tokens each sequence holds once its prompt
     # is in (a chunk's whole prompt), for models whose ranking spans the whole prompt
 

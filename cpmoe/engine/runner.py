@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cpmoe.config import parse_quantization, read_config_json
-from cpmoe.cp.attention import PackedPrefix, PackedRuns, query_runs
+from cpmoe.cp.attention import PackedPrefix, PackedRuns, fp8_worth, query_runs
 from cpmoe.cp.forward_batch import ForwardBatch
 from cpmoe.cp.kv_cache import CacheFullError, PagedKVCache, kv_cache_dtype
 from cpmoe.cp.kv_capacity import DEFAULT_PAGE_SIZE, pages_for
@@ -290,7 +290,8 @@ class ModelRunner:
         batch = ForwardBatch(is_decode=False, input_ids=split.scatter(flat, cp.rank),
                              positions=rel + starts[token_to_seq], token_to_seq=token_to_seq,
                              split=split, rel_positions=rel, q_runs=runs, packed_runs=packed,
-                             fp8_attention=self.fp8_attention,
+                             fp8_attention=(self.fp8_attention and fp8_worth(
+                                 runs, [s.start for s in segments])),
                              seq_ends=[max(s.end, s.start + len(s.ids)) for s in segments])
         if self.kv is not None:
             self._store_extend(batch, segments)

@@ -115,13 +115,11 @@ def test_fp8_attention_lse_is_the_rows_log_sum_exp():
         fa.fp8_attention(q, k, v, SCALE, True)
 
 
-def test_prefill_attention_fp8_runs_match_the_16_bit_path(monkeypatch):
+def test_prefill_attention_fp8_runs_match_the_16_bit_path():
     """One 4,096-token sequence, a rank's two zigzag runs (positions 0..1023 and
-    3072..4095): fp8=True within the FP8 error of the 16-bit path, per run. Such runs are
-    below the rule's threshold (`fp8_runs_apply`: an 8K chunk's causal square a run), which
-    is lowered here to a 1,024-row square so these sizes take the FP8 path."""
-    from cpmoe.cp import attention as att
-    from cpmoe.cp.attention import fp8_runs_apply
+    3072..4095): fp8=True within the FP8 error of the 16-bit path, per run (the runner
+    would keep runs this short 16-bit, `fp8_worth`; called with fp8=True they go FP8)."""
+    from cpmoe.cp.attention import fp8_runs_apply, fp8_worth
     g = torch.Generator(device="cuda").manual_seed(5)
     L = 4096
     k = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
@@ -130,10 +128,7 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path(monkeypatch):
     q = torch.randn(pos.numel(), H, D, device="cuda", generator=g).bfloat16()
     seq = torch.zeros_like(pos)
     runs = [(0, 1024, 0, 0), (1024, 2048, 0, 3072)]
-    assert not fp8_runs_apply(q, runs, True)  # the real threshold
-    monkeypatch.setattr(att, "FP8_MIN_PAIRS", 1024 * 1025 // 2)
-    assert fp8_runs_apply(q, runs, True)
-    assert not fp8_runs_apply(q, [(0, 500, 0, 0)], True)
+    assert fp8_runs_apply(q, runs, True) and not fp8_worth(runs, [0])
     want = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs)
     got = prefill_attention(q, pos, seq, k, v, [0, L], SCALE, runs, fp8=True)
     for (r0, r1, _, p0) in runs:
@@ -147,12 +142,11 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path(monkeypatch):
         assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))
 
 
-def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error(monkeypatch):
+def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error():
     """A 1,024-token chunk after 3,000 cached tokens held in e4m3 pools at a layer's K/V
     scales (prefix codes read as they are, the scales as descales): the chunk's own keys
     (`chunk_attention_with_lse`, fp8) and the prefix (`prefix_partial`, fp8), merged, within
-    1.5x the emulated FP8 error of exact attention over all 4,000 keys, as above (the FP8
-    rule's threshold lowered to a 1,024-row square, as in the test before)."""
+    1.5x the emulated FP8 error of exact attention over all 4,000 keys, as above."""
     from cpmoe.cp import attention as att
     from cpmoe.ops import fill_kv_scale, merge_two_attention
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -170,7 +164,6 @@ def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error(monke
     pool_v.view(-1, G, D)[slots] = (v[:P].float() * kv_scale[3]).to(torch.float8_e4m3fn)
     pos, seq = torch.arange(n, device="cuda"), torch.zeros(n, dtype=torch.int64, device="cuda")
     runs = [(0, n, 0, 0)]
-    monkeypatch.setattr(att, "FP8_MIN_PAIRS", 1024 * 1025 // 2)
     assert att.fp8_runs_apply(q, runs, True)
     o1, l1 = att.chunk_attention_with_lse(q, pos, seq, k[P:], v[P:], [0, n], SCALE, None,
                                           runs, True)

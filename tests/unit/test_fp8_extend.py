@@ -38,7 +38,7 @@ def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
     return out, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
 
 
-# a 1,024-row run's causal square: the tests' runs of about 1,100 rows go FP8 (the real
+# a 1,024-row run's causal square: the model test's 1,100-token chunks go FP8 (the real
 # threshold, an 8K square, would need prompts too large for float32 attention on CPU)
 SMALL_PAIRS = 1024 * 1025 // 2
 
@@ -52,24 +52,25 @@ def fp8_on_cpu(monkeypatch):
     return CALLS
 
 
-def test_fp8_takes_few_runs_of_much_attention(monkeypatch):
-    """The rule at its real threshold (an 8K chunk's causal square of query-key pairs a
-    run): a served batch of 1K prompts and a short prompt's zigzag runs stay 16-bit; a 16K
-    prompt, an 8K chunk and a 1K run late in its chunk go FP8; never past 16 runs, never
-    without the flag."""
-    monkeypatch.setattr(att, "_fp8_device", lambda q: True)
-    q = torch.empty(0)
+def test_fp8_is_worth_it_for_few_runs_of_much_attention():
+    """The runner's rule at its real threshold (an 8K chunk's causal square of query-key
+    pairs a run, the cached prefix counted): a served batch of 1K prompts, a short prompt's
+    zigzag runs and a CP rank's runs of a first 8K chunk stay 16-bit; a 16K prompt, an 8K
+    chunk, the same CP runs after a 16K prefix and a 1K run late in a long prompt go FP8;
+    never past 16 runs."""
     assert att.run_pairs((0, 8192, 0, 0)) == att.FP8_MIN_PAIRS == 8192 * 8193 // 2
-    assert not att.fp8_runs_apply(q, [(i * 1024, (i + 1) * 1024, i, 0) for i in range(8)],
-                                  True)
-    assert not att.fp8_runs_apply(q, [(0, 4096, 0, 0), (4096, 8192, 0, 12288)], True)
-    assert att.fp8_runs_apply(q, [(0, 16384, 0, 0)], True)
-    assert att.fp8_runs_apply(q, [(0, 8192, 0, 0)], True)
-    assert not att.fp8_runs_apply(q, [(0, 8191, 0, 0)], True)
-    assert att.fp8_runs_apply(q, [(0, 1024, 0, 32768)], True)
-    assert not att.fp8_runs_apply(q, [(0, 8192, 0, 0), (8192, 9216, 1, 0)], True)  # one short
-    assert not att.fp8_runs_apply(q, [(0, 8192, i, 0) for i in range(17)], True)
-    assert not att.fp8_runs_apply(q, [(0, 16384, 0, 0)], False)
+    assert not att.fp8_worth([(i * 1024, (i + 1) * 1024, i, 0) for i in range(8)], [0] * 8)
+    assert not att.fp8_worth([(0, 4096, 0, 0), (4096, 8192, 0, 12288)], [0])
+    assert att.fp8_worth([(0, 16384, 0, 0)], [0])
+    assert att.fp8_worth([(0, 8192, 0, 0)], [0])
+    assert not att.fp8_worth([(0, 8191, 0, 0)], [0])
+    zigzag = [(0, 2048, 0, 0), (2048, 4096, 0, 6144)]  # a CP-2 rank's half of an 8K chunk
+    assert not att.fp8_worth(zigzag, [0]) and att.fp8_worth(zigzag, [16384])
+    assert att.fp8_worth([(0, 1024, 0, 32768)], [0])
+    assert not att.fp8_worth([(0, 8192, 0, 0), (8192, 9216, 1, 0)], [0, 0])  # one short
+    assert att.fp8_worth([(0, 8192, 0, 0), (8192, 9216, 1, 0)], [0, 40000])
+    assert not att.fp8_worth([(0, 8192, i, 0) for i in range(17)], [0] * 17)
+    assert not att.fp8_worth([], [])
 
 
 def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
@@ -79,7 +80,7 @@ def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
     split = CPSplit.build([4400, 4160], 2, "zigzag")
     pos, seq = split.local_positions(0), split.local_token_to_seq(0)
     runs = att.query_runs(pos, seq)
-    assert len(runs) == 4 and min(att.run_pairs(r) for r in runs) >= att.FP8_MIN_PAIRS
+    assert len(runs) == 4
     q = torch.randn(pos.numel(), 8, 16)
     k, v = torch.randn(8560, 2, 16), torch.randn(8560, 2, 16)
     cu = list(split.cu_seqlens)
@@ -89,9 +90,7 @@ def test_chunk_runs_in_fp8_equal_the_16_bit_path(fp8_on_cpu):
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     # a run at its sequence's start: one causal call; a later one: causal + the keys before
     assert sorted(c[2] for c in fp8_on_cpu) == [False, False, True, True, True, True]
-    assert not att.fp8_runs_apply(q, runs, False)
-    assert not att.fp8_runs_apply(q, [(0, 1023, 0, 0)] + runs, True)  # a short run: 16-bit
-    assert not att.fp8_runs_apply(q, runs * 5, True)  # more runs than one launch's worth
+    assert att.fp8_runs_apply(q, runs, True) and not att.fp8_runs_apply(q, runs, False)
 
 
 def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
@@ -115,10 +114,11 @@ def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
     assert fp8_on_cpu == [(170, 200, False, True), (130, 77, False, True)]
 
 
-def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir):
+def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir, monkeypatch):
     """A 2,200-token prompt in two chunks of 1,100 over e4m3 pools: with FP8 attention on,
     the second chunk's attention (its own keys and the cached 1,100) goes through
-    fp8_attention in every layer, and its logits equal the 16-bit path's."""
+    fp8_attention in every layer, and its logits equal the 16-bit path's; at the rule's
+    real threshold (`fp8_worth`) the runner keeps such a chunk 16-bit."""
     from cpmoe.engine.runner import ModelRunner, Segment
     from cpmoe.parallel.groups import ProcessGroups
 
@@ -136,3 +136,13 @@ def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir):
     layers = len(runner.model.model.layers)
     assert calls == [(1100, 1100, True, False), (1100, 1100, False, True)] * layers
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(att, "FP8_MIN_PAIRS", 8192 * 8193 // 2)
+    runner = ModelRunner(qwen3_moe_dir, ProcessGroups.single(), torch.float32,
+                         show_progress=False)
+    runner.allocate_kv(2304, kv_dtype="fp8_e4m3")
+    runner.fp8_attention = True
+    fp8_on_cpu.clear()
+    runner.extend([Segment(0, ids[:1100])])
+    torch.testing.assert_close(runner.extend([Segment(0, ids[1100:], 1100)]), logits[0],
+                               rtol=1e-6, atol=1e-6)
+    assert fp8_on_cpu == []
