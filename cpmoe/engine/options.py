@@ -59,8 +59,8 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
         if tokens < opts.page_size:
             raise CacheFullError(
                 f"--mem-fraction-static {opts.mem_fraction_static} leaves no room for the KV "
-                f"cache next to the {torch.cuda.memory_allocated(runner.device) / 2**30:.1f} "
-                f"GiB already allocated: raise it or set --max-total-tokens")
+                f"cache next to the {_in_use_gib(runner.device):.1f} GiB already in use on "
+                f"{runner.device}: raise it or set --max-total-tokens")
     kv = runner.allocate_kv(tokens, opts.page_size, opts.kv_cache_dtype, seqs)
     graph_bytes = 0
     if not opts.disable_cuda_graph and runner.can_capture_graphs():
@@ -70,6 +70,11 @@ def prepare_runner(runner: ModelRunner, opts: EngineOptions, default_tokens: int
     # kv_cp_size: the ranks a request's tokens spread over in the token accounting (1 for
     # a model's own cache, whose books every rank keeps whole), for admission's arithmetic
     return {"kv_capacity": kv.capacity, "graph_bytes": graph_bytes, "kv_cp_size": kv.cp_size}
+
+
+def _in_use_gib(device: torch.device) -> float:
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
 
 
 WARM_UP_KEY = -1  # a cache key no request uses

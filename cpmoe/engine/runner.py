@@ -180,10 +180,16 @@ class ModelRunner:
     def kv_tokens_for_memory(self, mem_fraction: float, kv_dtype: str = "auto",
                              max_seqs: int = 256) -> int:
         """KV token slots per rank that fit `mem_fraction` of the GPU's memory next to what is
-        allocated now (weights), agreed over the ranks (SGLang's --mem-fraction-static), in
-        pools of --kv-cache-dtype `kv_dtype` (a model's own cache: of max_seqs slots)."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * mem_fraction - torch.cuda.memory_allocated(self.device))
+        in use now (weights), agreed over the ranks (SGLang's --mem-fraction-static: what the
+        driver has free, less the 1 - mem_fraction kept for activations and graphs), in
+        pools of --kv-cache-dtype `kv_dtype` (a model's own cache: of max_seqs slots). In use
+        counts the segments the caching allocator cannot give back, not only the bytes
+        allocated: an FP8 load frees its 16-bit weights between the FP8 ones it keeps, and
+        on an 80 GB card 13.9 GiB stayed cached in such pieces, so pools sized from the
+        allocated bytes did not fit (an FP8 server failed at its pools at 284afcb)."""
+        torch.cuda.empty_cache()  # whole free segments back to the driver first
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(free - total * (1.0 - mem_fraction))
         fit = (self.model.cache_tokens_for_bytes(budget, max_seqs) if self.own_cache
                else budget // self.kv_bytes_per_token(kv_dtype))
         mine = torch.tensor([max(0, fit)], dtype=torch.int64, device=self.device)
