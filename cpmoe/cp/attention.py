@@ -237,9 +237,8 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         n, base = row1 - row0, cu_seqlens[s]
         own = slice(base + p0, base + p0 + n)
         if p0 == 0:
-            o, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True,
-                                  lse=with_lse)
-            out[row0:row1] = o
+            _, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True,
+                                  lse=with_lse, out=out[row0:row1])
             if lse is not None:
                 lse[row0:row1] = l1
             continue

@@ -8,12 +8,14 @@ log, fp32), to merge with attention over other keys (a run after the start of it
 its own keys causally, the keys before it in full; cuDNN's FP8 kernel takes no
 bottom-right-aligned mask on Hopper, "only supported on Blackwell"). q, k and v are
 quantized to e4m3 with per-tensor scales computed on the device (amax / 448: no host sync;
-K/V read from FP8 pools come widened times the checkpoint's k_scale / v_scale), cuDNN's
+two Triton passes a tensor, `quantize`; K/V read from FP8 pools go in as their codes with the
+checkpoint's k_scale / v_scale as descales), cuDNN's
 `sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores (P quantized with scale 448,
 probabilities being <= 1) and writes O in e4m3 (the only output
 Hopper's FP8 kernel offers) with the scale of V (|o| <= max |v|: o is a convex combination of
-v rows), halved for headroom; O is dequantized once to q's dtype. Inputs already in FP8 (a
-pool's pages) are taken as they are with the descale they are given.
+v rows), halved for headroom; O is dequantized once to q's dtype, in one pass into where the
+caller wants it (`out`). Inputs already in FP8 (a pool's pages) are taken as they are with the
+descale they are given.
 
 Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
 are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
@@ -32,6 +34,9 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+
+from cpmoe.ops import launch
+from cpmoe.ops.launch import tl, triton
 
 E4M3_MAX = 448.0
 _MIN_BUCKET = 128
@@ -56,16 +61,80 @@ def bucket(n: int) -> int:
 def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, heads, D] (16-bit) -> (e4m3 [rows, heads, D] holding x * s in its first n
     rows, zeros after; the descale 1/s as a [1, 1, 1, 1] float32 device tensor), s =
-    448 / max |x| (1 where x is all 0). No host sync."""
+    448 / max |x| (448 where x is all 0), the product in float32 rounded once to e4m3
+    (nearest even). No host sync. Where Triton runs (CUDA, the interpreter) two kernels:
+    one reads x for its largest magnitude, one reads it again and writes the codes and the
+    padding (the torch ops below took five passes and three launches more: 12 of a 16K
+    prefill layer's 77.5 ms of FP8 attention on the H200 at b5d587a went to them and to
+    O's dequantization); else the same arithmetic in torch (the reference)."""
+    n = x.shape[0]
+    if launch.use_triton(x) and x.numel():
+        x = x.contiguous()
+        valid, total = x.numel(), rows * x[0].numel()
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        out = torch.empty((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
+        descale = torch.empty(1, dtype=torch.float32, device=x.device)
+        _amax_kernel[(triton.cdiv(valid, _BLOCK),)](x, amax, valid, BLOCK=_BLOCK,
+                                                    num_warps=8)
+        _scale_cast_kernel[(triton.cdiv(total, _BLOCK),)](x, out, amax, descale, valid, total,
+                                                          BLOCK=_BLOCK, num_warps=8)
+        return out, descale.view(1, 1, 1, 1)
     amax = torch.linalg.vector_norm(x.reshape(-1), ord=float("inf")).float()
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    out = torch.empty((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
-    # two passes over x's size: the product in x's dtype (a 0-dim fp32 factor does not
-    # promote), then its cast into the e4m3 buffer (one more rounding, below e4m3's)
-    out[:x.shape[0]].copy_(torch.mul(x, E4M3_MAX / amax))
-    if rows > x.shape[0]:
-        out[x.shape[0]:].zero_()
+    out = torch.zeros((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
+    out[:n].copy_((x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX))
     return out, (amax / E4M3_MAX).view(1, 1, 1, 1)
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (16-bit, x8's shape) <- x8 * descale (a 1-element float32 device tensor) in one
+    pass, the product in float32 rounded once to out's dtype -> out."""
+    if launch.use_triton(x8) and out.is_contiguous() and x8.is_contiguous() and out.numel():
+        total = out.numel()
+        _dequant_kernel[(triton.cdiv(total, _BLOCK),)](x8, out, descale, total, BLOCK=_BLOCK,
+                                                       num_warps=8)
+        return out
+    return out.copy_(x8.float() * descale.float().view(()))
+
+
+_BLOCK = 8192  # elements a program: 16 a thread at 8 warps
+
+
+if triton is not None:
+    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+        """amax[0] = max(amax[0], max |x| over this program's BLOCK elements); amax starts at
+        0 and magnitudes are >= 0, so the float maximum is an order-preserving one."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+
+    @triton.jit(do_not_specialize=["n", "total"])
+    def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, descale_ptr, n, total,
+                           BLOCK: tl.constexpr):
+        """out[i] = e4m3(x[i] * 448 / amax) for i < n, 0 for n <= i < total (the bucket's
+        padding); program 0 also writes the descale amax / 448. An all-zero x (amax 0)
+        takes amax 1. Divisions IEEE-rounded (`div_rn`), as torch's are."""
+        amax = tl.load(amax_ptr)
+        amax = tl.where(amax > 0, amax, 1.0)
+        s = tl.math.div_rn(_E4M3_MAX + tl.zeros_like(amax), amax)
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        q = tl.clamp(x * s, -_E4M3_MAX, _E4M3_MAX)
+        tl.store(out_ptr + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+                 mask=offs < total)
+        if pid == 0:
+            tl.store(descale_ptr, tl.math.div_rn(amax, _E4M3_MAX + tl.zeros_like(amax)))
+
+    @triton.jit(do_not_specialize=["total"])
+    def _dequant_kernel(x_ptr, out_ptr, descale_ptr, total, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < total, other=0.0).to(tl.float32)
+        y = x * tl.load(descale_ptr)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < total)
 
 
 @dataclass
@@ -151,16 +220,18 @@ def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool, lse: bool = False, k_descale: torch.Tensor | None = None,
-                  v_descale: torch.Tensor | None = None
+                  v_descale: torch.Tensor | None = None, out: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See the module docstring: q [n, H, D] 16-bit, k / v [m, G, D] 16-bit or e4m3 (then
-    with their descales) -> (o [n, H, D] in q's dtype, lse [n, H] fp32 or None)."""
+    with their descales) -> (o [n, H, D] in q's dtype, written into `out` when given,
+    lse [n, H] fp32 or None)."""
     (n, H, D), (m, G) = q.shape, k.shape[:2]
     if causal and n != m:
         raise ValueError(f"fp8_attention: a causal call needs as many keys as queries, got "
                          f"{m} and {n}")
+    out = torch.empty_like(q) if out is None else out
     if n == 0:
-        return torch.empty_like(q), (q.new_empty(0, H, dtype=torch.float32) if lse else None)
+        return out, (q.new_empty(0, H, dtype=torch.float32) if lse else None)
     nq, nk = bucket(n), bucket(m)
     key = (q.device, nq, nk, H, G, D, causal, lse, scale)
     if key not in _GRAPHS:
@@ -172,8 +243,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     dev = q.device
     o8 = torch.empty((nq, H, D), dtype=torch.float8_e4m3fn, device=dev)
     o_descale = dv / _O_HEADROOM
-    consts = torch.full((2,), E4M3_MAX, dtype=torch.float32, device=dev)
-    consts[0:1].reciprocal_()
+    consts = _constants(dev)
     t = built.tensors
     pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["descale_q"]: dq, t["descale_k"]: dk,
             t["descale_v"]: dv, t["descale_s"]: consts[0:1].view(1, 1, 1, 1),
@@ -188,8 +258,19 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         stats = torch.empty(H, nq, dtype=torch.float32, device=dev)
         pack[t["lse"]] = stats
     built.graph.execute(pack, built.workspace, handle=_handle(dev))
-    o = o8[:n].to(q.dtype).mul_(o_descale.view(()))
-    return o, (None if stats is None else stats[:, :n].t().contiguous())
+    dequantize(o8[:n], o_descale, out)
+    return out, (None if stats is None else stats[:, :n].t().contiguous())
+
+
+_CONSTANTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _constants(device: torch.device) -> torch.Tensor:
+    """P's descale and scale (1 / 448, 448) on the device, made once."""
+    if device not in _CONSTANTS:
+        _CONSTANTS[device] = torch.tensor([1.0 / E4M3_MAX, E4M3_MAX], dtype=torch.float32,
+                                          device=device)
+    return _CONSTANTS[device]
 
 
 def warm_up(device: torch.device, heads: int, kv_heads: int, dim: int, scale: float,

@@ -175,3 +175,24 @@ def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error():
     emul = emulate(q, k, v, True)
     print(f"extend after {P}: fp8 {_rel(got, ref):.4f}, emulated {_rel(emul, ref):.4f}")
     assert _rel(got, ref) <= 1.5 * _rel(emul, ref)
+
+
+def test_quantize_kernels_equal_float32_arithmetic_bit_for_bit():
+    """`quantize`'s two kernels on the GPU: the codes are x * (448 / max |x|) computed in
+    float32 and rounded once to e4m3 (nearest even, as torch's cast), bit for bit, the
+    bucket's padding zero codes, the descale max |x| / 448; and `dequantize` writes
+    codes * descale rounded to bf16 into the slice it is given."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = (3 * torch.randn(1000, H, D, device="cuda", generator=g)).bfloat16()
+    x[517, 3, 9] = -2 * x.float().abs().max()  # the largest magnitude negative
+    got, descale = fa.quantize(x, 1024)
+    amax = x.float().abs().max()
+    want = (x.float() * (torch.tensor(fa.E4M3_MAX, device="cuda") / amax)).to(
+        torch.float8_e4m3fn)
+    assert got[:1000].view(torch.uint8).equal(want.view(torch.uint8))
+    assert not got[1000:].view(torch.uint8).any()
+    assert float(descale) == float(amax / fa.E4M3_MAX)
+    out = torch.full((1200, H, D), 7.0, dtype=torch.bfloat16, device="cuda")
+    fa.dequantize(got[:1000], descale, out[100:1100])
+    assert torch.equal(out[100:1100], (got[:1000].float() * descale.view(())).bfloat16())
+    assert (out[:100] == 7).all() and (out[1100:] == 7).all()

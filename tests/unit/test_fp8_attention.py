@@ -1,7 +1,9 @@
 """What `--kv-cache-dtype fp8_e4m3` decides before any GPU work (the CUDA kernel itself:
 tests/gpu/test_fp8_attention_cuda.py): when prefill attention runs in FP8, the one line a
-machine without cuDNN's frontend gets, the graph buckets, and the device-side quantization
-(checked on CPU: the same torch ops)."""
+machine without cuDNN's frontend gets, the graph buckets, and the device-side quantization:
+its torch path on CPU, and its Triton kernels (the amax, the scale-and-cast with the bucket's
+padding, O's dequantization) in Triton's CPU interpreter against the test's own float32
+arithmetic (a subprocess: TRITON_INTERPRET is read at import; skipped without Triton)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from cpmoe.cp import fp8_attention as fa
 from cpmoe.engine.sizing import fp8_attention_applies, fp8_attention_refusal
+from tests._interpreter import run_interpreted
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -89,3 +92,73 @@ def test_pool_codes_go_in_as_they_are_padded_with_zeros():
     assert x.dtype == torch.float8_e4m3fn and x.shape == (128, 2, 16)
     assert x[:5].view(torch.uint8).equal(codes.view(torch.uint8))
     assert not x[5:].float().any() and d.shape == (1, 1, 1, 1) and float(d) == float(scales[0])
+
+
+_KERNEL_CASES = r"""
+import torch
+from cpmoe.cp import fp8_attention as fa
+from cpmoe.ops import launch
+assert launch.use_triton(torch.zeros(1))  # the kernels run, not the torch path
+g = torch.Generator().manual_seed(0)
+E4M3 = torch.float8_e4m3fn
+
+def want_codes(x, rows):
+    # the test's own arithmetic: s = 448 / max |x| in float32, x * s rounded once to e4m3
+    amax = x.float().abs().max()
+    amax = amax if amax > 0 else torch.tensor(1.0)
+    s = torch.tensor(448.0) / amax
+    codes = torch.zeros(rows, *x.shape[1:], dtype=E4M3)
+    codes[:x.shape[0]] = (x.float() * s).to(E4M3)
+    return codes, amax / 448.0
+
+# shapes across program boundaries (8,192 elements a program): under one program, an odd
+# count of programs with padding after, an exact multiple, all-zero input; bf16 and fp16
+for n, heads, dim, rows, dtype, scale in ((3, 2, 16, 128, torch.bfloat16, 7.0),
+                                          (100, 4, 64, 256, torch.bfloat16, 0.01),
+                                          (128, 8, 16, 128, torch.float16, 300.0),
+                                          (5, 2, 8, 9, torch.bfloat16, 0.0)):
+    x = (torch.randn(n, heads, dim, generator=g) * scale).to(dtype)
+    if n == 100:
+        x[37, 1, 5] = -float(x.float().abs().max()) * 3  # the largest magnitude is negative
+    got, descale = fa.quantize(x, rows)
+    want, want_descale = want_codes(x, rows)
+    assert got.dtype == E4M3 and got.shape == (rows, heads, dim), (got.dtype, got.shape)
+    assert descale.shape == (1, 1, 1, 1) and float(descale) == float(want_descale)
+    gf, wf = got.float(), want.float()
+    # the interpreter's float32 -> fp8 cast drops the carry when rounding up crosses a power
+    # of two (tests/unit/test_fp8_kernels.py), rounds exact ties away from zero, not to
+    # even, and truncates some subnormals (the GPU's cvt does none of it; tests/gpu checks
+    # its codes bit for bit): only there may the codes differ, by exactly that halving, to
+    # the tie's other neighbour, or by one subnormal step (2^-9) below 2^-6
+    exact = torch.zeros_like(wf)
+    exact[:n] = x.float() * (torch.tensor(448.0) / x.float().abs().max().clamp(min=1e-30))
+    carry = (wf != 0) & (wf.abs().log2() == wf.abs().log2().round()) & (gf == wf / 2)
+    tie = (gf - exact).abs() == (wf - exact).abs()
+    sub = (exact.abs() < 2.0 ** -6) & ((gf - wf).abs() <= 2.0 ** -9)
+    assert ((gf == wf) | carry | tie | sub).all(), (n, dim)
+    assert (gf != wf).float().mean() < 0.05, (n, dim)
+    assert not gf[n:].any()  # the padding is zero codes
+    if scale:
+        assert float(gf.abs().max()) == 448.0
+
+# O's dequantization into a slice of a larger 16-bit tensor, rows around it untouched
+codes = (torch.randn(300, 4, 16, generator=g) * 40).to(E4M3)
+descale = torch.tensor([0.0371])
+out = torch.full((400, 4, 16), 5.0, dtype=torch.bfloat16)
+back = fa.dequantize(codes, descale, out[50:350])
+assert back.data_ptr() == out[50:350].data_ptr()
+exact = codes.float() * descale
+# bf16 keeps 8 significant bits: rounded to nearest (the GPU) it is within half a step of
+# the float32 product, 2^-8 relative; the interpreter's cast truncates: within one step
+err = (out[50:350].float() - exact).abs()
+assert (err <= 2.0 ** -7 * exact.abs()).all()
+assert (out[:50] == 5).all() and (out[350:] == 5).all()
+print("fp8 attention kernels ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_quantize_and_dequantize_kernels_match_float32_in_the_interpreter():
+    out = run_interpreted(_KERNEL_CASES, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fp8 attention kernels ok" in out.stdout

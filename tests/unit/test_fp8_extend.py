@@ -22,7 +22,7 @@ from cpmoe.ops import fill_kv_scale
 CALLS: list[tuple[int, int, bool, bool]] = []  # (rows, keys, causal, fp8 keys) per call
 
 
-def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
+def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None, out=None):
     """fp8_attention's interface in float32, no quantization; records each call."""
     fp8 = k.dtype == torch.float8_e4m3fn
     CALLS.append((q.shape[0], k.shape[0], causal, fp8))
@@ -34,8 +34,9 @@ def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
     if causal:
         n = q.shape[0]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("hnm,mhd->nhd", s.softmax(-1), vf).to(q.dtype)
-    return out, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
+    o = torch.einsum("hnm,mhd->nhd", s.softmax(-1), vf).to(q.dtype)
+    o = o if out is None else out.copy_(o)
+    return o, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
 
 
 # a 1,024-row run's causal square: the model test's 1,100-token chunks go FP8 (the real

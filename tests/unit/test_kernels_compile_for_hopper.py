@@ -11,11 +11,11 @@ GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry
 gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
 (cp.async), and that the prefill GEMM uses Hopper's warp-group MMA. Also the two kernels
 that quantize the rows they write for the FP8 GEMM after them (the residual add + RMSNorm,
-decode attention's split merge). Every kernel of a decode step is compiled as the H200
-launches it, with programmatic dependent launch (PDL): its first access to global memory
-must come after its wait for the kernel before it (`griddepcontrol.wait`), else it could
-read rows that kernel has not written yet. In a subprocess: cpmoe imports Triton only for a
-CUDA build of torch, which it is told it is.
+decode attention's split merge), and FP8 prefill attention's quantization kernels. Every
+kernel of a decode step is compiled as the H200 launches it, with programmatic dependent
+launch (PDL): its first access to global memory must come after its wait for the kernel
+before it (`griddepcontrol.wait`), else it could read rows that kernel has not written yet.
+In a subprocess: cpmoe imports Triton only for a CUDA build of torch, which it is told it is.
 """
 
 import importlib.util
@@ -167,6 +167,21 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True,
          "KV_MAX": 448.0 if name == "e4m3x2" else 57344.0}, ("kv_heads",), {"num_warps": 4})
     assert re.search(r"cvt\.rn\.satfinite\." + name, waits_first(ptx, ("store", fmt))), fmt
+# FP8 prefill attention's quantization (cp.fp8_attention): the amax an atomic maximum, the
+# codes rounded to nearest and saturated, the scale an IEEE division; O widened to bf16
+from cpmoe.cp import fp8_attention as fa
+block = {"BLOCK": fa._BLOCK}
+ptx = compile_sm90(fa._amax_kernel, {"x_ptr": bf16, "amax_ptr": "*fp32"}, block, ("n",),
+                   {"num_warps": 8})
+assert re.search(r"\batom\.global\.[a-z0-9._]*max", ptx)
+ptx = compile_sm90(fa._scale_cast_kernel, {"x_ptr": bf16, "out_ptr": "*fp8e4nv",
+                                           "amax_ptr": "*fp32", "descale_ptr": "*fp32"},
+                   block, ("n", "total"), {"num_warps": 8})
+assert re.search(r"cvt\.rn\.satfinite\.e4m3x2", ptx) and "div.rn.f32" in ptx
+ptx = compile_sm90(fa._dequant_kernel, {"x_ptr": "*fp8e4nv", "out_ptr": bf16,
+                                        "descale_ptr": "*fp32"}, block, ("total",),
+                   {"num_warps": 8})
+assert re.search(r"cvt\.rn\.bf16", ptx)
 print("compiled")
 """
 
