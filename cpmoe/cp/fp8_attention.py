@@ -64,20 +64,22 @@ def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     448 / max |x| (448 where x is all 0), the product in float32 rounded once to e4m3
     (nearest even). No host sync. Where Triton runs (CUDA, the interpreter) two kernels:
     one reads x for its largest magnitude, one reads it again and writes the codes and the
-    padding (the torch ops below took five passes and three launches more: 12 of a 16K
-    prefill layer's 77.5 ms of FP8 attention on the H200 at b5d587a went to them and to
-    O's dequantization); else the same arithmetic in torch (the reference)."""
+    padding (the torch ops below took five passes and three launches more: with O's
+    dequantization about 12 of the 77.5 ms of a 16K prefill's 12 layers on the H200 at
+    b5d587a); else the same arithmetic in torch (the reference)."""
     n = x.shape[0]
     if launch.use_triton(x) and x.numel():
         x = x.contiguous()
-        valid, total = x.numel(), rows * x[0].numel()
+        cols = x[0].numel()
+        block_r, block_c = _tile(cols)
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         out = torch.empty((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
         descale = torch.empty(1, dtype=torch.float32, device=x.device)
-        _amax_kernel[(triton.cdiv(valid, _BLOCK),)](x, amax, valid, BLOCK=_BLOCK,
-                                                    num_warps=8)
-        _scale_cast_kernel[(triton.cdiv(total, _BLOCK),)](x, out, amax, descale, valid, total,
-                                                          BLOCK=_BLOCK, num_warps=8)
+        _amax_kernel[(triton.cdiv(n, block_r), cols // block_c)](
+            x, amax, n, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+        _scale_cast_kernel[(triton.cdiv(rows, block_r), cols // block_c)](
+            x, out, amax, descale, n, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=8)
         return out, descale.view(1, 1, 1, 1)
     amax = torch.linalg.vector_norm(x.reshape(-1), ord=float("inf")).float()
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
@@ -87,54 +89,77 @@ def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (16-bit, x8's shape) <- x8 * descale (a 1-element float32 device tensor) in one
-    pass, the product in float32 rounded once to out's dtype -> out."""
+    """out (16-bit, x8's shape [n, ...]) <- x8 * descale (a 1-element float32 device tensor)
+    in one pass, the product in float32 rounded once to out's dtype -> out."""
     if launch.use_triton(x8) and out.is_contiguous() and x8.is_contiguous() and out.numel():
-        total = out.numel()
-        _dequant_kernel[(triton.cdiv(total, _BLOCK),)](x8, out, descale, total, BLOCK=_BLOCK,
-                                                       num_warps=8)
+        n, cols = out.shape[0], out[0].numel()
+        block_r, block_c = _tile(cols)
+        _dequant_kernel[(triton.cdiv(n, block_r), cols // block_c)](
+            x8, out, descale, n, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
         return out
     return out.copy_(x8.float() * descale.float().view(()))
 
 
-_BLOCK = 8192  # elements a program: 16 a thread at 8 warps
+def _tile(cols: int) -> tuple[int, int]:
+    """A program's tile over [rows, cols] (8,192 elements): rows x the largest power of two
+    <= 256 dividing cols. The masks fall on whole rows only, so every row's columns are
+    loaded and stored 16 bytes at a time (a mask on each element's offset, against a length
+    the kernel is not specialized on, made Triton move one element per access: the first
+    version of these kernels, 1-byte FP8 accesses, ran at ~0.8 TB/s on an H100)."""
+    block_c = 256
+    while cols % block_c:
+        block_c //= 2
+    return _BLOCK // block_c, block_c
+
+
+_BLOCK = 8192  # elements a program: 32 a thread at 8 warps
 
 
 if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
+    @triton.jit
+    def _rows_tile(cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (i, j): rows [i * BLOCK_R, ..) x columns [j * BLOCK_C, ..) -> (offsets,
+        row indices)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return rows[:, None].to(tl.int64) * cols + c[None, :], rows
+
     @triton.jit(do_not_specialize=["n"])
-    def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
-        """amax[0] = max(amax[0], max |x| over this program's BLOCK elements); amax starts at
-        0 and magnitudes are >= 0, so the float maximum is an order-preserving one."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+    def _amax_kernel(x_ptr, amax_ptr, n, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """amax[0] = max(amax[0], max |x| over this program's tile of x [n, cols]); amax
+        starts at 0 and magnitudes are >= 0, so the float maximum is an order-preserving
+        one."""
+        offs, rows = _rows_tile(cols, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit(do_not_specialize=["n", "total"])
-    def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, descale_ptr, n, total,
-                           BLOCK: tl.constexpr):
-        """out[i] = e4m3(x[i] * 448 / amax) for i < n, 0 for n <= i < total (the bucket's
-        padding); program 0 also writes the descale amax / 448. An all-zero x (amax 0)
-        takes amax 1. Divisions IEEE-rounded (`div_rn`), as torch's are."""
+    def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, descale_ptr, n, total, cols,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """out [total, cols] = e4m3(x * 448 / amax) in rows < n, 0 in rows n.. (the bucket's
+        padding); program (0, 0) also writes the descale amax / 448. An all-zero x (amax
+        0) takes amax 1. Divisions IEEE-rounded (`div_rn`), as torch's are."""
         amax = tl.load(amax_ptr)
         amax = tl.where(amax > 0, amax, 1.0)
         s = tl.math.div_rn(_E4M3_MAX + tl.zeros_like(amax), amax)
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        offs, rows = _rows_tile(cols, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
         q = tl.clamp(x * s, -_E4M3_MAX, _E4M3_MAX)
         tl.store(out_ptr + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
-                 mask=offs < total)
-        if pid == 0:
+                 mask=(rows < total)[:, None])
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(descale_ptr, tl.math.div_rn(amax, _E4M3_MAX + tl.zeros_like(amax)))
 
-    @triton.jit(do_not_specialize=["total"])
-    def _dequant_kernel(x_ptr, out_ptr, descale_ptr, total, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < total, other=0.0).to(tl.float32)
+    @triton.jit(do_not_specialize=["n"])
+    def _dequant_kernel(x_ptr, out_ptr, descale_ptr, n, cols, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        """out [n, cols] = x * descale, rounded once to out's dtype."""
+        offs, rows = _rows_tile(cols, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
         y = x * tl.load(descale_ptr)
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < total)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rows < n)[:, None])
 
 
 @dataclass

@@ -168,20 +168,25 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
          "KV_MAX": 448.0 if name == "e4m3x2" else 57344.0}, ("kv_heads",), {"num_warps": 4})
     assert re.search(r"cvt\.rn\.satfinite\." + name, waits_first(ptx, ("store", fmt))), fmt
 # FP8 prefill attention's quantization (cp.fp8_attention): the amax an atomic maximum, the
-# codes rounded to nearest and saturated, the scale an IEEE division; O widened to bf16
+# codes rounded to nearest and saturated, the scale an IEEE division; O widened to bf16;
+# every access 8 or 16 bytes wide (vectorized: masks on whole rows only)
 from cpmoe.cp import fp8_attention as fa
-block = {"BLOCK": fa._BLOCK}
+block_r, block_c = fa._tile(32 * 128)
+block = {"BLOCK_R": block_r, "BLOCK_C": block_c}
+wide = (lambda ptx, op: re.search(op + r"\.global(\.[a-z0-9_]+)*\.v[24]\.", ptx)
+        and not re.search(op + r"\.global(\.[a-z0-9_]+)*\.(u8|b8|b16|u16) ", ptx))
 ptx = compile_sm90(fa._amax_kernel, {"x_ptr": bf16, "amax_ptr": "*fp32"}, block, ("n",),
                    {"num_warps": 8})
-assert re.search(r"\batom\.global\.[a-z0-9._]*max", ptx)
+assert re.search(r"\batom\.global\.[a-z0-9._]*max", ptx) and wide(ptx, "ld")
 ptx = compile_sm90(fa._scale_cast_kernel, {"x_ptr": bf16, "out_ptr": "*fp8e4nv",
                                            "amax_ptr": "*fp32", "descale_ptr": "*fp32"},
                    block, ("n", "total"), {"num_warps": 8})
 assert re.search(r"cvt\.rn\.satfinite\.e4m3x2", ptx) and "div.rn.f32" in ptx
+assert wide(ptx, "ld") and wide(ptx, "st")
 ptx = compile_sm90(fa._dequant_kernel, {"x_ptr": "*fp8e4nv", "out_ptr": bf16,
-                                        "descale_ptr": "*fp32"}, block, ("total",),
+                                        "descale_ptr": "*fp32"}, block, ("n",),
                    {"num_warps": 8})
-assert re.search(r"cvt\.rn\.bf16", ptx)
+assert re.search(r"cvt\.rn\.bf16", ptx) and wide(ptx, "ld") and wide(ptx, "st")
 print("compiled")
 """
 
