@@ -187,6 +187,23 @@ def test_serving_ratio_passes_at_the_target_and_fails_under_it(tmp_path, capsys,
     assert main([str(base), str(run), "--min", "0.8", "--names", "plain,json"]) == code
     out = capsys.readouterr().out
     assert f"plain 3500, json {other:.0f} ({other / 3500:.2f}x, target >= 0.8)" in out
+    assert "KV slots" not in out  # no server metrics kept
+
+
+def test_serving_ratio_shows_each_servers_kv_slots(tmp_path, capsys):
+    """The servers' KV capacity beside the ratio (on 80 GB bf16 weights left K/V for 90 of
+    128 requests, FP8's for all: a ratio of memory as much as of speed)."""
+    import json
+
+    from bench.serving_ratio import main
+    base, run = tmp_path / "base.json", tmp_path / "other.json"
+    for path, tok_s, slots in ((base, 2247.0, 94736.0), (run, 4302.0, 767376.0)):
+        result = _summary(tok_s)
+        result["server_metrics"] = {"cpmoe_kv_slots_capacity": slots,
+                                    "cpmoe_requests_running": 0.0}
+        path.write_text(json.dumps(result))
+    assert main([str(base), str(run), "--min", "1.3", "--names", "bf16,fp8"]) == 0
+    assert "KV slots a rank: 94736 / 767376" in capsys.readouterr().out
 
 
 def test_serving_ratio_of_one_token_outputs_has_no_tpot(tmp_path, capsys):
