@@ -2,20 +2,20 @@
 
     fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal, lse=False) -> (o_nHD, lse_nH | None)
 
-n query rows against m keys, GQA heads as they are (G KV heads divide H). `causal` (n == m):
-row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp (natural
-log, fp32), to merge with attention over other keys (a run after the start of its sequence:
-its own keys causally, the keys before it in full; cuDNN's FP8 kernel takes no
+n query rows against m keys, GQA heads as they are (G KV heads divide H). `causal` (n ==
+m): row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp
+(natural log, fp32), to merge with attention over other keys (a run after the start of its
+sequence: its own keys causally, the keys before it in full; cuDNN's FP8 kernel takes no
 bottom-right-aligned mask on Hopper, "only supported on Blackwell"). q, k and v are
 quantized to e4m3 with per-tensor scales computed on the device (amax / 448: no host sync;
-two Triton passes a tensor, `quantize`; K/V read from FP8 pools go in as their codes with the
-checkpoint's k_scale / v_scale as descales), cuDNN's
-`sdpa_fp8` runs Q.K^T and P.V on FP8 tensor cores (P quantized with scale 448,
-probabilities being <= 1) and writes O in e4m3 (the only output
-Hopper's FP8 kernel offers) with the scale of V (|o| <= max |v|: o is a convex combination of
-v rows), halved for headroom; O is dequantized once to q's dtype, in one pass into where the
-caller wants it (`out`). Inputs already in FP8 (a pool's pages) are taken as they are with the
-descale they are given.
+two Triton passes a tensor, `quantize`; a chunk's own K/V, read back from FP8 pools, come
+widened times the checkpoint's k_scale / v_scale and are quantized again, while a cached
+prefix's codes go in as stored with those scales as descales), cuDNN's `sdpa_fp8` runs
+Q.K^T and P.V on FP8 tensor cores (P quantized with scale 448, probabilities being <= 1)
+and writes O in e4m3 (the only output Hopper's FP8 kernel offers) with the scale of V (|o|
+<= max |v|: o is a convex combination of v rows), halved for headroom; O is dequantized
+once to q's dtype, in one pass into where the caller wants it (`out`). Inputs already in
+FP8 (a pool's pages) are taken as they are with the descale they are given.
 
 Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
 are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
