@@ -6,7 +6,10 @@
 #   bash bench/h200_engine.sh serving OUT_DIR   # bench-serving, long-prompt interference
 #   bash bench/h200_engine.sh prefix  OUT_DIR   # shared-prefix: radix cache on vs off
 #   bash bench/h200_engine.sh fp8-serving OUT_DIR  # serving 1024/256 at 128: bf16 vs FP8
-#                                               # weights + FP8 K/V (target >= 1.3x)
+#                                               # weights + FP8 K/V (target >= 1.3x);
+#                                               # FP8_SERVE: more serve flags for both (on
+#                                               # 80 GB, --max-total-tokens 90000 gives both
+#                                               # bf16's K/V, so the ratio is of speed alone)
 #   bash bench/h200_engine.sh fp8-long OUT_DIR  # one 128K prompt served in 8K chunks: TTFT of
 #                                               # bf16 vs FP8 weights + FP8 K/V (FP8 extend
 #                                               # attention; FP8_LONG_LEN sets the length)
@@ -88,6 +91,8 @@ PY
       # long prompt at a time, chunked in (the default --chunked-prefill-size 8192), one
       # output token, so the ratio is the TTFT ratio; FP8's later chunks attend their cached
       # prefix in FP8; the target is the issue's for a 128K prefill, 1.45x
+      read -r -a more <<< "${FP8_SERVE:-}"
+      serve+=("${more[@]}")
       if [ "$part" = fp8-serving ]; then
         load=(--dataset random --random-input-len 1024 --random-output-len 256
               --num-prompts "${FP8_SERVING_PROMPTS:-512}" --max-concurrency 128)

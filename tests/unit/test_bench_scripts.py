@@ -32,14 +32,15 @@ exit 0
 """
 
 
-def _run(tmp_path: Path, script: str, part: str, fail: str = "") -> tuple[int, Path, list[str]]:
+def _run(tmp_path: Path, script: str, part: str, fail: str = "", **more_env: str
+         ) -> tuple[int, Path, list[str]]:
     bin_dir, out, log = tmp_path / "bin", tmp_path / "out", tmp_path / "calls.txt"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python3"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "FAKE_FAIL": fail}
+           "FAKE_FAIL": fail, **more_env}
     proc = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), part, str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
@@ -137,6 +138,18 @@ def test_fp8_serving_parts_run_the_same_load_in_bf16_and_fp8_and_compare(tmp_pat
     assert any("bench.serving_ratio" in c and f"--min {target} " in c for c in calls)
     rc, out, _ = _run(tmp_path, "h200_engine.sh", part, fail=f"{part}-fp8.json")
     assert rc == 1 and _failed_lines(out)
+
+
+def test_fp8_serving_takes_more_serve_flags_for_both_servers(tmp_path):
+    """FP8_SERVE: the same extra flags for the bf16 and the FP8 server (on an 80 GB card,
+    bf16's K/V capacity for both, so the ratio is of speed, not of memory)."""
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "fp8-serving",
+                          FP8_SERVE="--max-total-tokens 90000 --page-size 32")
+    assert rc == 0, _failed_lines(out)
+    runs = [c for c in calls if "bench-serving" in c]
+    assert len(runs) == 2
+    assert all("--routing uniform --max-total-tokens 90000 --page-size 32" in c for c in runs)
+    assert runs[1].endswith("--quantization fp8 --kv-cache-dtype fp8_e4m3")
 
 
 def test_v4_serving_part_times_the_bound_serves_and_fails_over_it(tmp_path):
