@@ -14,13 +14,15 @@ import sys
 from pathlib import Path
 
 from cpmoe.bench.provenance import provenance  # noqa: F401 (rp.provenance)
-from cpmoe.bench.spec import H200_BF16_MEASURED_FLOPS, H200_BF16_PEAK_FLOPS, MFU_FORMULA, mfu
+from cpmoe.bench.spec import (H200_BF16_MEASURED_FLOPS, H200_BF16_PEAK_FLOPS,
+                              H200_FP8_PEAK_FLOPS, MFU_FORMULA, mfu)
 
 GIB = 2**30
 
 
 MFU_PEAK_LABEL = f"MFU vs {H200_BF16_PEAK_FLOPS / 1e12:.0f} TF/s peak"
 MFU_MEASURED_LABEL = f"MFU vs {H200_BF16_MEASURED_FLOPS / 1e12:.0f} TF/s measured"
+MFU_FP8_LABEL = f"MFU vs {H200_FP8_PEAK_FLOPS / 1e12:.0f} TF/s FP8 peak"
 
 
 def header(argv: list[str], shape: str, raw_config: dict, active: int | None, dtype: str,
@@ -35,13 +37,17 @@ def header(argv: list[str], shape: str, raw_config: dict, active: int | None, dt
         "peak_flops_per_gpu_note": "H200 SXM dense bf16 datasheet peak (the MFU denominator)",
         "measured_flops_per_gpu": H200_BF16_MEASURED_FLOPS,
         "measured_flops_per_gpu_note": "measured dense bf16 matmul ceiling (mfu_vs_measured)",
+        "fp8_peak_flops_per_gpu": H200_FP8_PEAK_FLOPS,
+        "fp8_peak_flops_per_gpu_note": "H200 SXM dense FP8 datasheet peak (mfu_fp8: rows of "
+                                       "--quantization fp8)",
         "mfu_formula": MFU_FORMULA,
         "dtype": dtype, "device": device, **args,
     }
 
 
 def measured_row(base: dict, res: dict, flops: float | None, world: int) -> dict:
-    """base (engine, layout, length, ...) + a task's result -> a full row."""
+    """base (engine, layout, length, ..., quantization for cpmoe's rows) + a task's result
+    -> a full row; its MFU against the peak of the precision its GEMMs run in (`_mfus`)."""
     seconds = max(res["seconds_per_rank"])  # the slowest rank finishes the batch
     peaks = res["peak_bytes_per_rank"]
     row = dict(base)
@@ -51,8 +57,7 @@ def measured_row(base: dict, res: dict, flops: float | None, world: int) -> dict
         "tokens_per_s": base["tokens"] / seconds if seconds > 0 else None,
         "model_flops": flops,
         "model_tflops_per_s": flops / seconds / 1e12 if flops and seconds > 0 else None,
-        "mfu": mfu(flops, seconds, world),
-        "mfu_vs_measured": mfu(flops, seconds, world, H200_BF16_MEASURED_FLOPS),
+        **_mfus(flops, seconds, world, base.get("quantization")),
         "peak_gib_per_rank": None if min(peaks) < 0 else [p / GIB for p in peaks],
         "comm_s_per_rank": res.get("comm_s_per_rank"),
         "comm_s_by_group_per_rank": res.get("comm_s_by_group_per_rank"),
@@ -108,14 +113,16 @@ def _pct(value: float | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    fp8 = any("mfu_fp8" in r for r in rows)  # its column only where a row has it
     cols = ["layout", "length", "batch", "s", "tok/s", MFU_PEAK_LABEL, MFU_MEASURED_LABEL,
+            *([MFU_FP8_LABEL] if fp8 else []),
             "peak GiB/rank", "comm s/rank", "vs HF", "vs tp1", "max |dlogit| vs tp1",
             "top-1 = tp1", "top-1/top-2 gap tp1 / this", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [r["layout"], str(r["length"]), str(r["batch"]), _fmt(r.get("seconds"), ".3f"),
                  _fmt(r.get("tokens_per_s"), ",.0f"), _pct(r.get("mfu")),
-                 _pct(r.get("mfu_vs_measured")),
+                 _pct(r.get("mfu_vs_measured")), *([_pct(r.get("mfu_fp8"))] if fp8 else []),
                  _per_rank(r.get("peak_gib_per_rank"), ".1f"),
                  _per_rank(r.get("comm_s_per_rank"), ".3f"),
                  _fmt(r.get("ratio_vs_hf"), ".2f"), _fmt(r.get("speedup_vs_tp1"), ".2f"),
@@ -192,14 +199,25 @@ def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def recompute_mfu(rows: list[dict]) -> None:
-    """Both MFU columns from each row's model_flops, seconds and world_size: files written
-    before the datasheet denominator hold MFU against the measured ceiling in "mfu"."""
+def _mfus(flops: float | None, seconds: float, world: int, quantization: str | None) -> dict:
+    """MFU against the datasheet peak of the precision the GEMMs run in: bf16's (and against
+    the measured bf16 ceiling), or for --quantization fp8 FP8's alone (a bf16 denominator
+    put FP8 runs over 100% of the measured ceiling)."""
+    if quantization == "fp8":
+        return {"mfu": None, "mfu_vs_measured": None,
+                "mfu_fp8": mfu(flops, seconds, world, H200_FP8_PEAK_FLOPS)}
+    return {"mfu": mfu(flops, seconds, world),
+            "mfu_vs_measured": mfu(flops, seconds, world, H200_BF16_MEASURED_FLOPS)}
+
+
+def recompute_mfu(rows: list[dict], quantization: str | None = None) -> None:
+    """The MFU columns from each row's model_flops, seconds and world_size (`_mfus`; the
+    file's --quantization, from its header, for cpmoe's rows): files written before the
+    datasheet denominator hold MFU against the measured ceiling in "mfu"."""
     for r in rows:
         if r.get("model_flops") and r.get("seconds"):
-            r["mfu"] = mfu(r["model_flops"], r["seconds"], r["world_size"])
-            r["mfu_vs_measured"] = mfu(r["model_flops"], r["seconds"], r["world_size"],
-                                       H200_BF16_MEASURED_FLOPS)
+            quant = r.get("quantization", quantization if r.get("engine") == "cpmoe" else None)
+            r.update(_mfus(r["model_flops"], r["seconds"], r["world_size"], quant))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python3 -m cpmoe.bench.report RESULT.json...", file=sys.stderr)
         return 2
     for path in paths:
-        rows = json.loads(Path(path).read_text())["rows"]
-        recompute_mfu(rows)
+        result = json.loads(Path(path).read_text())
+        rows = result["rows"]
+        recompute_mfu(rows, result.get("header", {}).get("quantization"))
         print(f"{path}:\n{markdown_table(rows)}\n")
     return 0
 

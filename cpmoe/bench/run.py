@@ -169,8 +169,10 @@ class _Run:
 
     def base(self, engine: str, layout: str, world: int, sizes: dict, length: int) -> dict:
         batch = self.args.batch
+        quant = self.args.quantization if engine == "cpmoe" else None  # HF runs in bf16
         return {"engine": engine, "layout": layout, "world_size": world, "sizes": sizes,
-                "length": length, "batch": batch, "tokens": batch * length}
+                "length": length, "batch": batch, "tokens": batch * length,
+                "quantization": quant}
 
     def check_logits(self, row: dict, logits: torch.Tensor | None, is_reference: bool) -> None:
         """Compare a row's last-token logits with the tp=1 layout's at the same length."""
@@ -329,7 +331,9 @@ def top2_gap(logits_BV: torch.Tensor) -> float:
 
 def _row_line(row: dict) -> str:
     mfu = (f", {rp.MFU_PEAK_LABEL} {100 * row['mfu']:.1f}% ({100 * row['mfu_vs_measured']:.1f}% "
-           f"vs measured)" if row.get("mfu") is not None else "")
+           f"vs measured)" if row.get("mfu") is not None else
+           f", {rp.MFU_FP8_LABEL} {100 * row['mfu_fp8']:.1f}%" if row.get("mfu_fp8") is not None
+           else "")
     peak = (f", peak {'/'.join(f'{p:.1f}' for p in row['peak_gib_per_rank'])} GiB"
             if row.get("peak_gib_per_rank") else "")
     comm = (f", comm {'/'.join(f'{c:.3f}' for c in row['comm_s_per_rank'])} s"

@@ -26,6 +26,10 @@ from cpmoe.parallel.layout import LayoutError, ParallelLayout
 # the measured matmul ceiling is a second column, never the only one.
 H200_BF16_PEAK_FLOPS = 989e12  # H200 SXM dense bf16, NVIDIA datasheet (no sparsity)
 H200_BF16_MEASURED_FLOPS = 790e12  # measured dense bf16 matmul ceiling (notes/gpu-envelope.md)
+# H200 (and H100) SXM dense FP8 e4m3, NVIDIA datasheet: the denominator of a --quantization
+# fp8 run's MFU, whose GEMMs run on FP8 tensor cores (no FP8 ceiling is measured: no second
+# column for it)
+H200_FP8_PEAK_FLOPS = 1979e12
 
 
 class BenchError(ValueError):
@@ -220,6 +224,8 @@ def model_flops(cfg, seq_lens: list[int]) -> float | None:
 
 MFU_FORMULA = ("mfu = model_flops / seconds / (989e12 datasheet dense bf16 peak * GPUs of the "
                "layout); mfu_vs_measured = the same over the measured 790e12 matmul ceiling; "
+               "--quantization fp8 rows: mfu_fp8 over the 1979e12 datasheet dense FP8 peak "
+               "instead (the bf16 columns empty); "
                "model_flops = 2*tokens*active_params + 2*layers*q_heads*head_dim*sum(L_i^2); "
                "active_params excludes embedding and lm_head (logits of the last token only)")
 

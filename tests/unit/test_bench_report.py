@@ -18,11 +18,11 @@ from cpmoe.bench import report as rp
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _row(seconds: float, flops: float, world: int) -> dict:
+def _row(seconds: float, flops: float, world: int, quantization: str | None = None) -> dict:
     res = {"seconds_per_rank": [seconds] * world, "seconds_iters_rank0": [seconds],
            "peak_bytes_per_rank": [-1] * world}
     base = {"engine": "cpmoe", "layout": "tp=1", "world_size": world, "length": 4096,
-            "batch": 1, "tokens": 4096}
+            "batch": 1, "tokens": 4096, "quantization": quantization}
     return rp.measured_row(base, res, flops, world)
 
 
@@ -39,6 +39,39 @@ def test_every_table_names_its_mfu_denominator():
     assert "MFU vs 989 TF/s peak" in head and "MFU vs 790 TF/s measured" in head
     cells = [c.strip() for c in first.split("|")]
     assert "202.2%" in cells and "253.2%" in cells  # 2e15 FLOP/s over 989e12 and 790e12
+
+
+def test_fp8_rows_take_the_fp8_datasheet_peak_and_no_bf16_columns():
+    """--quantization fp8: MFU over the H200's 1,979 TFLOP/s dense FP8 datasheet peak; the
+    bf16 columns empty (an FP8 16K / 64K prefill had read 76% / 100% of the measured bf16
+    ceiling on an H100 at 399e67c). A table with an FP8 row names the FP8 denominator."""
+    row = _row(seconds=0.5, flops=1e15, world=2, quantization="fp8")
+    assert row["mfu_fp8"] == pytest.approx(1e15 / 0.5 / (1979e12 * 2))
+    assert row["mfu"] is None and row["mfu_vs_measured"] is None
+    table = rp.markdown_table([_row(0.5, 1e15, 1), _row(0.5, 1e15, 1, "fp8")])
+    head, _, bf16, fp8 = ([c.strip() for c in line.split("|")] for line in table.splitlines())
+    peak, measured = head.index("MFU vs 989 TF/s peak"), head.index("MFU vs 790 TF/s measured")
+    col = head.index("MFU vs 1979 TF/s FP8 peak")
+    assert fp8[col] == "101.1%" and fp8[peak] == fp8[measured] == "-"  # 2e15 / 1979e12
+    assert bf16[col] == "-" and bf16[peak] == "202.2%"
+    assert "FP8 peak" not in rp.markdown_table([_row(0.5, 1e15, 1)])
+
+
+def test_an_fp8_file_is_rerendered_against_the_fp8_peak():
+    """A file written before the FP8 column: its header's --quantization fp8 applies to the
+    cpmoe rows (HF's run in bf16)."""
+    path = REPO_ROOT / "bench/results/fp8-prefill-fp8attn-399e67c.json"
+    result = json.loads(path.read_text())
+    assert result["header"]["quantization"] == "fp8"
+    rows = result["rows"]
+    rp.recompute_mfu(rows, "fp8")
+    row = next(r for r in rows if r["length"] == 16384)
+    flops = 2 * 16384 * 2_730_702_848 + 2 * 48 * 32 * 128 * 16384**2
+    assert row["mfu"] is None and row["mfu_fp8"] == pytest.approx(
+        flops / row["seconds"] / 1979e12)
+    hf = {"engine": "hf", "model_flops": flops, "seconds": 1.0, "world_size": 1}
+    rp.recompute_mfu([hf], "fp8")
+    assert hf["mfu"] == pytest.approx(flops / 989e12) and "mfu_fp8" not in hf
 
 
 def test_old_result_files_are_rerendered_against_the_datasheet_peak():
