@@ -111,8 +111,9 @@ def want_codes(x, rows):
     codes[:x.shape[0]] = (x.float() * s).to(E4M3)
     return codes, amax / 448.0
 
-# shapes across program boundaries (8,192 elements a program): under one program, an odd
-# count of programs with padding after, an exact multiple, all-zero input; bf16 and fp16
+# tiles of rows x columns (8,192 elements; columns 32, 256, 128, 16 here): rows within one
+# tile, over several with a partial last one and padding rows after, an exact multiple, an
+# all-zero input; bf16 and fp16
 for n, heads, dim, rows, dtype, scale in ((3, 2, 16, 128, torch.bfloat16, 7.0),
                                           (100, 4, 64, 256, torch.bfloat16, 0.01),
                                           (128, 8, 16, 128, torch.float16, 300.0),
