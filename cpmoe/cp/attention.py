@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from cpmoe import ops
 from cpmoe.cp.kv_cache import pool_rows, widen_kv
+from cpmoe.ops import launch
+from cpmoe.ops.fp8 import offer_quantized
 
 # Rows of queries processed at once: bounds the [H, rows, keys] mask/score memory.
 _QUERY_CHUNK = 1024
@@ -141,15 +143,21 @@ def query_runs(positions: torch.Tensor, token_to_seq: torch.Tensor
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
-                      packed: PackedRuns | None = None, fp8: bool = False) -> torch.Tensor:
+                      packed: PackedRuns | None = None, fp8: bool = False,
+                      o_quant_group: int | None = None) -> torch.Tensor:
     """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
     `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
     (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
     per run; neither syncs with the host. `fp8` (CUDA, given the runs, where
-    `fp8_runs_apply`): each run in FP8 through cuDNN (`fp8_attention`)."""
+    `fp8_runs_apply`): each run in FP8 through cuDNN (`fp8_attention`); then with
+    `o_quant_group` (the group of the FP8 o_proj that reads o next, `quantize_act`) and
+    every run at the start of its sequence, o stays e4m3: its codes and their scales are
+    offered to that GEMM (`ops.fp8.offer_quantized`) and the returned tensor is left
+    unwritten (`_runs_fp8`)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if fp8_runs_apply(q, runs, fp8):
-        return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs)[0]
+        return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs,
+                         o_quant_group=o_quant_group)[0]
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
@@ -222,14 +230,20 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
 
 def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
               cu_seqlens: list[int], scale: float, runs: list[tuple[int, int, int, int]],
-              with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              with_lse: bool = False, o_quant_group: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_prefill_runs_cuda` in FP8 (`fp8_attention`) -> (o in q's dtype, lse [T, H] fp32
     when `with_lse`): a run at the start of its sequence (or chunk) in one square causal
     call; a later one as its own keys causally and the keys before it in full, merged by
     log-sum-exp (the FP8 kernel's causal mask is top-left aligned on Hopper, as cuDNN's is
-    in torch). Every row lies in a run (`query_runs`)."""
+    in torch). Every row lies in a run (`query_runs`). `o_quant_group`: see
+    `prefill_attention` (`_runs_fp8_offered`)."""
     from cpmoe.cp.fp8_attention import fp8_attention
 
+    if (o_quant_group and not with_lse and all(p0 == 0 for _, _, _, p0 in runs)
+            and (q.shape[1] * q.shape[2]) % o_quant_group == 0 and launch.use_triton(q)):
+        return _runs_fp8_offered(q, k_flat, v_flat, cu_seqlens, scale, runs,
+                                 o_quant_group), None
     out = torch.empty_like(q)
     lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse
            else None)
@@ -249,6 +263,37 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         if lse is not None:
             lse[row0:row1] = torch.logaddexp(l1, l2)
     return out, lse
+
+
+def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                      cu_seqlens: list[int], scale: float,
+                      runs: list[tuple[int, int, int, int]], group: int) -> torch.Tensor:
+    """Every run at the start of its sequence, each one square causal FP8 call whose O stays
+    e4m3 (`fp8_attention_e4m3`) -> o [T, H, D] in q's dtype, UNWRITTEN: its rows [T, H * D]
+    are offered to the FP8 GEMM that reads them next (`offer_quantized`) as the e4m3 codes
+    with their run's per-tensor descale in every 1 x group scale (O's one rounding, by
+    cuDNN, is all the GEMM sees: no dequantization pass, no `quantize_act` pass, no second
+    rounding). One run: cuDNN's buffer is the offer; several: their codes copied into one."""
+    from cpmoe.cp.fp8_attention import fp8_attention_e4m3
+
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    codes = None
+    scales_t = torch.empty(H * D // group, T, dtype=torch.float32, device=q.device)
+    for row0, row1, s, _ in runs:
+        n, base = row1 - row0, cu_seqlens[s]
+        own = slice(base, base + n)
+        o8, descale, _ = fp8_attention_e4m3(q[row0:row1], k_flat[own], v_flat[own], scale,
+                                            True)
+        if n == T:
+            codes = o8.view(T, H * D)
+        else:
+            if codes is None:
+                codes = torch.empty(T, H * D, dtype=o8.dtype, device=q.device)
+            codes[row0:row1].view(torch.uint8).copy_(o8.view(n, H * D).view(torch.uint8))
+        scales_t[:, row0:row1].copy_(descale.view(1, 1).expand(H * D // group, n))
+    offer_quantized(out.view(T, H * D), codes, scales_t.t(), group)
+    return out
 
 
 def fp8_runs_apply(q: torch.Tensor, runs: list[tuple[int, int, int, int]] | None,

@@ -1,6 +1,7 @@
 """FP8 prefill attention on CUDA through cuDNN's graph API (`--kv-cache-dtype fp8_e4m3`).
 
     fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal, lse=False) -> (o_nHD, lse_nH | None)
+    fp8_attention_e4m3(...) -> (o8_nHD e4m3, o's descale, lse_nH | None)
 
 n query rows against m keys, GQA heads as they are (G KV heads divide H). `causal` (n ==
 m): row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp
@@ -14,8 +15,9 @@ prefix's codes go in as stored with those scales as descales), cuDNN's `sdpa_fp8
 Q.K^T and P.V on FP8 tensor cores (P quantized with scale 448, probabilities being <= 1)
 and writes O in e4m3 (the only output Hopper's FP8 kernel offers) with the scale of V (|o|
 <= max |v|: o is a convex combination of v rows), halved for headroom; O is dequantized
-once to q's dtype, in one pass into where the caller wants it (`out`). Inputs already in
-FP8 (a pool's pages) are taken as they are with the descale they are given.
+once to q's dtype, in one pass into where the caller wants it (`out`), or handed on as it
+is (`fp8_attention_e4m3`: the codes and their descale, for an FP8 o_proj to read). Inputs
+already in FP8 (a pool's pages) are taken as they are with the descale they are given.
 
 Graphs are built once per (n, m) bucket, heads and options and cached per device: n and m
 are rounded up to a power of two (>= 128), the inputs are copied into buffers of the bucket
@@ -250,13 +252,29 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """See the module docstring: q [n, H, D] 16-bit, k / v [m, G, D] 16-bit or e4m3 (then
     with their descales) -> (o [n, H, D] in q's dtype, written into `out` when given,
     lse [n, H] fp32 or None)."""
+    out = torch.empty_like(q) if out is None else out
+    o8, o_descale, stats = fp8_attention_e4m3(q, k, v, scale, causal, lse, k_descale,
+                                              v_descale)
+    if q.shape[0]:
+        dequantize(o8, o_descale, out)
+    return out, stats
+
+
+def fp8_attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       causal: bool, lse: bool = False, k_descale: torch.Tensor | None = None,
+                       v_descale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`fp8_attention` with O left as cuDNN writes it -> (o8 e4m3 [n, H, D], contiguous;
+    its descale, a 1-element float32 device tensor: o = o8 * descale; lse [n, H] or None).
+    For an FP8 GEMM that reads O next (`cp.attention`'s o_proj offer)."""
     (n, H, D), (m, G) = q.shape, k.shape[:2]
     if causal and n != m:
         raise ValueError(f"fp8_attention: a causal call needs as many keys as queries, got "
                          f"{m} and {n}")
-    out = torch.empty_like(q) if out is None else out
     if n == 0:
-        return out, (q.new_empty(0, H, dtype=torch.float32) if lse else None)
+        return (torch.empty(0, H, D, dtype=torch.float8_e4m3fn, device=q.device),
+                torch.ones(1, dtype=torch.float32, device=q.device),
+                q.new_empty(0, H, dtype=torch.float32) if lse else None)
     nq, nk = bucket(n), bucket(m)
     key = (q.device, nq, nk, H, G, D, causal, lse, scale)
     if key not in _GRAPHS:
@@ -283,8 +301,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         stats = torch.empty(H, nq, dtype=torch.float32, device=dev)
         pack[t["lse"]] = stats
     built.graph.execute(pack, built.workspace, handle=_handle(dev))
-    dequantize(o8[:n], o_descale, out)
-    return out, (None if stats is None else stats[:, :n].t().contiguous())
+    return (o8[:n], o_descale.reshape(1),
+            None if stats is None else stats[:, :n].t().contiguous())
 
 
 _CONSTANTS: dict[torch.device, torch.Tensor] = {}

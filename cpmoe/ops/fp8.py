@@ -27,7 +27,8 @@ Offers (`offer_quantized`, `offered`):
 
 A kernel that writes activations an FP8 GEMM reads next (the RMSNorm before q/k/v and before
 the experts, decode attention's split merge before o_proj) can quantize them in the same pass
-and offer the result: `offer_quantized(x, q, s, group)`. `quantize_act` of those
+and offer the result: `offer_quantized(x, q, s, group)`; FP8 prefill attention, whose O
+cuDNN writes in e4m3, offers those codes and leaves x unwritten. `quantize_act` of those
 rows then returns (q, s) instead of launching (`offered`). One offer is held at a time: each
 producer's rows are consumed before the next producer runs.
 """
@@ -132,9 +133,12 @@ _OFFER: list[tuple] = []  # [(weakref to the tensor owning the rows, key of the 
 
 
 def offer_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> None:
-    """x [M, K] quantized per 1 x `group` as quantize_act would (q, s [M, K/group] with
-    strides (1, M)). The offer holds while x's memory is alive and unwritten by torch (a
-    kernel writing through a raw pointer bumps no version: offer fresh outputs only)."""
+    """x [M, K] quantized per 1 x `group` (q, s [M, K/group] with strides (1, M)): as
+    quantize_act would, or, where the producer's own output is FP8 (prefill attention's O,
+    `cp.attention._runs_fp8_offered`), its codes and scales, x itself then left unwritten
+    for the GEMM to read through the offer alone. The offer holds while x's memory is alive
+    and unwritten by torch (a kernel writing through a raw pointer bumps no version: offer
+    fresh outputs only)."""
     owner = x if x._base is None else x._base
     _OFFER[:] = [(weakref.ref(owner), _rows_key(x, group), q, s)]
 
@@ -186,15 +190,25 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
     scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
-    both padded to that many rows with zeros (values and scales). config:
+    both padded to that many rows with zeros (values and scales; an offer's by a copy).
+    config:
     `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
     rows = M if rows is None else rows
-    taken = offered(x, group) if rows == M else None
+    taken = offered(x, group)
     if taken is not None:
-        return taken
+        q, s = taken
+        if rows == M:
+            return q, s
+        # zero codes (byte 0 is e4m3's 0) and scales, as the kernel pads
+        padded_q = torch.zeros(rows, K, dtype=torch.uint8, device=q.device)
+        padded_q[:M].copy_(q.view(torch.uint8))
+        padded_q = padded_q.view(q.dtype)
+        padded_s = torch.zeros(K // group, rows, dtype=s.dtype, device=s.device)
+        padded_s[:, :M].copy_(s.t())
+        return padded_q, padded_s.t()
     if not launch.use_triton(x) or M == 0:
         q, s = quantize_act_ref(x, group)
         pad = rows - M

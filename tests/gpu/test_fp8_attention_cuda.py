@@ -15,7 +15,8 @@ Cases: square causal runs (no padding, power-of-two lengths; 1,000 rows padded t
 1,024 bucket), full attention of 300 queries against 1,000 keys (both padded) with its
 log-sum-exp against float32's, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
 `prefill_attention(fp8=True)` on the two runs a zigzag CP split gives a rank (the second
-merged from its own keys and the keys before it by log-sum-exp), against float32; an extend
+merged from its own keys and the keys before it by log-sum-exp), against float32; its O
+kept in e4m3 for an FP8 o_proj (one run and two), against float32 through that GEMM; an extend
 chunk after a prefix held in e4m3 pools at a layer's K/V scales (`chunk_attention_with_lse`
 and `prefix_partial` with fp8). The graph cache: a second call of a shape builds nothing.
 """
@@ -140,6 +141,47 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path():
         assert _rel(want[r0:r1], ref) < 0.01  # the 16-bit path, for scale
         print(f"run at {p0}: fp8 {_rel(got[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
         assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))
+
+
+@pytest.mark.parametrize("lengths", [(1000,), (1024, 1000)])
+def test_fp8_prefill_o_reaches_the_fp8_o_proj_in_e4m3(lengths):
+    """`prefill_attention(fp8=True, o_quant_group=128)`: O stays e4m3 and the FP8 o_proj
+    (`fp8_linear`, block-scaled 128 x 128) reads the codes through the offer; one run (1,000
+    rows: cuDNN's buffer offered, scaled_mm's 16-row padding taken from the offer) and two
+    runs (their codes and descales gathered in one offer). Against float32 attention times
+    the dequantized weight: within 1.5x the emulated FP8 error (as above), and no worse than
+    the path that dequantizes O to bf16 and quantizes it again per 1 x 128 group (a second
+    e4m3 rounding, up to 2^-4 of each value, that the offer saves)."""
+    from cpmoe.ops.fp8 import offered, quantize_block_fp8, dequantize
+    from cpmoe.ops.fp8_gemm import fp8_linear
+    g = torch.Generator(device="cuda").manual_seed(11)
+    T = sum(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    k = torch.randn(T, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(T, G, D, device="cuda", generator=g).bfloat16()
+    q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)]).cuda()
+    runs = [(cu[s], cu[s + 1], s, 0) for s in range(len(lengths))]
+    wq, ws = quantize_block_fp8(0.02 * torch.randn(2048, H * D, device="cuda", generator=g))
+    w = dequantize(wq, ws, (128, 128))
+    o = prefill_attention(q, pos, seq, k, v, cu, SCALE, runs, fp8=True, o_quant_group=128)
+    codes, scales = offered(o.view(T, H * D), 128)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (T, H * D)
+    assert scales.shape == (T, H * D // 128) and scales.stride() == (1, T)
+    got = fp8_linear(o.view(T, H * D), wq, ws, (128, 128)).float()
+    o16 = prefill_attention(q, pos, seq, k, v, cu, SCALE, runs, fp8=True)  # O dequantized
+    widened = fp8_linear(o16.view(T, H * D), wq, ws, (128, 128)).float()
+    ref = torch.cat([exact(q[a:b], k[a:b], v[a:b], True) for a, b, _, _ in runs])
+    emul = torch.cat([emulate(q[a:b], k[a:b], v[a:b], True) for a, b, _, _ in runs])
+    want = ref.reshape(T, H * D) @ w.t()
+    bound = 1.5 * _rel(emul.reshape(T, H * D) @ w.t(), want)
+    err, err16 = _rel(got, want), _rel(widened, want)
+    print(f"runs {lengths}: o_proj of e4m3 O {err:.4f}, of O widened and requantized "
+          f"{err16:.4f}, emulated {bound / 1.5:.4f}")
+    assert err <= bound and err <= err16, (err, err16, bound)
 
 
 def test_extend_after_a_cached_prefix_in_fp8_within_its_quantization_error():

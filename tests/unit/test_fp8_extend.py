@@ -115,6 +115,63 @@ def test_cached_prefix_in_fp8_reads_the_codes_with_their_scales(fp8_on_cpu):
     assert fp8_on_cpu == [(170, 200, False, True), (130, 77, False, True)]
 
 
+def test_prefill_runs_offer_their_e4m3_o_to_the_fp8_o_proj(fp8_on_cpu, monkeypatch):
+    """`prefill_attention(fp8=True, o_quant_group)`: with every run at its sequence's start,
+    each run's O stays e4m3 (`fp8_attention_e4m3`, emulated: float32 attention, then O
+    quantized per tensor) and the rows are offered to the FP8 o_proj: codes and per-run
+    descales in every group's scale, cuDNN's own buffer when one run covers the rows; runs
+    past their start (merged by log-sum-exp), or no FP8 o_proj, dequantize O as before."""
+    from types import SimpleNamespace
+    from cpmoe.ops.fp8 import offered
+    made = []
+
+    def emulate_e4m3(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
+        o, _ = emulate(q, k, v, scale, causal)
+        descale = (o.float().abs().max() / 448).reshape(1)
+        codes = (o.float() / descale).to(torch.float8_e4m3fn).contiguous()
+        made.append((codes, descale))
+        return codes, descale, None
+
+    monkeypatch.setattr(fa, "fp8_attention_e4m3", emulate_e4m3)
+    monkeypatch.setattr(att, "launch", SimpleNamespace(use_triton=lambda x: True))
+    torch.manual_seed(3)
+    for lengths in ((300, 200), (500,)):
+        split = CPSplit.build(list(lengths), 1, "zigzag")
+        pos, seq = split.local_positions(0), split.local_token_to_seq(0)
+        runs, cu = att.query_runs(pos, seq), list(split.cu_seqlens)
+        T = pos.numel()
+        q, k, v = torch.randn(T, 8, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+        want = att.prefill_attention(q, pos, seq, k, v, cu, 0.25, runs)
+        made.clear()
+        o = att.prefill_attention(q, pos, seq, k, v, cu, 0.25, runs, fp8=True,
+                                  o_quant_group=64)
+        codes, scales = offered(o.view(T, 128), 64)
+        assert len(made) == len(runs) == len(lengths) and scales.stride() == (1, T)
+        if len(runs) == 1:
+            assert codes.data_ptr() == made[0][0].data_ptr()  # the kernel's buffer itself
+        for (row0, row1, _, _), (c, d) in zip(runs, made):
+            assert torch.equal(codes[row0:row1].view(torch.uint8),
+                               c.reshape(row1 - row0, 128).view(torch.uint8))
+            assert torch.equal(scales[row0:row1], d.expand(row1 - row0, 2))
+        back = (codes.float() * scales.repeat_interleave(64, 1)).view(T, 8, 16)
+        # one e4m3 rounding: within 2^-4 of each value, or the subnormal step 2^-9 x scale
+        assert ((back - want).abs() <= want.abs() * 2 ** -4 + scales.max() * 2 ** -9
+                + 1e-6).all()
+    # a zigzag CP rank's runs (the second past its start, merged): O dequantized, no offer
+    split = CPSplit.build([600], 2, "zigzag")
+    pos, seq = split.local_positions(0), split.local_token_to_seq(0)
+    runs, cu = att.query_runs(pos, seq), list(split.cu_seqlens)
+    q, k, v = torch.randn(pos.numel(), 8, 16), torch.randn(600, 2, 16), torch.randn(600, 2, 16)
+    o = att.prefill_attention(q, pos, seq, k, v, cu, 0.25, runs, fp8=True, o_quant_group=64)
+    assert offered(o.view(-1, 128), 64) is None
+    torch.testing.assert_close(o, att.prefill_attention(q, pos, seq, k, v, cu, 0.25, runs),
+                               rtol=1e-5, atol=1e-5)
+    # a 16-bit o_proj (no group): O dequantized
+    o = att.prefill_attention(q[:300], pos[:300], seq[:300], k, v, [0, 600], 0.25,
+                              [(0, 300, 0, 0)], fp8=True)
+    assert offered(o.view(-1, 128), 64) is None
+
+
 def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir, monkeypatch):
     """A 2,200-token prompt in two chunks of 1,100 over e4m3 pools: with FP8 attention on,
     the second chunk's attention (its own keys and the cached 1,100) goes through

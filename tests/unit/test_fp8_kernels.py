@@ -66,9 +66,9 @@ def test_quantize_block_fp8_round_trip():
 
 
 def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
-    """`offer_quantized`: quantize_act returns the offered (q, s) for the offered rows, and
-    computes afresh for other memory, a different view, rows written since, padding, another
-    group, or once the rows are freed."""
+    """`offer_quantized`: quantize_act returns the offered (q, s) for the offered rows (padded
+    with zero rows when asked for more), and computes afresh for other memory, a different
+    view, rows written since, another group, or once the rows are freed."""
     import gc
     from cpmoe.ops import fp8
     from cpmoe.ops.fp8 import offer_quantized
@@ -82,7 +82,22 @@ def test_quantize_act_takes_an_offer_only_for_the_same_unwritten_rows():
     assert fp8.quantize_act(x.view(4, 256), 128)[0] is q  # another view of the same rows
     for other in (x.clone(), x[1:], x.view(8, 128)):
         assert fp8.quantize_act(other, 128)[0] is not q
-    assert fp8.quantize_act(x, 64)[0] is not q and fp8.quantize_act(x, 128, rows=8)[0] is not q
+    assert fp8.quantize_act(x, 64)[0] is not q
+    # padded: the offer's rows, then zero codes and scales (the kernel's padding)
+    pq, ps = fp8.quantize_act(x, 128, rows=8)
+    assert pq.shape == (8, 256) and ps.shape == (8, 2) and ps.stride() == (1, 8)
+    assert torch.equal(pq[:4].view(torch.uint8), q.view(torch.uint8))
+    assert not pq[4:].view(torch.uint8).any() and torch.equal(ps[:4], s) and not ps[4:].any()
+    # an offer of other codes than quantize_act's (FP8 attention's O: per-tensor scales)
+    # comes back as offered, padded or not
+    t = x.abs().max() / 448
+    q_t, s_t = (x / t).to(torch.float8_e4m3fn), torch.full((2, 4), float(t)).t()
+    offer_quantized(x, q_t, s_t, 128)
+    pq, ps = fp8.quantize_act(x, 128, rows=5)
+    assert torch.equal(pq[:4].view(torch.uint8), q_t.view(torch.uint8))
+    assert not torch.equal(q_t.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(ps[:4], s_t) and fp8.quantize_act(x, 128)[0] is q_t
+    offer_quantized(x, q, s, 128)
     x.mul_(2)  # written since the offer: the old values must not come back
     q2, s2 = fp8.quantize_act(x, 128)
     assert q2 is not q and torch.equal(s2, 2 * s)

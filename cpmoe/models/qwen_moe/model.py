@@ -60,7 +60,9 @@ class QwenMoeAttention(nn.Module):
         # unless the checkpoint has self_attn.k_scale / v_scale: `quant.kv_scales`)
         self.register_buffer("kv_scale", torch.ones(4, dtype=torch.float32), persistent=False)
         self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = None  # see fuse_qkv
-        self.o_quant_group: int | None = None  # an FP8 o_proj's: decode attention quantizes
+        # an FP8 o_proj's: decode attention quantizes o, FP8 prefill attention offers its
+        # e4m3 O (`prefill_attention`)
+        self.o_quant_group: int | None = None
 
     def fuse_qkv(self) -> None:
         """One GEMM for q, k and v (their weights become views into the fused one)."""
@@ -113,9 +115,10 @@ class QwenMoeAttention(nn.Module):
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
         cu = list(batch.split.cu_seqlens)
         if batch.prefix is None:
+            # FP8 attention may leave o in e4m3 for an FP8 o_proj (offered, o unwritten)
             return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
                                      cu, self.scale, batch.q_runs, batch.packed_runs,
-                                     batch.fp8_attention)
+                                     batch.fp8_attention, self.o_quant_group)
         fp8 = fp8_runs_apply(q, batch.q_runs, batch.fp8_attention)  # the chunk and prefix
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
                                           v_flat, cu, self.scale, batch.packed_runs,
