@@ -35,11 +35,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--configs", help="a JSON list of configs to time instead of the tile "
+                    "grid, e.g. with PERSISTENT (programs a multiprocessor)")
     args = ap.parse_args()
     torch.manual_seed(0)
     launches = ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))
     grid = [dict(BM=bm, BN=bn, num_warps=w, num_stages=s) for bm, bn, (w, s) in
             itertools.product((64, 128), (64, 128, 256), launches)]
+    if args.configs:
+        grid = json.loads(args.configs)
     results = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         P = tokens * TOP_K
@@ -61,14 +65,24 @@ def main() -> None:
                                                         config=cfg)
             base = cuda_ms(fp8(default))
             best = (base, default)
+            want = fp8(default)()
             for cfg in grid:
                 try:
                     t = cuda_ms(fp8(cfg))
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
                     print(f"{name} P {P} {cfg}: {type(e).__name__}")
                     continue
-                results.append({"gemm": name, "tokens": tokens, "ms": t,
+                # every config sums each tile's K blocks in the same order: equal outputs
+                got = fp8(cfg)()
+                equal = torch.equal(got, want)
+                if not equal:
+                    print(f"{name} P {P} {cfg}: output differs from the default's by up to "
+                          f"{float((got.float() - want.float()).abs().max()):.3g}")
+                results.append({"gemm": name, "tokens": tokens, "ms": t, "equal": equal,
                                 "tflops": flops / t / 1e9, **cfg})
+                if args.configs:
+                    print(f"{name:8s} {tokens:6d} tokens: {t:6.3f} ms "
+                          f"({flops / t / 1e9:5.0f} TFLOP/s) {cfg}", flush=True)
                 if t < best[0]:
                     best = (t, cfg)
             results.append({"gemm": name, "tokens": tokens, "ms": base, "default": True,
