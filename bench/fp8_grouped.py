@@ -35,8 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default="4096,16384")
-    ap.add_argument("--configs", help="a JSON list of configs to time instead of the tile "
-                    "grid, e.g. with PERSISTENT (programs a multiprocessor)")
+    ap.add_argument("--configs", help="a JSON list of configs (grouped_fp8_config's keys) "
+                    "to time instead of the tile grid")
     args = ap.parse_args()
     torch.manual_seed(0)
     launches = ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))

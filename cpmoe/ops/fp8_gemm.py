@@ -67,9 +67,7 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
                      ) -> torch.Tensor:
-    """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them), and
-    PERSISTENT: that many programs a multiprocessor loop over the tiles
-    (`_grouped_fp8_persistent_kernel`) instead of one program a tile."""
+    """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them)."""
     P, K = a.shape
     E, N, _ = w.shape
     bn, bk = block
@@ -100,34 +98,42 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     # together share their rows, which L2 then serves once for all of a row tile's columns
     # (row tiles fastest read all the rows again for every column tile: 12 times a layer's
     # 268 MB at 16K tokens for gate/up)
-    args = (a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
-            P, N, K, a_scale.stride(0), a_scale.stride(1),
-            w_scale.stride(0), w_scale.stride(1), w_scale.stride(2))
-    meta = dict(E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg.get("PERSISTENT"):  # programs a multiprocessor, looping over the tiles
-        nprog = _multiprocessors(a.device) * cfg["PERSISTENT"]
-        _grouped_fp8_persistent_kernel[(nprog,)](*args, **meta, NPROG=nprog)
-    else:
-        _grouped_fp8_kernel[(bound * triton.cdiv(N, BN),)](*args, **meta)
+    grid = (bound * triton.cdiv(N, BN),)
+    _grouped_fp8_kernel[grid](
+        a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
+        P, N, K, a_scale.stride(0), a_scale.stride(1),
+        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """The device's SMs (4 for the interpreter on CPU)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 if triton is not None:
-    @triton.jit
-    def _expert_tile(a_ptr, as_ptr, w_ptr, ws_ptr, e, rows, row_ok, cols, col_ok, pid_n, N, K,
-                     as_s0, as_s1, ws_s0, ws_s1, ws_s2, BN_Q: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     UPCAST: tl.constexpr):
-        """float32 [BM, BN]: rows (of expert e) times the expert's weight columns `cols`
-        (column tile pid_n), block-scaled, summed over K."""
+    # P: the slots, which change every step (no variant per residue mod 16)
+    @triton.jit(do_not_specialize=["P"])
+    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
+                            tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
+                            as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
+                            BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, UPCAST: tl.constexpr):
+        n_tiles = tl.cdiv(N, BN)
+        t = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
+        e = tl.load(tile_expert_ptr + t)
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        if e >= E:  # a spare slot, the (t - T)-th (T = tile_end[E - 1]): zeros past offs[-1]
+            spare = t - tl.load(tile_end_ptr + E - 1)
+            rows = tl.load(ends_ptr + E - 1) + spare * BM + tl.arange(0, BM)
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
+                     mask=(rows < P)[:, None] & col_ok[None, :])
+            return
+        local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
+        start = tl.load(starts_ptr + e)
+        end = tl.load(ends_ptr + e)
+        rows = start + local * BM + tl.arange(0, BM)
+        row_ok = rows < end
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * N * K
@@ -165,73 +171,8 @@ if triton is not None:
                 acc += part * a_s[:, None] * w_s[None, :]
             a_s = a_s_next
             w_s = w_s_next
-        return acc
-
-    @triton.jit
-    def _tile_rows(t, starts_ptr, ends_ptr, tile_end_ptr, tiles_ptr, e, BM: tl.constexpr):
-        """Tile slot t of expert e -> its rows and which of them are the expert's."""
-        local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
-        rows = tl.load(starts_ptr + e) + local * BM + tl.arange(0, BM)
-        return rows, rows < tl.load(ends_ptr + e)
-
-    # P: the slots, which change every step (no variant per residue mod 16)
-    @triton.jit(do_not_specialize=["P"])
-    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
-                            tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
-                            as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
-                            BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, UPCAST: tl.constexpr):
-        n_tiles = tl.cdiv(N, BN)
-        t = tl.program_id(0) // n_tiles
-        pid_n = tl.program_id(0) % n_tiles
-        e = tl.load(tile_expert_ptr + t)
-        cols = pid_n * BN + tl.arange(0, BN)
-        col_ok = cols < N
-        if e >= E:  # a spare slot, the (t - T)-th (T = tile_end[E - 1]): zeros past offs[-1]
-            spare = t - tl.load(tile_end_ptr + E - 1)
-            rows = tl.load(ends_ptr + E - 1) + spare * BM + tl.arange(0, BM)
-            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
-                     mask=(rows < P)[:, None] & col_ok[None, :])
-            return
-        rows, row_ok = _tile_rows(t, starts_ptr, ends_ptr, tile_end_ptr, tiles_ptr, e, BM)
-        acc = _expert_tile(a_ptr, as_ptr, w_ptr, ws_ptr, e, rows, row_ok, cols, col_ok, pid_n,
-                           N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, BN_Q, BM, BN, BK, UPCAST)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-    @triton.jit(do_not_specialize=["P"])
-    def _grouped_fp8_persistent_kernel(
-            a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr, tile_end_ptr,
-            tiles_ptr, tile_expert_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2,
-            E: tl.constexpr, BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, UPCAST: tl.constexpr, NPROG: tl.constexpr):
-        """`_grouped_fp8_kernel` as NPROG programs looping over the experts' tiles (their
-        count read on the device, tile_end[E - 1] row tiles x the column tiles), the loop
-        nest flattened so the next tile's loads start under this tile's last MMAs and its
-        store; then the rows past offs[-1], zeros, row tile by row tile."""
-        n_tiles = tl.cdiv(N, BN)
-        total = tl.load(tile_end_ptr + E - 1) * n_tiles
-        for tile in tl.range(tl.program_id(0), total, NPROG, flatten=True):
-            t = tile // n_tiles
-            pid_n = tile % n_tiles
-            e = tl.load(tile_expert_ptr + t)
-            cols = pid_n * BN + tl.arange(0, BN)
-            col_ok = cols < N
-            rows, row_ok = _tile_rows(t, starts_ptr, ends_ptr, tile_end_ptr, tiles_ptr, e, BM)
-            acc = _expert_tile(a_ptr, as_ptr, w_ptr, ws_ptr, e, rows, row_ok, cols, col_ok,
-                               pid_n, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, BN_Q, BM, BN,
-                               BK, UPCAST)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        used = tl.load(ends_ptr + E - 1)
-        for r in range(used // BM + tl.program_id(0), tl.cdiv(P, BM), NPROG):
-            rows = r * BM + tl.arange(0, BM)
-            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
-            for c in range(0, n_tiles):
-                cols = c * BN + tl.arange(0, BN)
-                tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
-                         mask=((rows >= used) & (rows < P))[:, None] & (cols < N)[None, :])
 
 
 # ---- skinny FP8 GEMM (decode) -----------------------------------------------------------

@@ -290,11 +290,6 @@ def test_grouped_fp8_gemm_matches_dequantized_bf16(rows):
         start = end
     assert rel(got, want) < FP8_TOL
     assert not got[int(offs[-1]):].any()  # rows of other ranks' experts stay zero
-    # the persistent kernel: the same tiles summed in the same order, so the same bits
-    for programs in (1, 2):
-        cfg = dict(fp8_gemm.grouped_fp8_config(rows, E), PERSISTENT=programs)
-        assert torch.equal(fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK, config=cfg),
-                           got), programs
 
 
 @cuda

@@ -11,8 +11,7 @@
 - `grouped_fp8_gemm`'s output is allocated uninitialized: rows past offs[-1] (other EP
   ranks' slots) are written as zeros by the kernel's spare tile slots, even when the fresh
   memory held NaN, and the rest equals `grouped_fp8_gemm_ref`, for tiles that span two
-  weight scale blocks and for tiles inside one; the same for the persistent kernel (a few
-  programs looping over the tiles, then over the rows past offs[-1]).
+  weight scale blocks and for tiles inside one.
 """
 
 import importlib.util
@@ -105,11 +104,8 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
     offs = torch.tensor(offs)
     # 32-column tiles read a weight scale per column (two scale blocks a tile), 16-column
     # tiles one scale a tile (the path of 128 x 128 blocks)
-    # and the persistent kernel (4 "multiprocessors" here: 4 or 8 programs over the tiles)
-    for dtype, BN, persistent in ((torch.float32, 32, 0), (torch.bfloat16, 32, 0),
-                                  (torch.float32, 16, 0), (torch.float32, 32, 1),
-                                  (torch.float32, 16, 2)):
-        cfg = {"BM": BM, "BN": BN, "num_warps": 4, "num_stages": 1, "PERSISTENT": persistent}
+    for dtype, BN in ((torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 16)):
+        cfg = {"BM": BM, "BN": BN, "num_warps": 4, "num_stages": 1}
         got = fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, dtype, config=cfg)
         want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, dtype)
         L = int(offs[-1])

@@ -6,8 +6,7 @@ values from two constexpr branches did, in the SWAP_AB change tried at bec18aa o
 2026-12-03). Here Triton compiles ahead of time, for an sm_90 target (ptxas ships with
 Triton), the variants the engine launches: the decode experts' W8A8 GEMM (gate/up and down,
 the grid of one program row per expert and the compact one of batch 1), the skinny dense
-GEMM with and without a split K, and the prefill's grouped GEMM (one program a tile, and
-persistent). Arguments carry the
+GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry the
 16-byte alignment real launches specialize on, so the compiled program is the one a launch
 gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
 (cp.async), and that the prefill GEMM uses Hopper's warp-group MMA. Also the two kernels
@@ -103,15 +102,6 @@ ptx = compile_sm90(
      "tiles_ptr": "*i64", "tile_expert_ptr": "*i64"},
     {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False},
     ("P", "as_s0", "ws_s2"), launch_options(cfg))
-assert "cp.async" in ptx and "wgmma" in ptx
-options = launch_options(fp8_gemm.grouped_fp8_config(16384 * 8, E))
-ptx = compile_sm90(  # the persistent variant (its tile loop flattened with the K loop)
-    fp8_gemm._grouped_fp8_persistent_kernel,
-    {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-     "out_ptr": "*bf16", "starts_ptr": "*i64", "ends_ptr": "*i64", "tile_end_ptr": "*i64",
-     "tiles_ptr": "*i64", "tile_expert_ptr": "*i64"},
-    {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
-     "NPROG": 264}, ("P", "as_s0", "ws_s2"), options)
 assert "cp.async" in ptx and "wgmma" in ptx
 # the kernels that quantize the rows they write for the FP8 GEMM after them: decode's
 # residual add + RMSNorm (Qwen3-30B-A3B's hidden) and attention's split merge (one head a
