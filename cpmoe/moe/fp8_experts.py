@@ -21,7 +21,7 @@ import torch
 
 from cpmoe.ops import weighted_row_sum
 from cpmoe.ops.fp8 import quantize_act, swiglu_quantize, swiglu_quantize_fits
-from cpmoe.ops.fp8_gemm import grouped_fp8_gemm
+from cpmoe.ops.fp8_gemm import grouped_fp8_config, grouped_fp8_gemm, grouped_fp8_tiles
 
 
 def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
@@ -32,11 +32,14 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
         return torch.zeros_like(x_MH)
     xq, xs = quantize_act(x_MH, block[1])  # per row: each row once, then its K slots
     xq, xs = xq[rows_n], xs[rows_n]
+    # both GEMMs tile the same n rows of the same experts: one tile map for the two
+    cfg = grouped_fp8_config(n, experts.gate_up_proj.shape[0])
+    tiles = grouped_fp8_tiles(offs, n, experts.gate_up_proj.shape[0], cfg["BM"])
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
-                         out_dtype=x_MH.dtype)
+                         out_dtype=x_MH.dtype, config=cfg, tiles=tiles)
     aq, a_s = activate_and_quantize(experts, h, block[1])
     y = grouped_fp8_gemm(aq, a_s, experts.down_proj, experts.down_scale_inv, offs, block,
-                         out_dtype=x_MH.dtype)
+                         out_dtype=x_MH.dtype, config=cfg, tiles=tiles)
     w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
     return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
 

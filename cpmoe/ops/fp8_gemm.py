@@ -11,7 +11,8 @@
   (expert e owns rows [offs[e-1], offs[e])), experts' weights w [E, N, K] with scales
   [E, N/bn, K/bk] -> [P, N] in bfloat16 (rows past offs[-1] are zero). Triton, one
   program per (row tile of one expert, column tile); the tile -> expert map is computed on
-  the device (no host sync, so CUDA graphs can capture it). `torch._scaled_grouped_mm` is
+  the device by one small kernel (`grouped_fp8_tiles`: no host sync, so CUDA graphs can
+  capture it; the experts' two GEMMs share it). `torch._scaled_grouped_mm` is
   row-wise only, hence this kernel.
 
 Kernels accumulate in float32: per K-block, the FP8 dot product is scaled by the row's
@@ -63,11 +64,36 @@ def grouped_fp8_config(P: int, E: int) -> dict:
     return {"BM": 16 if P <= 16 * E else 64, "BN": 128, "num_warps": 4, "num_stages": 4}
 
 
+def grouped_fp8_tiles(offs: torch.Tensor, P: int, E: int, BM: int) -> torch.Tensor:
+    """The tile slots of `grouped_fp8_gemm` over P rows sorted by E experts (expert e's end
+    offs[e]) in BM-row tiles -> int32 [2, slots]: each slot's expert (E: a spare slot) and
+    first row. One Triton launch (the seven torch ops it replaces were host work that a
+    short prefill's step waited on: at 1K tokens FP8 steps were host-bound,
+    bench/results/fp8-prefill-1k-c7c02fd.log); the experts' two GEMMs share it.
+
+    Enough slots for the experts' tiles and the zero tail, for any routing: with n_e rows
+    for expert e and L = offs[-1] = sum n_e <= P, the experts take
+    T = sum ceil(n_e / BM) <= sum (n_e + BM - 1) / BM = (L + E (BM - 1)) / BM slots, so the
+    spare ones, slots = ceil(P / BM) + E, number slots - T >= P / BM + E - L / BM - E +
+    E / BM > (P - L) / BM, an integer, hence >= ceil((P - L) / BM): the tiles of the tail
+    rows [L, P), the (t - T)-th starting at row L + (t - T) BM."""
+    slots = (P + BM - 1) // BM + E
+    tile_map = torch.empty(2, slots, dtype=torch.int32, device=offs.device)
+    _tile_map_kernel[(triton.cdiv(slots, _MAP_BLOCK),)](
+        offs.contiguous(), tile_map, slots, E=E, E_POW2=triton.next_power_of_2(E), BM=BM,
+        BLOCK=_MAP_BLOCK, num_warps=4)
+    return tile_map
+
+
+_MAP_BLOCK = 64  # tile slots a program of `_tile_map_kernel`: [64, E] comparisons
+
+
 def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
-                     out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
-                     ) -> torch.Tensor:
-    """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them)."""
+                     out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+                     tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them). tiles:
+    `grouped_fp8_tiles(offs, P, E, config's BM)` made ahead (else made here)."""
     P, K = a.shape
     E, N, _ = w.shape
     bn, bk = block
@@ -81,58 +107,64 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
         return out
     cfg = config or grouped_fp8_config(P, E)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
-    # tiles of each expert, and for every tile slot its expert (E: a spare slot)
-    offs = offs.to(torch.int64)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    tiles = (offs - starts + BM - 1) // BM
-    tile_end = tiles.cumsum(0)
-    # Enough slots for the experts' tiles and the zero tail, for any routing: with n_e
-    # rows for expert e and L = offs[-1] = sum n_e <= P, the experts take
-    # T = sum ceil(n_e / BM) <= sum (n_e + BM - 1) / BM = (L + E (BM - 1)) / BM slots, so
-    # the spare ones number bound - T >= P / BM + E - L / BM - E + E / BM > (P - L) / BM,
-    # an integer, hence >= ceil((P - L) / BM): the tiles of the tail rows [L, P).
-    bound = (P + BM - 1) // BM + E
-    tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=a.device),
-                                     right=True)
+    tile_map = tiles if tiles is not None else grouped_fp8_tiles(offs, P, E, BM)
+    if tile_map.shape[0] != 2 or tile_map.shape[1] != (P + BM - 1) // BM + E:
+        raise ValueError(f"grouped FP8 GEMM: a tile map of {tuple(tile_map.shape)} for "
+                         f"{P} rows, {E} experts and {BM}-row tiles (grouped_fp8_tiles)")
     # one program per (row tile, column tile), column tiles fastest: the programs that run
     # together share their rows, which L2 then serves once for all of a row tile's columns
     # (row tiles fastest read all the rows again for every column tile: 12 times a layer's
     # 268 MB at 16K tokens for gate/up)
-    grid = (bound * triton.cdiv(N, BN),)
+    grid = (tile_map.shape[1] * triton.cdiv(N, BN),)
     _grouped_fp8_kernel[grid](
-        a, a_scale, w, w_scale, out, starts, offs, tile_end, tiles, tile_expert,
-        P, N, K, a_scale.stride(0), a_scale.stride(1),
-        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
+        a, a_scale, w, w_scale, out, offs.contiguous(), tile_map, P, N, K, a_scale.stride(0),
+        a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
         E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 if triton is not None:
+    @triton.jit(do_not_specialize=["slots"])
+    def _tile_map_kernel(offs_ptr, map_ptr, slots, E: tl.constexpr, E_POW2: tl.constexpr,
+                         BM: tl.constexpr, BLOCK: tl.constexpr):
+        """Slots [BLOCK * pid, ..): map[0] = the first expert whose tiles end past the slot
+        (E: none), map[1] = the slot's first row (`grouped_fp8_tiles`)."""
+        idx = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+        starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0).to(tl.int32)
+        tiles = (ends - starts + BM - 1) // BM  # lanes past E: 0
+        tile_end = tl.cumsum(tiles, 0)
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)
+        mine = idx[None, :] == e[:, None]
+        first = tl.sum(tl.where(mine, (tile_end - tiles)[None, :], 0), 1)
+        start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+        spare_row = tl.max(ends, 0) + (t - tl.sum(tiles, 0)) * BM
+        row = tl.where(e < E, start + (t - first) * BM, spare_row)
+        tl.store(map_ptr + t, e, mask=t < slots)
+        tl.store(map_ptr + slots + t, row, mask=t < slots)
+
     # P: the slots, which change every step (no variant per residue mod 16)
     @triton.jit(do_not_specialize=["P"])
-    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, starts_ptr, ends_ptr,
-                            tile_end_ptr, tiles_ptr, tile_expert_ptr, P, N, K,
-                            as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
+    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr, P, N,
+                            K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             BK: tl.constexpr, UPCAST: tl.constexpr):
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
-        e = tl.load(tile_expert_ptr + t)
+        slots = tl.num_programs(0) // n_tiles
+        e = tl.load(map_ptr + t)  # the slot's expert (E: a spare slot) and first row
+        rows = tl.load(map_ptr + slots + t) + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N
-        if e >= E:  # a spare slot, the (t - T)-th (T = tile_end[E - 1]): zeros past offs[-1]
-            spare = t - tl.load(tile_end_ptr + E - 1)
-            rows = tl.load(ends_ptr + E - 1) + spare * BM + tl.arange(0, BM)
+        if e >= E:  # a spare slot: zeros past offs[-1]
             zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
                      mask=(rows < P)[:, None] & col_ok[None, :])
             return
-        local = t - (tl.load(tile_end_ptr + e) - tl.load(tiles_ptr + e))
-        start = tl.load(starts_ptr + e)
-        end = tl.load(ends_ptr + e)
-        rows = start + local * BM + tl.arange(0, BM)
+        end = tl.load(offs_ptr + e)
         row_ok = rows < end
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)

@@ -90,7 +90,10 @@ from cpmoe.ops import fp8, fp8_gemm
 from cpmoe.ops.fp8 import quantize_block_fp8
 torch.manual_seed(0)
 empty = torch.empty
-torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))  # garbage output memory
+# garbage in fresh memory: NaN in float buffers (the output), -7 in integer ones (the
+# tile map), so every element the kernels leave unwritten shows
+torch.empty = lambda *a, **kw: (lambda t: t.fill_(float("nan") if t.is_floating_point()
+                                                  else -7))(empty(*a, **kw))
 
 cases = 0
 # (P, offs, BM): one row an expert (the most experts' tiles for the rows), a long tail over

@@ -98,11 +98,13 @@ cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E)
 ptx = compile_sm90(
     fp8_gemm._grouped_fp8_kernel,
     {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-     "out_ptr": "*bf16", "starts_ptr": "*i64", "ends_ptr": "*i64", "tile_end_ptr": "*i64",
-     "tiles_ptr": "*i64", "tile_expert_ptr": "*i64"},
+     "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32"},
     {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False},
     ("P", "as_s0", "ws_s2"), launch_options(cfg))
 assert "cp.async" in ptx and "wgmma" in ptx
+compile_sm90(fp8_gemm._tile_map_kernel, {"offs_ptr": "*i64", "map_ptr": "*i32"},
+             {"E": E, "E_POW2": E, "BM": cfg["BM"], "BLOCK": 64}, ("slots",),
+             {"num_warps": 4})
 # the kernels that quantize the rows they write for the FP8 GEMM after them: decode's
 # residual add + RMSNorm (Qwen3-30B-A3B's hidden) and attention's split merge (one head a
 # group); both convert to e4m3 (cvt ... e4m3x2)
