@@ -33,8 +33,9 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     xq, xs = quantize_act(x_MH, block[1])  # per row: each row once, then its K slots
     xq, xs = xq[rows_n], xs[rows_n]
     # both GEMMs tile the same n rows of the same experts: one tile map for the two
-    cfg = grouped_fp8_config(n, experts.gate_up_proj.shape[0])
-    tiles = grouped_fp8_tiles(offs, n, experts.gate_up_proj.shape[0], cfg["BM"])
+    E = experts.gate_up_proj.shape[0]
+    cfg = grouped_fp8_config(n, E)
+    tiles = grouped_fp8_tiles(offs, n, E, cfg["BM"])
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
                          out_dtype=x_MH.dtype, config=cfg, tiles=tiles)
     aq, a_s = activate_and_quantize(experts, h, block[1])

@@ -191,30 +191,16 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     """Scales come back [M, K/group] with strides (1, M) (column-major), the layout
     scaled_mm's BlockWise1x128 recipe reads; values are the same either way. rows >= M:
     both padded to that many rows with zeros (values and scales; an offer's by a copy).
-    config:
-    `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
+    config: `quantize_config`'s keys (bench/fp8_quantize.py sweeps them)."""
     M, K = x.shape
     if K % group:
         raise ValueError(f"FP8 activations: {K} inputs are not a multiple of the group {group}")
     rows = M if rows is None else rows
     taken = offered(x, group)
     if taken is not None:
-        q, s = taken
-        if rows == M:
-            return q, s
-        # zero codes (byte 0 is e4m3's 0) and scales, as the kernel pads
-        padded_q = torch.zeros(rows, K, dtype=torch.uint8, device=q.device)
-        padded_q[:M].copy_(q.view(torch.uint8))
-        padded_q = padded_q.view(q.dtype)
-        padded_s = torch.zeros(K // group, rows, dtype=s.dtype, device=s.device)
-        padded_s[:, :M].copy_(s.t())
-        return padded_q, padded_s.t()
+        return taken if rows == M else _pad_rows(*taken, rows)
     if not launch.use_triton(x) or M == 0:
-        q, s = quantize_act_ref(x, group)
-        pad = rows - M
-        q = torch.cat([q, q.new_zeros(pad, K)]) if pad else q
-        s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
-        return q, s.t().contiguous().t()
+        return _pad_rows(*quantize_act_ref(x, group), rows)
     x = x.contiguous()
     q = torch.empty(rows, K, dtype=FP8, device=x.device)
     s_t = torch.empty(K // group, rows, dtype=torch.float32, device=x.device)
@@ -224,6 +210,17 @@ def quantize_act(x: torch.Tensor, group: int = 128, rows: int | None = None,
     _quantize_act_kernel[grid](x, q, s_t, M, rows, K, GROUP=group, **cfg, **pdl_args(x))
     return q, s_t.t()
 
+
+
+def _pad_rows(q: torch.Tensor, s: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [M, K] FP8 and s [M, K/group] -> both with zero rows up to `rows` (byte 0 is e4m3's
+    0), s column-major: `quantize_act`'s padding, as its kernel writes it."""
+    M, K = q.shape
+    padded_q = torch.zeros(rows, K, dtype=torch.uint8, device=q.device)
+    padded_q[:M].copy_(q.view(torch.uint8))
+    padded_s = torch.zeros(s.shape[1], rows, dtype=s.dtype, device=s.device)
+    padded_s[:, :M].copy_(s.t())
+    return padded_q.view(q.dtype), padded_s.t()
 
 
 if triton is not None:

@@ -77,12 +77,16 @@ def grouped_fp8_tiles(offs: torch.Tensor, P: int, E: int, BM: int) -> torch.Tens
     spare ones, slots = ceil(P / BM) + E, number slots - T >= P / BM + E - L / BM - E +
     E / BM > (P - L) / BM, an integer, hence >= ceil((P - L) / BM): the tiles of the tail
     rows [L, P), the (t - T)-th starting at row L + (t - T) BM."""
-    slots = (P + BM - 1) // BM + E
+    slots = _tile_slots(P, E, BM)
     tile_map = torch.empty(2, slots, dtype=torch.int32, device=offs.device)
     _tile_map_kernel[(triton.cdiv(slots, _MAP_BLOCK),)](
         offs.contiguous(), tile_map, slots, E=E, E_POW2=triton.next_power_of_2(E), BM=BM,
         BLOCK=_MAP_BLOCK, num_warps=4)
     return tile_map
+
+
+def _tile_slots(P: int, E: int, BM: int) -> int:
+    return (P + BM - 1) // BM + E  # see grouped_fp8_tiles
 
 
 _MAP_BLOCK = 64  # tile slots a program of `_tile_map_kernel`: [64, E] comparisons
@@ -108,7 +112,7 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     cfg = config or grouped_fp8_config(P, E)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
     tile_map = tiles if tiles is not None else grouped_fp8_tiles(offs, P, E, BM)
-    if tile_map.shape[0] != 2 or tile_map.shape[1] != (P + BM - 1) // BM + E:
+    if tuple(tile_map.shape) != (2, _tile_slots(P, E, BM)):
         raise ValueError(f"grouped FP8 GEMM: a tile map of {tuple(tile_map.shape)} for "
                          f"{P} rows, {E} experts and {BM}-row tiles (grouped_fp8_tiles)")
     # one program per (row tile, column tile), column tiles fastest: the programs that run
