@@ -120,12 +120,26 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     # (row tiles fastest read all the rows again for every column tile: 12 times a layer's
     # 268 MB at 16K tokens for gate/up)
     grid = (tile_map.shape[1] * triton.cdiv(N, BN),)
+    tma = bool(cfg.get("TMA"))
+    a_in, w_in = (_descriptors(a, w, BM, BN, BK) if tma else (a, w))
     _grouped_fp8_kernel[grid](
-        a, a_scale, w, w_scale, out, offs.contiguous(), tile_map, P, N, K, a_scale.stride(0),
-        a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-        E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, P, N, K,
+        a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
+        w_scale.stride(2), E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET, TMA=tma,
+        WS=bool(cfg.get("WS")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def _descriptors(a: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int):
+    """TMA descriptors of the rows [P, K] (BM x BK boxes) and of every expert's weights as one
+    [E N, K] matrix (BN x BK boxes): a tile's boxes past its expert's rows or columns hold
+    the next expert's (its store masks them), past the matrix zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    E, N, K = w.shape
+    a = a if a.stride(1) == 1 and a.stride(0) == K else a.contiguous()
+    w2 = w.reshape(E * N, K)
+    return (TensorDescriptor(a, [a.shape[0], K], [K, 1], [BM, BK]),
+            TensorDescriptor(w2, [E * N, K], [K, 1], [BN, BK]))
 
 
 if triton is not None:
@@ -154,13 +168,17 @@ if triton is not None:
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr, P, N,
                             K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
                             BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, UPCAST: tl.constexpr):
+                            BK: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False,
+                            WS: tl.constexpr = False):
+        """TMA: a_ptr and w_ptr are `_descriptors`' (tiles loaded by the copy engine, no
+        per-element addresses); WS: the K loop warp-specialized (a producer warp loads)."""
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
         slots = tl.num_programs(0) // n_tiles
         e = tl.load(map_ptr + t)  # the slot's expert (E: a spare slot) and first row
-        rows = tl.load(map_ptr + slots + t) + tl.arange(0, BM)
+        row0 = tl.load(map_ptr + slots + t)
+        rows = row0 + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N
         if e >= E:  # a spare slot: zeros past offs[-1]
@@ -172,7 +190,7 @@ if triton is not None:
         row_ok = rows < end
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w_base = w_ptr + e.to(tl.int64) * N * K
+        w_base = w_ptr if TMA else w_ptr + e.to(tl.int64) * N * K
         # The scales of K block kb are loaded one block ahead, before the dot: loaded after
         # it, their latency followed every MMA's wait (Triton pipelines the tile loads
         # only). A tile inside one weight scale block (BN divides BN_Q) reads one scale.
@@ -185,18 +203,22 @@ if triton is not None:
         a_s = tl.load(as_rows, mask=row_ok, other=0.0)
         w_s = tl.load(ws_at) if ONE_WS else tl.load(ws_at, mask=col_ok, other=0.0)
         last = K // BK - 1
-        for kb in range(0, K // BK):
+        for kb in tl.range(0, K // BK, warp_specialize=WS):
             nxt = tl.minimum(kb + 1, last)
             a_s_next = tl.load(as_rows + nxt * as_s1, mask=row_ok, other=0.0)
             if ONE_WS:
                 w_s_next = tl.load(ws_at + nxt * ws_s2)
             else:
                 w_s_next = tl.load(ws_at + nxt * ws_s2, mask=col_ok, other=0.0)
-            k = kb * BK + ks
-            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_base + cols[None, :].to(tl.int64) * K + k[:, None],
-                        mask=col_ok[None, :], other=0.0)  # [BK, BN]
+            if TMA:
+                a = a_ptr.load([row0, kb * BK])
+                b = w_base.load([e * N + pid_n * BN, kb * BK]).T  # [BK, BN]
+            else:
+                k = kb * BK + ks
+                a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                b = tl.load(w_base + cols[None, :].to(tl.int64) * K + k[:, None],
+                            mask=col_ok[None, :], other=0.0)  # [BK, BN]
             if UPCAST:  # the interpreter has no FP8 dot
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32))
             else:
