@@ -7,7 +7,10 @@ At Qwen3-30B-A3B's expert shape (128 experts, hidden 2048, intermediate 768, top
 prefill chunks of 4K and 16K tokens with uniform routing (each expert ~1/128 of the slots):
 the gate/up GEMM ([P, 2048] x [1536, 2048]^T per expert) and the down GEMM ([P, 768] x
 [2048, 768]^T), FP8 under every tile configuration of the sweep vs `grouped_fp8_config`'s
-choice vs bf16 `torch.nn.functional.grouped_mm`. Time per call: `timing.cuda_ms` (CUDA
+choice vs bf16 `torch.nn.functional.grouped_mm`. A config's "TMA" picks the tile loads
+(`fp8_gemm.TMA_MODES`), its "GATHER" (gate/up only) has the kernel read each slot's token
+row itself (`a_rows`) where the others read a gathered copy, whose gather is timed once
+(`the rows' gather`). Time per call: `timing.cuda_ms` (CUDA
 events over 5 back-to-back calls after one untimed; the figures of BENCHMARKS.md at 721b0ce
 took the median of 10 calls synced one by one); TFLOP/s = 2 P N K / time. Prints a table
 per GEMM; writes JSON.
@@ -50,17 +53,32 @@ def main() -> None:
         ids = torch.randint(0, E, (P,), device="cuda")
         counts = torch.bincount(ids, minlength=E)
         offs = counts.cumsum(0).to(torch.int32)
+        src = torch.sort(ids, stable=True)[1] // TOP_K  # each sorted slot's token
         for name, N, K in (("gate_up", 2 * I, H), ("down", H, I)):
             a = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
             wq = w.to(torch.float8_e4m3fn)
             ws = torch.rand(E, N // 128, K // 128, device="cuda") + 0.5
             aq, a_s = quantize_act(a, 128)
+            # gate/up's rows are tokens gathered per slot (moe/fp8_experts.py): the configs
+            # with "GATHER" read them from the tokens' rows (a_rows), the others from the
+            # gathered copy, whose gather this times once
+            tok_q, tok_s = quantize_act(a[:tokens], 128)
+            gather = name == "gate_up"
+            if gather:
+                aq, a_s = tok_q[src], tok_s[src]
+                g_ms = cuda_ms(lambda: (tok_q[src], tok_s[src]))
+                print(f"{name:8s} {tokens:6d} tokens: the rows' gather {g_ms:6.3f} ms",
+                      flush=True)
             flops = 2 * P * N * K
             bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
             default = fp8_gemm.grouped_fp8_config(P, E)
 
             def fp8(cfg):
+                cfg = dict(cfg)
+                if cfg.pop("GATHER", False) and gather:
+                    return lambda: fp8_gemm.grouped_fp8_gemm(
+                        tok_q, tok_s, wq, ws, offs, (128, 128), config=cfg, a_rows=src)
                 return lambda: fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, (128, 128),
                                                         config=cfg)
             base = cuda_ms(fp8(default))

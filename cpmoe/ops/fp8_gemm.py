@@ -95,10 +95,13 @@ _MAP_BLOCK = 64  # tile slots a program of `_tile_map_kernel`: [64, E] compariso
 def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                     tiles: torch.Tensor | None = None) -> torch.Tensor:
+                     tiles: torch.Tensor | None = None, a_rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them). tiles:
-    `grouped_fp8_tiles(offs, P, E, config's BM)` made ahead (else made here)."""
-    P, K = a.shape
+    `grouped_fp8_tiles(offs, P, E, config's BM)` made ahead (else made here). a_rows: the
+    sorted rows are a's rows a_rows [P] (and a_scale's), read where the kernel loads them,
+    instead of a gathered copy (a then has any number of rows)."""
+    P, K = a.shape if a_rows is None else (a_rows.shape[0], a.shape[1])
     E, N, _ = w.shape
     bn, bk = block
     if K % bk or bk < 16 or bk & (bk - 1):
@@ -120,26 +123,36 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     # (row tiles fastest read all the rows again for every column tile: 12 times a layer's
     # 268 MB at 16K tokens for gate/up)
     grid = (tile_map.shape[1] * triton.cdiv(N, BN),)
-    tma = bool(cfg.get("TMA"))
-    a_in, w_in = (_descriptors(a, w, BM, BN, BK) if tma else (a, w))
+    tma = cfg.get("TMA", "")
+    if tma not in TMA_MODES:
+        raise ValueError(f"grouped FP8 GEMM: config TMA {tma!r}, expected one of {TMA_MODES}")
+    if a_rows is not None and "a" in tma:  # TMA copies boxes of consecutive rows
+        a, a_scale, a_rows = a[a_rows], a_scale[a_rows], None
+    a = a if a.stride(1) == 1 and a.stride(0) == K else a.contiguous()
+    a_in = _descriptor(a, BM, BK) if "a" in tma else a
+    w_in = _descriptor(w.reshape(E * N, K), BN, BK) if "w" in tma else w
+    rows = a_rows if a_rows is not None else offs  # any pointer when not GATHER
     _grouped_fp8_kernel[grid](
-        a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, P, N, K,
+        a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, P, N, K,
         a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
-        w_scale.stride(2), E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET, TMA=tma,
-        WS=bool(cfg.get("WS")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        w_scale.stride(2), E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
+        TMA_A="a" in tma, TMA_W="w" in tma, GATHER=a_rows is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def _descriptors(a: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int):
-    """TMA descriptors of the rows [P, K] (BM x BK boxes) and of every expert's weights as one
-    [E N, K] matrix (BN x BK boxes): a tile's boxes past its expert's rows or columns hold
-    the next expert's (its store masks them), past the matrix zeros."""
+# How the grouped GEMM loads its tiles: "" by per-element addresses (cp.async), "w" the
+# weights through TMA descriptors, "aw" the rows too (then rows given as a_rows are gathered
+# into a copy first: a TMA box is consecutive rows)
+TMA_MODES = ("", "w", "aw")
+
+
+def _descriptor(x: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor of the matrix x [R, C] in rows x cols boxes; the experts' weights are
+    one [E N, K] matrix, so a tile's box past its expert's columns (or a row box past its
+    expert's rows) holds the next expert's, which the store masks; past R, zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    E, N, K = w.shape
-    a = a if a.stride(1) == 1 and a.stride(0) == K else a.contiguous()
-    w2 = w.reshape(E * N, K)
-    return (TensorDescriptor(a, [a.shape[0], K], [K, 1], [BM, BK]),
-            TensorDescriptor(w2, [E * N, K], [K, 1], [BN, BK]))
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [rows, cols])
 
 
 if triton is not None:
@@ -165,13 +178,14 @@ if triton is not None:
 
     # P: the slots, which change every step (no variant per residue mod 16)
     @triton.jit(do_not_specialize=["P"])
-    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr, P, N,
-                            K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, E: tl.constexpr,
-                            BN_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False,
-                            WS: tl.constexpr = False):
-        """TMA: a_ptr and w_ptr are `_descriptors`' (tiles loaded by the copy engine, no
-        per-element addresses); WS: the K loop warp-specialized (a producer warp loads)."""
+    def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr,
+                            rows_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2,
+                            E: tl.constexpr, BN_Q: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                            TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False,
+                            GATHER: tl.constexpr = False):
+        """TMA_A / TMA_W: a_ptr / w_ptr are `_descriptor`s (tiles copied by the TMA unit, no
+        per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]."""
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
@@ -190,12 +204,13 @@ if triton is not None:
         row_ok = rows < end
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w_base = w_ptr if TMA else w_ptr + e.to(tl.int64) * N * K
+        w_base = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * N * K
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0) if GATHER else rows
         # The scales of K block kb are loaded one block ahead, before the dot: loaded after
         # it, their latency followed every MMA's wait (Triton pipelines the tile loads
         # only). A tile inside one weight scale block (BN divides BN_Q) reads one scale.
         ONE_WS: tl.constexpr = BN_Q % BN == 0
-        as_rows = as_ptr + rows * as_s0
+        as_rows = as_ptr + src * as_s0
         if ONE_WS:
             ws_at = ws_ptr + e * ws_s0 + (pid_n * BN // BN_Q) * ws_s1
         else:
@@ -203,20 +218,22 @@ if triton is not None:
         a_s = tl.load(as_rows, mask=row_ok, other=0.0)
         w_s = tl.load(ws_at) if ONE_WS else tl.load(ws_at, mask=col_ok, other=0.0)
         last = K // BK - 1
-        for kb in tl.range(0, K // BK, warp_specialize=WS):
+        for kb in range(0, K // BK):
             nxt = tl.minimum(kb + 1, last)
             a_s_next = tl.load(as_rows + nxt * as_s1, mask=row_ok, other=0.0)
             if ONE_WS:
                 w_s_next = tl.load(ws_at + nxt * ws_s2)
             else:
                 w_s_next = tl.load(ws_at + nxt * ws_s2, mask=col_ok, other=0.0)
-            if TMA:
+            k = kb * BK + ks
+            if TMA_A:
                 a = a_ptr.load([row0, kb * BK])
+            else:
+                a = tl.load(a_ptr + src[:, None].to(tl.int64) * K + k[None, :],
+                            mask=row_ok[:, None], other=0.0)
+            if TMA_W:
                 b = w_base.load([e * N + pid_n * BN, kb * BK]).T  # [BK, BN]
             else:
-                k = kb * BK + ks
-                a = tl.load(a_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
-                            mask=row_ok[:, None], other=0.0)
                 b = tl.load(w_base + cols[None, :].to(tl.int64) * K + k[:, None],
                             mask=col_ok[None, :], other=0.0)  # [BK, BN]
             if UPCAST:  # the interpreter has no FP8 dot

@@ -293,6 +293,33 @@ def test_grouped_fp8_gemm_matches_dequantized_bf16(rows):
 
 
 @cuda
+@pytest.mark.parametrize("tma", fp8_gemm.TMA_MODES)
+def test_grouped_fp8_gemm_tile_loads_give_the_same_products(tma):
+    """TMA or per-element tile loads, each slot's token row read through a_rows or from a
+    gathered copy: the same K blocks summed in the same order, so the same bits, and within
+    the float32 reference's rounding; rows of other ranks' experts (id E) come out zero."""
+    torch.manual_seed(2)
+    E, N, K, top_k, tokens = 16, 1536, 2048, 4, 3000
+    q, s, _ = fp8_weight(N, K, E)
+    xq, xs = fp8.quantize_act(torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16), 128)
+    ids, order = torch.sort(torch.randint(0, E + 1, (tokens * top_k,), device="cuda"),
+                            stable=True)
+    src = order // top_k
+    offs = torch.searchsorted(ids, torch.arange(1, E + 1, device="cuda"))
+    want = fp8_gemm.grouped_fp8_gemm_ref(xq[src], xs[src], q, s, offs, BLOCK, torch.float32)
+    for bm, bn, stages in ((64, 128, 3), (128, 64, 4)):
+        cfg = {"BM": bm, "BN": bn, "num_warps": 4, "num_stages": stages}
+        base = fp8_gemm.grouped_fp8_gemm(xq[src], xs[src], q, s, offs, BLOCK, config=cfg)
+        assert rel(base, want) < REF_TOL
+        cfg["TMA"] = tma
+        got = fp8_gemm.grouped_fp8_gemm(xq[src], xs[src], q, s, offs, BLOCK, config=cfg)
+        assert torch.equal(got, base), (cfg, rel(got, base))
+        got = fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK, config=cfg, a_rows=src)
+        assert torch.equal(got, base), (cfg, "a_rows", rel(got, base))
+        assert not got[int(offs[-1]):].any()
+
+
+@cuda
 @pytest.mark.parametrize("rows", [4, 3000])
 def test_fp8_experts_match_bf16_experts_on_dequantized_weights(rows):
     from cpmoe.config import Fp8Config

@@ -98,8 +98,9 @@ cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E)
 ptx = compile_sm90(
     fp8_gemm._grouped_fp8_kernel,
     {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-     "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32"},
-    {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False},
+     "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
+    {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
+     "TMA_A": False, "TMA_W": False, "GATHER": False},
     ("P", "as_s0", "ws_s2"), launch_options(cfg))
 assert "cp.async" in ptx and "wgmma" in ptx
 compile_sm90(fp8_gemm._tile_map_kernel, {"offs_ptr": "*i64", "map_ptr": "*i32"},
