@@ -2,7 +2,8 @@
 
 Every (row, slot) pair is sorted by local expert as on the bf16 grouped path
 (`LocalExperts.sorted_slots`: other ranks' slots, id -1, sort last and are skipped by the
-kernel), the rows are quantized per 1 x bk group and gathered, and two block-scaled grouped FP8
+kernel), the rows are quantized per 1 x bk group (each token once; gate/up reads a slot's
+token row where it loads it, no gathered copy), and two block-scaled grouped FP8
 GEMMs (`ops.fp8_gemm.grouped_fp8_gemm`) run gate/up and down with the experts' own activation in
 between (so DeepSeek-V4's clamped SwiGLU is kept): LocalExperts' own SwiGLU (plain or
 clamped) and the down GEMM's quantization are one kernel (`ops.fp8.swiglu_quantize`, the bits
@@ -31,16 +32,17 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     if n == 0:
         return torch.zeros_like(x_MH)
     xq, xs = quantize_act(x_MH, block[1])  # per row: each row once, then its K slots
-    xq, xs = xq[rows_n], xs[rows_n]
     # both GEMMs tile the same n rows of the same experts: one tile map for the two
     E = experts.gate_up_proj.shape[0]
-    cfg = grouped_fp8_config(n, E)
-    tiles = grouped_fp8_tiles(offs, n, E, cfg["BM"])
+    up_cfg, down_cfg = grouped_fp8_config(n, E, a_rows=True), grouped_fp8_config(n, E)
+    assert up_cfg["BM"] == down_cfg["BM"]
+    tiles = grouped_fp8_tiles(offs, n, E, up_cfg["BM"])
+    # gate/up reads each slot's row of xq through rows_n (no gathered copy)
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
-                         out_dtype=x_MH.dtype, config=cfg, tiles=tiles)
+                         out_dtype=x_MH.dtype, config=up_cfg, tiles=tiles, a_rows=rows_n)
     aq, a_s = activate_and_quantize(experts, h, block[1])
     y = grouped_fp8_gemm(aq, a_s, experts.down_proj, experts.down_scale_inv, offs, block,
-                         out_dtype=x_MH.dtype, config=cfg, tiles=tiles)
+                         out_dtype=x_MH.dtype, config=down_cfg, tiles=tiles)
     w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
     return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
 

@@ -53,15 +53,25 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
     return out.to(out_dtype)
 
 
-def grouped_fp8_config(P: int, E: int) -> dict:
+def grouped_fp8_config(P: int, E: int, a_rows: bool = False) -> dict:
     """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
-    scales are read per column, so tiles need not align with the scale blocks), and the
-    launch's warps and pipeline stages; 128-column tiles of 128 x 128 blocks read one weight
-    scale. Swept on the H200 at Qwen3-30B-A3B's expert shape (bench/fp8_grouped.py, 4K and
-    16K tokens x top-8, 30 tiles, at 1db9310): 64 x 128 with 4 stages is the fastest at 16K
-    over gate/up and down together (3 stages: 0.8% faster, within noise). Experts of a few
-    rows each keep 16-row tiles."""
-    return {"BM": 16 if P <= 16 * E else 64, "BN": 128, "num_warps": 4, "num_stages": 4}
+    scales are read per column, so tiles need not align with the scale blocks), the
+    launch's warps and pipeline stages, and how tiles are loaded (TMA, `TMA_MODES`);
+    a_rows: the rows are read through `a_rows` (the experts' gate/up GEMM reads each slot's
+    token row so). 128-column tiles of 128 x 128 blocks read one weight scale. Swept on an
+    H100 at Qwen3-30B-A3B's expert shape (bench/fp8_grouped.py, 4K and 16K tokens x top-8,
+    at b24c38e; bench/results/fp8-grouped-tma-b24c38e.log): 64 x 128 tiles with 3 stages,
+    rows and weights through TMA, for down (16K: 0.692 ms against 0.873 for the address
+    loads with 4 stages, the choice of 1db9310's H200 sweep; 4K: 0.201 against 0.244) and
+    the address loads with a_rows for gate/up (16K: 1.306 ms, where TMA needs a gathered
+    copy: 1.209 + its gather 0.184; the old default 1.234 + 0.184). Within 5% of the
+    fastest each GEMM alone took (128 x 64 tiles, which call for a tile map of their own;
+    run-to-run spread of a config about 5%). Experts of a few rows each keep 16-row tiles
+    and address loads (not swept with TMA)."""
+    if P <= 16 * E:
+        return {"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 4, "TMA": ""}
+    return {"BM": 64, "BN": 128, "num_warps": 4, "num_stages": 3,
+            "TMA": "" if a_rows else "aw"}
 
 
 def grouped_fp8_tiles(offs: torch.Tensor, P: int, E: int, BM: int) -> torch.Tensor:
@@ -129,8 +139,9 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     if a_rows is not None and "a" in tma:  # TMA copies boxes of consecutive rows
         a, a_scale, a_rows = a[a_rows], a_scale[a_rows], None
     a = a if a.stride(1) == 1 and a.stride(0) == K else a.contiguous()
+    w = w if w.is_contiguous() else w.contiguous()
     a_in = _descriptor(a, BM, BK) if "a" in tma else a
-    w_in = _descriptor(w.reshape(E * N, K), BN, BK) if "w" in tma else w
+    w_in = _descriptor(w.view(E * N, K), BN, BK) if "w" in tma else w
     rows = a_rows if a_rows is not None else offs  # any pointer when not GATHER
     _grouped_fp8_kernel[grid](
         a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, P, N, K,

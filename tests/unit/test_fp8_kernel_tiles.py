@@ -11,7 +11,8 @@
 - `grouped_fp8_gemm`'s output is allocated uninitialized: rows past offs[-1] (other EP
   ranks' slots) are written as zeros by the kernel's spare tile slots, even when the fresh
   memory held NaN, and the rest equals `grouped_fp8_gemm_ref`, for tiles that span two
-  weight scale blocks and for tiles inside one.
+  weight scale blocks and for tiles inside one, for each way of loading tiles (`TMA_MODES`)
+  and with the rows read through `a_rows`.
 """
 
 import importlib.util
@@ -117,6 +118,22 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
         tol = (1e-5, 1e-4) if dtype == torch.float32 else (2 ** -7, 1e-2)
         torch.testing.assert_close(got[:L].float(), want[:L].float(), rtol=tol[0], atol=tol[1])
         cases += 1
+    # each tile load (TMA_MODES: by address, the weights by TMA descriptor, the rows too),
+    # each slot's row read through a_rows from shuffled token rows or from a gathered copy
+    toks = P // 2 + 1
+    tq, ts = fp8.quantize_act_ref(torch.randn(toks, K), block[1])
+    src = torch.randint(0, toks, (P,))
+    want = fp8_gemm.grouped_fp8_gemm_ref(tq[src], ts[src], wq, ws, offs, block, torch.float32)
+    for tma in fp8_gemm.TMA_MODES:
+        cfg = {"BM": BM, "BN": 16, "num_warps": 4, "num_stages": 1, "TMA": tma}
+        for got in (fp8_gemm.grouped_fp8_gemm(tq, ts, wq, ws, offs, block, torch.float32,
+                                              config=cfg, a_rows=src),
+                    fp8_gemm.grouped_fp8_gemm(tq[src], ts[src], wq, ws, offs, block,
+                                              torch.float32, config=cfg)):
+            L = int(offs[-1])
+            assert torch.equal(got[L:], torch.zeros(P - L, N)), (P, offs, tma)
+            torch.testing.assert_close(got[:L], want[:L], rtol=1e-5, atol=1e-4)
+            cases += 1
 print("gemm tail ok", cases)
 """
 

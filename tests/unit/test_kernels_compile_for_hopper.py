@@ -9,7 +9,8 @@ the grid of one program row per expert and the compact one of batch 1), the skin
 GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry the
 16-byte alignment real launches specialize on, so the compiled program is the one a launch
 gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
-(cp.async), and that the prefill GEMM uses Hopper's warp-group MMA. Also the two kernels
+(cp.async), and that the prefill GEMM uses Hopper's warp-group MMA, its tiles loaded by the
+TMA unit where its config says so. Also the two kernels
 that quantize the rows they write for the FP8 GEMM after them (the residual add + RMSNorm,
 decode attention's split merge), and FP8 prefill attention's quantization kernels. Every
 kernel of a decode step is compiled as the H200 launches it, with programmatic dependent
@@ -94,15 +95,21 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     # split K: the count releases and acquires the partials, which are read from L2
     split = re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
-cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E)
-ptx = compile_sm90(
-    fp8_gemm._grouped_fp8_kernel,
-    {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-     "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
-    {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
-     "TMA_A": False, "TMA_W": False, "GATHER": False},
-    ("P", "as_s0", "ws_s2"), launch_options(cfg))
-assert "cp.async" in ptx and "wgmma" in ptx
+for a_rows in (True, False):  # the experts' gate/up (rows through a_rows) and down GEMMs
+    cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows)
+    tma = cfg.pop("TMA")
+    fp8_tile = "tensordesc<fp8e4nv[{}, 128]>"
+    ptx = compile_sm90(
+        fp8_gemm._grouped_fp8_kernel,
+        {"a_ptr": fp8_tile.format(cfg["BM"]) if "a" in tma else "*fp8e4nv", "as_ptr": "*fp32",
+         "w_ptr": fp8_tile.format(cfg["BN"]) if "w" in tma else "*fp8e4nv", "ws_ptr": "*fp32",
+         "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
+        {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
+         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows},
+        ("P", "as_s0", "ws_s2"), launch_options(cfg))
+    # tiles by the TMA unit (cp.async.bulk.tensor) or by addresses (cp.async), into wgmma
+    assert "wgmma" in ptx and ("cp.async.bulk.tensor" in ptx) == bool(tma), (a_rows, tma)
+    assert "cp.async.ca" in ptx or "cp.async.cg" in ptx or "a" in tma, a_rows
 compile_sm90(fp8_gemm._tile_map_kernel, {"offs_ptr": "*i64", "map_ptr": "*i32"},
              {"E": E, "E_POW2": E, "BM": cfg["BM"], "BLOCK": 64}, ("slots",),
              {"num_warps": 4})
