@@ -1,7 +1,7 @@
 """`cpmoe check`: a layout against the one-rank reference on the same prompts.
 
-Every rank runs the layout; rank 0 also runs the one-rank reference (its peers wait in their
-next collective meanwhile). For each batch of prompts:
+Every rank runs the layout over every batch; then rank 0 frees it and runs the one-rank
+reference (its peers are done by then). For each batch of prompts:
 - prefill: logits of every position (max |difference|), the first generated token (the
   argmax at each prompt's last position) and its log-probability;
 - decode: `decode_steps` steps on both, fed the same tokens (drawn per prompt from the seed,
@@ -24,7 +24,7 @@ A routing near-tie excuses nothing: with many rows per prompt most long prompts 
   layout may pick the other (`IndexerMargins`; exact ties at 0 are not near-ties: the
   reference's top-k decides them and cpmoe takes it in every layout).
 
-Progress goes to stderr after each batch. Only routers of the Qwen-MoE kind
+Progress goes to stderr after each batch's comparison. Only routers of the Qwen-MoE kind
 (`SoftmaxTopKRouter`) are measured; for other models the routing margins are reported as
 unknown.
 """
@@ -226,39 +226,50 @@ def _run(runner: ModelRunner, seqs: list[list[int]], feeds: list[list[int]], kv_
 def check_task(info: RankInfo, spec: RunSpec, batches: list[list[list[int]]],
                decode_steps: int, seed: int, near_tie: float | None,
                reference_kv_dtype: str | None = None) -> CheckReport | None:
-    """Run every batch on the layout and, on rank 0, on a one-rank reference; compare. The
-    reference's K/V pools are of `reference_kv_dtype` (default: the layout's)."""
+    """Run every batch on the layout, then, on rank 0, on a one-rank reference; compare. The
+    reference's K/V pools are of `reference_kv_dtype` (default: the layout's). The layout's
+    outputs wait in host memory and its runner is freed before the reference is built: rank
+    0 never holds two models (two 30B models, or one built in 16 bits to be quantized at
+    load beside another, do not fit one 80 GB GPU)."""
     runner = build_runner(info, spec)
     vocab = runner.config.vocab_size
+    feeds, outputs, index = [], [], 0
+    for seqs in batches:
+        t0 = time.perf_counter()
+        feeds.append([_feed(seed, index + i, decode_steps, vocab) for i in range(len(seqs))])
+        got, got_steps = _run(runner, seqs, feeds[-1], spec.options.kv_cache_dtype)
+        if info.rank == 0:
+            outputs.append((got.cpu(), [g.cpu() for g in got_steps], time.perf_counter() - t0))
+        del got, got_steps
+        index += len(seqs)
+    del runner
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if info.rank != 0:
+        return None
     tie = NEAR_TIE_DEFAULT.get(spec.dtype, 2.0**-8) if near_tie is None else near_tie
-    reference, margins = None, ()
-    if info.rank == 0:
-        reference = ModelRunner(spec.model_dir, ProcessGroups.single(info.device), spec.dtype,
-                                show_progress=False, load_format=spec.options.load_format,
-                                quantization=spec.options.quantization)
-        margins = (RoutingMargins(reference.model, tie), IndexerMargins(reference.model, tie))
+    reference = ModelRunner(spec.model_dir, ProcessGroups.single(info.device), spec.dtype,
+                            show_progress=False, load_format=spec.options.load_format,
+                            quantization=spec.options.quantization)
+    margins = (RoutingMargins(reference.model, tie), IndexerMargins(reference.model, tie))
     report = CheckReport(decode_steps, tie, strict_decode=spec.dtype == torch.float32)
     index, total = 0, sum(map(len, batches))
-    for b, seqs in enumerate(batches):
-        t0 = time.perf_counter()
-        feeds = [_feed(seed, index + i, decode_steps, vocab) for i in range(len(seqs))]
-        got, got_steps = _run(runner, seqs, feeds, spec.options.kv_cache_dtype)
-        if reference is not None:
-            t1 = time.perf_counter()
-            want, want_steps = _run(reference, seqs, feeds,
-                                    reference_kv_dtype or spec.options.kv_cache_dtype,
-                                    margins, index)
-            _compare(report, seqs, got, want, got_steps, want_steps, *margins, index)
-            done = report.prompts[-len(seqs):]
-            indexer = (f", indexer near-ties {sum(p.index_near_tie for p in done)}"
-                       if margins[1].modules else "")
-            print(f"[check] batch {b + 1}/{len(batches)}: prompts {index + len(seqs)}/{total} "
-                  f"({sum(map(len, seqs))} tokens): layout {t1 - t0:.1f} s, reference "
-                  f"{time.perf_counter() - t1:.1f} s; first tokens "
-                  f"{sum(p.first_token_match for p in done)}/{len(done)}, routing near-ties "
-                  f"{sum(p.near_tie for p in done)}{indexer}", file=sys.stderr, flush=True)
+    for b, (seqs, fed, (got, got_steps, layout_s)) in enumerate(zip(batches, feeds, outputs)):
+        t1 = time.perf_counter()
+        want, want_steps = _run(reference, seqs, fed,
+                                reference_kv_dtype or spec.options.kv_cache_dtype, margins, index)
+        _compare(report, seqs, got.to(want.device), want,
+                 [g.to(want.device) for g in got_steps], want_steps, *margins, index)
+        done = report.prompts[-len(seqs):]
+        indexer = (f", indexer near-ties {sum(p.index_near_tie for p in done)}"
+                   if margins[1].modules else "")
+        print(f"[check] batch {b + 1}/{len(batches)}: prompts {index + len(seqs)}/{total} "
+              f"({sum(map(len, seqs))} tokens): layout {layout_s:.1f} s, reference "
+              f"{time.perf_counter() - t1:.1f} s; first tokens "
+              f"{sum(p.first_token_match for p in done)}/{len(done)}, routing near-ties "
+              f"{sum(p.near_tie for p in done)}{indexer}", file=sys.stderr, flush=True)
         index += len(seqs)
-    return report if info.rank == 0 else None
+    return report
 
 
 def _compare(report: CheckReport, seqs, got, want, got_steps, want_steps,

@@ -4,8 +4,9 @@ Margins are checked on routers whose logits are written out by hand; the verdict
 built so the answer is known. What the command prints (progress, margins and decode steps
 per prompt) is read from test_cli's tp4 cp2 ep4 `cpmoe check` run
 (test_check_reports_progress_decode_and_routing_margins_per_prompt), which that module runs
-anyway: no run of its own here. The one model run here (one rank, in this process) checks
-that both of check's runs use the --kv-cache-dtype they are given.
+anyway: no run of its own here. The model runs here (one rank, in this process) check that
+both of check's runs use the --kv-cache-dtype they are given, and that rank 0 frees the
+layout before it builds the reference.
 """
 
 from __future__ import annotations
@@ -140,3 +141,39 @@ def test_check_runs_over_the_kv_cache_dtype_it_is_given(qwen3_moe_dir):
              options=EngineOptions(kv_cache_dtype="fp8_e4m3"))
     torch.testing.assert_close(fp8[-1:], steps[0], rtol=1e-6, atol=1e-6)
     assert len(fp8_steps) == 2
+
+
+def test_the_layout_is_freed_before_the_reference_is_built(qwen3_moe_dir, monkeypatch):
+    """Rank 0 never holds two models: the layout's runner is gone (its outputs on the host)
+    when the reference is built, and the comparison of one model with itself is exact."""
+    import gc
+    import weakref
+
+    import cpmoe.check as check
+    from cpmoe.engine.rank_tasks import RunSpec
+    from cpmoe.engine.runner import ModelRunner
+    from cpmoe.parallel.groups import ProcessGroups
+    from cpmoe.parallel.launch import RankInfo
+    from cpmoe.parallel.layout import ParallelLayout
+
+    layouts: list[weakref.ref] = []
+
+    def build_layout(info, spec):
+        runner = ModelRunner(spec.model_dir, ProcessGroups.single(), spec.dtype,
+                             show_progress=False)
+        layouts.append(weakref.ref(runner))
+        return runner
+
+    class Reference(ModelRunner):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            assert layouts and layouts[0]() is None, "the layout's runner is still alive"
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(check, "build_runner", build_layout)
+    monkeypatch.setattr(check, "ModelRunner", Reference)
+    spec = RunSpec(qwen3_moe_dir, ParallelLayout(), torch.float32, progress=False)
+    batches = [[[5, 9, 2, 77, 31, 8, 140]], [[4, 4, 81, 3], [17, 2, 9, 60, 12]]]
+    report = check.check_task(RankInfo(0, 1, torch.device("cpu")), spec, batches, 2, 0, None)
+    assert len(report.prompts) == 3 and report.failures() == []
+    assert all(p.max_abs_diff == 0 and p.decode_max_abs_diff == 0 for p in report.prompts)
