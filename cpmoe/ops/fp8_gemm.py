@@ -12,8 +12,10 @@
   [E, N/bn, K/bk] -> [P, N] in bfloat16 (rows past offs[-1] are zero). Triton, one
   program per (row tile of one expert, column tile); the tile -> expert map is computed on
   the device by one small kernel (`grouped_fp8_tiles`: no host sync, so CUDA graphs can
-  capture it; the experts' two GEMMs share it). `torch._scaled_grouped_mm` is
-  row-wise only, hence this kernel.
+  capture it; the experts' two GEMMs share it). Tiles are loaded by per-element
+  addresses or through TMA descriptors (`TMA_MODES`, per config); `a_rows` has the kernel
+  read each sorted row from unsorted rows itself (the experts' tokens, no gathered copy).
+  `torch._scaled_grouped_mm` is row-wise only, hence this kernel.
 
 Kernels accumulate in float32: per K-block, the FP8 dot product is scaled by the row's
 activation scale and the weight block's scale. `*_ref` are the torch expressions the
