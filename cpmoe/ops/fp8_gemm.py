@@ -141,7 +141,9 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     if a_rows is not None and "a" in tma:  # TMA copies boxes of consecutive rows
         a, a_scale, a_rows = a[a_rows], a_scale[a_rows], None
     a = a if a.stride(1) == 1 and a.stride(0) == K else a.contiguous()
-    w = w if w.is_contiguous() else w.contiguous()
+    if not w.is_contiguous():  # the experts' weights: copying them every call would be slow
+        raise ValueError(f"grouped FP8 GEMM: the weights must be contiguous [E, N, K], got "
+                         f"strides {w.stride()} for shape {tuple(w.shape)}")
     a_in = _descriptor(a, BM, BK) if "a" in tma else a
     w_in = _descriptor(w.view(E * N, K), BN, BK) if "w" in tma else w
     rows = a_rows if a_rows is not None else offs  # any pointer when not GATHER

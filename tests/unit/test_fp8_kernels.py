@@ -141,6 +141,13 @@ for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
     want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[int(offs[-1]):], torch.zeros_like(got[int(offs[-1]):]))
+# weights the kernel would have to copy every call: refused, with their strides
+try:
+    fp8_gemm.grouped_fp8_gemm(aq, a_s, wq.transpose(1, 2).contiguous().transpose(1, 2), ws,
+                              offs, block)
+    raise AssertionError("non-contiguous weights were taken")
+except ValueError as e:
+    assert "must be contiguous" in str(e), e
 
 # Below, activations are quantized by the torch reference (the kernel's carry differs in
 # the interpreter, see above), so the GEMM paths are compared exactly.
