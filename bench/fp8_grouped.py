@@ -59,17 +59,18 @@ def main() -> None:
             w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
             wq = w.to(torch.float8_e4m3fn)
             ws = torch.rand(E, N // 128, K // 128, device="cuda") + 0.5
-            aq, a_s = quantize_act(a, 128)
             # gate/up's rows are tokens gathered per slot (moe/fp8_experts.py): the configs
             # with "GATHER" read them from the tokens' rows (a_rows), the others from the
             # gathered copy, whose gather this times once
-            tok_q, tok_s = quantize_act(a[:tokens], 128)
             gather = name == "gate_up"
             if gather:
+                tok_q, tok_s = quantize_act(a[:tokens], 128)
                 aq, a_s = tok_q[src], tok_s[src]
                 g_ms = cuda_ms(lambda: (tok_q[src], tok_s[src]))
                 print(f"{name:8s} {tokens:6d} tokens: the rows' gather {g_ms:6.3f} ms",
                       flush=True)
+            else:
+                aq, a_s = quantize_act(a, 128)
             flops = 2 * P * N * K
             bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
             default = fp8_gemm.grouped_fp8_config(P, E)
