@@ -144,7 +144,8 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       k_flat: torch.Tensor, v_flat: torch.Tensor, cu_seqlens: list[int],
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
                       packed: PackedRuns | None = None, fp8: bool = False,
-                      o_quant_group: int | None = None) -> torch.Tensor:
+                      o_quant_group: int | None = None,
+                      q_descale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
     `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
     (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
@@ -153,11 +154,13 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
     `o_quant_group` (the group of the FP8 o_proj that reads o next, `quantize_act`) and
     every run at the start of its sequence, o stays e4m3: its codes and their scales are
     offered to that GEMM (`ops.fp8.offer_quantized`) and the returned tensor is left
-    unwritten (`_runs_fp8`)."""
+    unwritten (`_runs_fp8`). `q_descale`: q came in e4m3 (`ops.norm_rope_fp8`, where the
+    caller found `fp8_runs_apply` true for its 16-bit rows) -> o in v's dtype."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
-    if fp8_runs_apply(q, runs, fp8):
+    if q_descale is not None or fp8_runs_apply(q, runs, fp8):
+        assert runs, "FP8 attention takes query runs"
         return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs,
-                         o_quant_group=o_quant_group)[0]
+                         o_quant_group=o_quant_group, q_descale=q_descale)[0]
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
@@ -230,21 +233,23 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
 
 def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
               cu_seqlens: list[int], scale: float, runs: list[tuple[int, int, int, int]],
-              with_lse: bool = False, o_quant_group: int | None = None
+              with_lse: bool = False, o_quant_group: int | None = None,
+              q_descale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_prefill_runs_cuda` in FP8 (`fp8_attention`) -> (o in q's dtype, lse [T, H] fp32
     when `with_lse`): a run at the start of its sequence (or chunk) in one square causal
     call; a later one as its own keys causally and the keys before it in full, merged by
     log-sum-exp (the FP8 kernel's causal mask is top-left aligned on Hopper, as cuDNN's is
     in torch). Every row lies in a run (`query_runs`). `o_quant_group`: see
-    `prefill_attention` (`_runs_fp8_offered`)."""
+    `prefill_attention` (`_runs_fp8_offered`); `q_descale`: q in e4m3 (`prefill_attention`)."""
     from cpmoe.cp.fp8_attention import fp8_attention
 
     if (o_quant_group and not with_lse and all(p0 == 0 for _, _, _, p0 in runs)
             and (q.shape[1] * q.shape[2]) % o_quant_group == 0 and launch.use_triton(q)):
         return _runs_fp8_offered(q, k_flat, v_flat, cu_seqlens, scale, runs,
-                                 o_quant_group), None
-    out = torch.empty_like(q)
+                                 o_quant_group, q_descale), None
+    out = torch.empty(q.shape, dtype=v_flat.dtype if q_descale is not None else q.dtype,
+                      device=q.device)
     lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse
            else None)
     for row0, row1, s, p0 in runs:
@@ -252,13 +257,14 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         own = slice(base + p0, base + p0 + n)
         if p0 == 0:
             _, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True,
-                                  lse=with_lse, out=out[row0:row1])
+                                  lse=with_lse, out=out[row0:row1], q_descale=q_descale)
             if lse is not None:
                 lse[row0:row1] = l1
             continue
-        o1, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True, lse=True)
+        o1, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True, lse=True,
+                               q_descale=q_descale)
         o2, l2 = fp8_attention(q[row0:row1], k_flat[base:base + p0], v_flat[base:base + p0],
-                               scale, False, lse=True)
+                               scale, False, lse=True, q_descale=q_descale)
         ops.merge_two_attention(o1, l1, o2, l2, out[row0:row1])
         if lse is not None:
             lse[row0:row1] = torch.logaddexp(l1, l2)
@@ -267,7 +273,8 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 
 def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                       cu_seqlens: list[int], scale: float,
-                      runs: list[tuple[int, int, int, int]], group: int) -> torch.Tensor:
+                      runs: list[tuple[int, int, int, int]], group: int,
+                      q_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Every run at the start of its sequence, each one square causal FP8 call whose O stays
     e4m3 (`fp8_attention_e4m3`) -> o [T, H, D] in q's dtype, UNWRITTEN: its rows [T, H * D]
     are offered to the FP8 GEMM that reads them next (`offer_quantized`) as the e4m3 codes
@@ -277,14 +284,15 @@ def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     from cpmoe.cp.fp8_attention import fp8_attention_e4m3
 
     T, H, D = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=v_flat.dtype if q_descale is not None else q.dtype,
+                      device=q.device)
     codes = None
     scales_t = torch.empty(H * D // group, T, dtype=torch.float32, device=q.device)
     for row0, row1, s, _ in runs:
         n, base = row1 - row0, cu_seqlens[s]
         own = slice(base, base + n)
         o8, descale, _ = fp8_attention_e4m3(q[row0:row1], k_flat[own], v_flat[own], scale,
-                                            True)
+                                            True, q_descale=q_descale)
         if n == T:
             codes = o8.view(T, H * D)
         else:

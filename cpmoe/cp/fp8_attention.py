@@ -3,6 +3,10 @@
     fp8_attention(q_nHD, k_mGD, v_mGD, scale, causal, lse=False) -> (o_nHD, lse_nH | None)
     fp8_attention_e4m3(...) -> (o8_nHD e4m3, o's descale, lse_nH | None)
 
+q, k and v come in 16 bits, or already in e4m3 with their descale (q from `norm_rope_fp8`,
+which scales the normed rows by a bound of the norm's weight instead of their amax; k and v
+from FP8 pools).
+
 n query rows against m keys, GQA heads as they are (G KV heads divide H). `causal` (n ==
 m): row i sees keys [0, i]; else every key. With `lse`, also each row's log-sum-exp
 (natural log, fp32), to merge with attention over other keys (a run after the start of its
@@ -61,7 +65,8 @@ def bucket(n: int) -> int:
 
 
 def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, heads, D] (16-bit) -> (e4m3 [rows, heads, D] holding x * s in its first n
+    """x [n, heads, D] (16-bit; each row's heads contiguous, rows at any stride) -> (e4m3
+    [rows, heads, D] holding x * s in its first n
     rows, zeros after; the descale 1/s as a [1, 1, 1, 1] float32 device tensor), s =
     448 / max |x| (448 where x is all 0), the product in float32 rounded once to e4m3
     (nearest even). No host sync. Where Triton runs (CUDA, the interpreter) two kernels:
@@ -71,17 +76,18 @@ def quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     b5d587a); else the same arithmetic in torch (the reference)."""
     n = x.shape[0]
     if launch.use_triton(x) and x.numel():
-        x = x.contiguous()
+        if not x[0].is_contiguous():  # rows apart (v's columns of the QKV rows) read as such
+            x = x.contiguous()
         cols = x[0].numel()
         block_r, block_c = _tile(cols)
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         out = torch.empty((rows, *x.shape[1:]), dtype=torch.float8_e4m3fn, device=x.device)
         descale = torch.empty(1, dtype=torch.float32, device=x.device)
         _amax_kernel[(triton.cdiv(n, block_r), cols // block_c)](
-            x, amax, n, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+            x, amax, n, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
         _scale_cast_kernel[(triton.cdiv(rows, block_r), cols // block_c)](
-            x, out, amax, descale, n, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=8)
+            x, out, amax, descale, n, rows, cols, x.stride(0), BLOCK_R=block_r,
+            BLOCK_C=block_c, num_warps=8)
         return out, descale.view(1, 1, 1, 1)
     amax = torch.linalg.vector_norm(x.reshape(-1), ord=float("inf")).float()
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
@@ -121,33 +127,35 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
     @triton.jit
-    def _rows_tile(cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Program (i, j): rows [i * BLOCK_R, ..) x columns [j * BLOCK_C, ..) -> (offsets,
-        row indices)."""
+    def _rows_tile(row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (i, j): rows [i * BLOCK_R, ..) x columns [j * BLOCK_C, ..) of rows
+        row_stride elements apart -> (offsets, row indices)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        return rows[:, None].to(tl.int64) * cols + c[None, :], rows
+        return rows[:, None].to(tl.int64) * row_stride + c[None, :], rows
 
     @triton.jit(do_not_specialize=["n"])
-    def _amax_kernel(x_ptr, amax_ptr, n, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """amax[0] = max(amax[0], max |x| over this program's tile of x [n, cols]); amax
-        starts at 0 and magnitudes are >= 0, so the float maximum is an order-preserving
-        one."""
-        offs, rows = _rows_tile(cols, BLOCK_R, BLOCK_C)
+    def _amax_kernel(x_ptr, amax_ptr, n, x_st, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """amax[0] = max(amax[0], max |x| over this program's tile of x [n, cols], rows x_st
+        apart); amax starts at 0 and magnitudes are >= 0, so the float maximum is an
+        order-preserving one."""
+        offs, rows = _rows_tile(x_st, BLOCK_R, BLOCK_C)
         x = tl.load(x_ptr + offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit(do_not_specialize=["n", "total"])
-    def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, descale_ptr, n, total, cols,
+    def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, descale_ptr, n, total, cols, x_st,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """out [total, cols] = e4m3(x * 448 / amax) in rows < n, 0 in rows n.. (the bucket's
-        padding); program (0, 0) also writes the descale amax / 448. An all-zero x (amax
-        0) takes amax 1. Divisions IEEE-rounded (`div_rn`), as torch's are."""
+        """out [total, cols] = e4m3(x * 448 / amax) in rows < n (x's rows x_st apart), 0 in
+        rows n.. (the bucket's padding); program (0, 0) also writes the descale amax / 448.
+        An all-zero x (amax 0) takes amax 1. Divisions IEEE-rounded (`div_rn`), as torch's
+        are."""
         amax = tl.load(amax_ptr)
         amax = tl.where(amax > 0, amax, 1.0)
         s = tl.math.div_rn(_E4M3_MAX + tl.zeros_like(amax), amax)
-        offs, rows = _rows_tile(cols, BLOCK_R, BLOCK_C)
-        x = tl.load(x_ptr + offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
+        x_offs, rows = _rows_tile(x_st, BLOCK_R, BLOCK_C)
+        offs, _ = _rows_tile(cols, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + x_offs, mask=(rows < n)[:, None], other=0.0).to(tl.float32)
         q = tl.clamp(x * s, -_E4M3_MAX, _E4M3_MAX)
         tl.store(out_ptr + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
                  mask=(rows < total)[:, None])
@@ -232,6 +240,14 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     return _Graph(g, t, workspace)
 
 
+def _wide_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """O's 16-bit dtype: q's, or v's where q came in e4m3 (`norm_rope_fp8`)."""
+    for x in (q, v):
+        if x.dtype.itemsize > 1:
+            return x.dtype
+    raise ValueError("fp8_attention: with q and v both in FP8, pass `out` for O's dtype")
+
+
 def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """16-bit x -> `quantize`; FP8 x (a pool's) -> padded to `rows`, with its descale."""
@@ -247,14 +263,15 @@ def _as_fp8(x: torch.Tensor, rows: int, descale: torch.Tensor | None
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool, lse: bool = False, k_descale: torch.Tensor | None = None,
-                  v_descale: torch.Tensor | None = None, out: torch.Tensor | None = None
+                  v_descale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  q_descale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See the module docstring: q [n, H, D] 16-bit, k / v [m, G, D] 16-bit or e4m3 (then
-    with their descales) -> (o [n, H, D] in q's dtype, written into `out` when given,
-    lse [n, H] fp32 or None)."""
-    out = torch.empty_like(q) if out is None else out
+    """See the module docstring: q [n, H, D], k / v [m, G, D], each 16-bit or e4m3 (then
+    with its descale) -> (o [n, H, D] in q's 16-bit dtype (v's where q is e4m3), written
+    into `out` when given, lse [n, H] fp32 or None)."""
+    out = torch.empty(q.shape, dtype=_wide_dtype(q, v), device=q.device) if out is None else out
     o8, o_descale, stats = fp8_attention_e4m3(q, k, v, scale, causal, lse, k_descale,
-                                              v_descale)
+                                              v_descale, q_descale)
     if q.shape[0]:
         dequantize(o8, o_descale, out)
     return out, stats
@@ -262,7 +279,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def fp8_attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        causal: bool, lse: bool = False, k_descale: torch.Tensor | None = None,
-                       v_descale: torch.Tensor | None = None
+                       v_descale: torch.Tensor | None = None,
+                       q_descale: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`fp8_attention` with O left as cuDNN writes it -> (o8 e4m3 [n, H, D], contiguous;
     its descale, a 1-element float32 device tensor: o = o8 * descale; lse [n, H] or None).
@@ -280,7 +298,7 @@ def fp8_attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if key not in _GRAPHS:
         _GRAPHS[key] = _build(q.device, nq, nk, H, G, D, causal, lse, scale)
     built = _GRAPHS[key]
-    q8, dq = quantize(q, nq)
+    q8, dq = _as_fp8(q, nq, q_descale)
     k8, dk = _as_fp8(k, nk, k_descale)
     v8, dv = _as_fp8(v, nk, v_descale)
     dev = q.device

@@ -2,7 +2,8 @@
 reference elsewhere.
 
 - `norm_rope(x, weight, eps, cos, sin)`: per-head RMSNorm (optional) then rotary embedding
-  of x [T, heads, D] (the Qwen3 q/k path).
+  of x [T, heads, D] (the Qwen3 q/k path). `norm_rope_fp8`: the same rows in e4m3 for FP8
+  prefill attention, at a per-tensor scale the norm's weight bounds (no pass over the rows).
 - `qkv_norm_rope_store(qkv, ...)`: the decode step's q/k/v in one pass over the fused QKV
   projection's rows: q and k through `norm_rope`, k and v written into the paged cache at
   their slots -> q. `to_kv_cache` / `kv_max`: how a K/V pool of a dtype stores a value.
@@ -20,6 +21,7 @@ reference elsewhere.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -37,13 +39,18 @@ if triton is not None:
 def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, D] with two equal halves (rotate-half convention)."""
+    return _norm_rope_f32(x, weight, eps, cos, sin).to(x.dtype)
+
+
+def _norm_rope_f32(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     if weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
@@ -55,10 +62,59 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
-    _norm_rope_kernel[(T,)](x, out, weight if weight is not None else x, cos, sin,
+    _norm_rope_kernel[(T,)](x, out, weight if weight is not None else x, cos, sin, out,
                             x.stride(0), eps, heads, HAS_NORM=weight is not None,
                             HEADS=triton.next_power_of_2(heads), HALF=D // 2)
     return out
+
+
+E4M3_MAX = 448.0
+
+
+def fp8_rope_bound(weight: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude `norm_rope` can write with this per-head RMSNorm weight [D]:
+    max |w| sqrt(D) (float32, 1 where w is all 0). A normed head y = w x / rms(x) has
+    |x_i| / rms(x) <= sqrt(D) (all of the head's energy in one input); the rotation mixes
+    the pair (y_i, y_{i + D/2}), whose norm max |w| |(x_i, x_{i + D/2})| / rms(x) is within
+    the same bound; rms(x) with eps only shrinks it."""
+    bound = weight.float().abs().amax() * math.sqrt(weight.shape[0])
+    return torch.where(bound > 0, bound, torch.ones_like(bound))
+
+
+def norm_rope_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope` in float32, times s = 448 / `fp8_rope_bound`(weight), rounded once to
+    e4m3 (nearest even) -> (codes [T, heads, D], descale 1 / s as a [1] float32 tensor)."""
+    bound = fp8_rope_bound(weight)
+    s = torch.tensor(E4M3_MAX, device=bound.device) / bound
+    y = _norm_rope_f32(x, weight, eps, cos, sin) * s
+    return (y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn),
+            (bound / E4M3_MAX).reshape(1))
+
+
+def norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope_fp8_ref` in `norm_rope`'s one pass: FP8 prefill attention's q
+    (`cp.fp8_attention`, which takes the codes with their descale). Its per-tensor scale
+    comes from the norm's weight, not from the rows: an amax scale needs the whole tensor
+    read before any value is scaled (two more passes over q, the 16-bit q written and read
+    back: 1.6 of the 69 ms of a 12-layer 16K FP8 prefill on an H100 at 57802a1). The bound
+    is what the amax of adversarial rows would reach; on real rows it is larger than their
+    amax, which moves values down the e4m3 scale, where every normal value keeps its 2^-4
+    relative step: only values below 2^-6 of the bound's code range (y under max |w| sqrt(D)
+    / 28,672) fall to subnormal steps."""
+    T, heads, D = x.shape
+    if not launch.use_triton(x) or T == 0:
+        return norm_rope_fp8_ref(x, weight, eps, cos, sin)
+    if x.stride(2) != 1 or x.stride(1) != D:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((T, heads, D), dtype=torch.float8_e4m3fn, device=x.device)
+    descale = torch.empty(1, dtype=torch.float32, device=x.device)
+    _norm_rope_kernel[(T,)](x, out, weight, cos, sin, descale, x.stride(0), eps, heads,
+                            HAS_NORM=True, HEADS=triton.next_power_of_2(heads), HALF=D // 2,
+                            FP8_OUT=True, SQRT_D=math.sqrt(D))
+    return out, descale
 
 
 def to_kv_cache(x: torch.Tensor, dtype: torch.dtype,
@@ -119,24 +175,72 @@ def qkv_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                         kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See qkv_norm_rope_store_ref; one Triton program per row on CUDA."""
-    T = qkv.shape[0]
-    D = k_cache.shape[-1]
-    if (not launch.use_triton(qkv) or T == 0 or (q_weight is None) != (k_weight is None)
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    if not _store_kernel_fits(qkv, q_weight, k_weight, k_cache, v_cache):
         return qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos,
                                        sin, k_cache, v_cache, slots, kv_scale)
+    return _store(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
+                  slots, kv_scale, False)[0]
+
+
+def qkv_norm_rope_store_fp8_ref(qkv: torch.Tensor, heads: int, kv_heads: int,
+                                q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slots: torch.Tensor,
+                                kv_scale: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qkv_norm_rope_store_ref` with q as `norm_rope_fp8_ref` writes it -> (codes,
+    descale)."""
+    qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
+                            v_cache, slots, kv_scale)
+    D = k_cache.shape[-1]
+    return norm_rope_fp8_ref(qkv[:, :heads * D].reshape(qkv.shape[0], heads, D), q_weight,
+                             eps, cos, sin)
+
+
+def qkv_norm_rope_store_fp8(qkv: torch.Tensor, heads: int, kv_heads: int,
+                            q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slots: torch.Tensor,
+                            kv_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qkv_norm_rope_store` writing q in e4m3 at `norm_rope_fp8`'s weight-bound scale, for
+    FP8 prefill attention over a served chunk -> (codes [T, heads, D], descale [1])."""
+    if not _store_kernel_fits(qkv, q_weight, k_weight, k_cache, v_cache):
+        return qkv_norm_rope_store_fp8_ref(qkv, heads, kv_heads, q_weight, k_weight, eps, cos,
+                                           sin, k_cache, v_cache, slots, kv_scale)
+    return _store(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
+                  slots, kv_scale, True)
+
+
+def _store_kernel_fits(qkv: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> bool:
+    return (launch.use_triton(qkv) and qkv.shape[0] > 0
+            and (q_weight is None) == (k_weight is None)
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def _store(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
+           k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+           kv_scale: torch.Tensor | None, fp8_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    q = torch.empty((T, heads, D), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((T, heads, D), dtype=torch.float8_e4m3fn if fp8_q else qkv.dtype,
+                    device=qkv.device)
+    descale = torch.empty(1, dtype=torch.float32, device=qkv.device)
     _qkv_norm_rope_store_kernel[(T,)](
         qkv, q, q_weight if q_weight is not None else qkv,
         k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
-        kv_scale if kv_scale is not None else unit_kv_scale(qkv.device),
+        kv_scale if kv_scale is not None else unit_kv_scale(qkv.device), descale,
         qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
         HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
-        HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), **pdl_args(qkv))
-    return q
+        HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), FP8_Q=fp8_q, SQRT_D=math.sqrt(D),
+        **pdl_args(qkv))
+    return q, descale
 
 
 # ---- residual add + RMSNorm ----------------------------------------------------------
@@ -200,6 +304,8 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 
 if triton is not None:
+    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+
     @triton.jit
     def _rms_norm_fp32w_kernel(x_ptr, w_ptr, out_ptr, x_st, N, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -227,9 +333,12 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, x_row_stride, eps,
-                          heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
-                          HALF: tl.constexpr):
+    def _norm_rope_kernel(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, descale_ptr, x_row_stride,
+                          eps, heads, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+                          HALF: tl.constexpr, FP8_OUT: tl.constexpr = False,
+                          SQRT_D: tl.constexpr = 1.0):
+        """FP8_OUT: out is e4m3, the rows times 448 / (max |w| SQRT_D) (`norm_rope_fp8`),
+        every program computing that scale from w alike; program 0 writes its descale."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HEADS)[:, None]
         d = tl.arange(0, HALF)[None, :]
@@ -237,13 +346,33 @@ if triton is not None:
         a, b = _rope_heads(x_ptr + t * x_row_stride + h * (2 * HALF) + d, w_ptr, cos_ptr,
                            sin_ptr, t, eps, d, mask, HAS_NORM, HALF)
         dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        if FP8_OUT:
+            a, b = _e4m3_at_bound(a, b, w_ptr, descale_ptr, t, HALF, SQRT_D)
         tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _to_kv(x, q_ptr, pool_ptr, inv_scale, KV_MAX: tl.constexpr):
-        """x rounded to q's dtype, then to the pool's (`to_kv_cache`: FP8 pools x * inv_scale)."""
-        x = x.to(q_ptr.dtype.element_ty).to(tl.float32)
+    def _e4m3_at_bound(a, b, w_ptr, descale_ptr, t, HALF: tl.constexpr,
+                       SQRT_D: tl.constexpr):
+        """A row's rotated halves (float32) -> their e4m3 codes at 448 / (max |w| SQRT_D)
+        (`norm_rope_fp8`), row 0 writing the descale."""
+        w = tl.abs(tl.load(w_ptr + tl.arange(0, 2 * HALF)).to(tl.float32))
+        bound = tl.max(w, axis=0) * SQRT_D
+        bound = tl.where(bound > 0, bound, 1.0)
+        s = tl.math.div_rn(_E4M3_MAX + tl.zeros_like(bound), bound)
+        a = tl.clamp(a * s, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv,
+                                                       fp_downcast_rounding="rtne")
+        b = tl.clamp(b * s, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv,
+                                                       fp_downcast_rounding="rtne")
+        if t == 0:
+            tl.store(descale_ptr, tl.math.div_rn(bound, _E4M3_MAX + tl.zeros_like(bound)))
+        return a, b
+
+    @triton.jit
+    def _to_kv(x, qkv_ptr, pool_ptr, inv_scale, KV_MAX: tl.constexpr):
+        """x rounded to the model's dtype (qkv's), then to the pool's (`to_kv_cache`: FP8
+        pools x * inv_scale)."""
+        x = x.to(qkv_ptr.dtype.element_ty).to(tl.float32)
         if KV_MAX > 0:
             x = tl.clamp(x * inv_scale, -KV_MAX, KV_MAX)
         return x.to(pool_ptr.dtype.element_ty)
@@ -251,14 +380,15 @@ if triton is not None:
     @triton.jit
     def _qkv_norm_rope_store_kernel(qkv_ptr, q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                                     k_cache_ptr, v_cache_ptr, slots_ptr, scale_ptr,
-                                    row_stride, eps,
+                                    descale_ptr, row_stride, eps,
                                     heads, kv_heads, HAS_NORM: tl.constexpr,
                                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                     HALF: tl.constexpr, KV_MAX: tl.constexpr = 0.0,
+                                    FP8_Q: tl.constexpr = False, SQRT_D: tl.constexpr = 1.0,
                                     PDL: tl.constexpr = False):
-        """KV_MAX > 0: FP8 pools; k and v, rounded to q's dtype first (as the torch path
+        """KV_MAX > 0: FP8 pools; k and v, rounded to qkv's dtype first (as the torch path
         rounds them), times 1 / k_scale and 1 / v_scale (scale_ptr[2:4]), saturate at
-        +-KV_MAX (`to_kv_cache`)."""
+        +-KV_MAX (`to_kv_cache`). FP8_Q: q in e4m3 (`qkv_norm_rope_store_fp8`)."""
         wait_for_producer(PDL)
         inv_k = tl.load(scale_ptr + 2)  # used by FP8 pools only
         inv_v = tl.load(scale_ptr + 3)
@@ -271,6 +401,8 @@ if triton is not None:
         a, b = _rope_heads(row + h * (2 * HALF) + d, qw_ptr, cos_ptr, sin_ptr, t, eps, d,
                            mask, HAS_NORM, HALF)
         dst = q_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d
+        if FP8_Q:
+            a, b = _e4m3_at_bound(a, b, qw_ptr, descale_ptr, t, HALF, SQRT_D)
         tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=mask)
         # k: norm + rope -> the cache slot; v: copied to its slot
@@ -281,14 +413,14 @@ if triton is not None:
         a, b = _rope_heads(k_src, kw_ptr, cos_ptr, sin_ptr, t, eps, d, kv_mask, HAS_NORM,
                            HALF)
         k_dst = k_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
-        tl.store(k_dst, _to_kv(a, q_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
-        tl.store(k_dst + HALF, _to_kv(b, q_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
+        tl.store(k_dst, _to_kv(a, qkv_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
+        tl.store(k_dst + HALF, _to_kv(b, qkv_ptr, k_cache_ptr, inv_k, KV_MAX), mask=kv_mask)
         v_src = k_src + kv_heads * (2 * HALF)
         v_dst = v_cache_ptr + slot * kv_heads * (2 * HALF) + g * (2 * HALF) + d
-        tl.store(v_dst, _to_kv(tl.load(v_src, mask=kv_mask, other=0.0), q_ptr, v_cache_ptr,
+        tl.store(v_dst, _to_kv(tl.load(v_src, mask=kv_mask, other=0.0), qkv_ptr, v_cache_ptr,
                                inv_v, KV_MAX), mask=kv_mask)
-        tl.store(v_dst + HALF, _to_kv(tl.load(v_src + HALF, mask=kv_mask, other=0.0), q_ptr,
-                                      v_cache_ptr, inv_v, KV_MAX), mask=kv_mask)
+        tl.store(v_dst + HALF, _to_kv(tl.load(v_src + HALF, mask=kv_mask, other=0.0),
+                                      qkv_ptr, v_cache_ptr, inv_v, KV_MAX), mask=kv_mask)
 
 
     @triton.jit(do_not_specialize=["n_rows"])

@@ -18,7 +18,9 @@ log-sum-exp against float32's, GQA 32/4 heads of 128 (Qwen3-30B-A3B); and
 merged from its own keys and the keys before it by log-sum-exp), against float32; its O
 kept in e4m3 for an FP8 o_proj (one run and two), against float32 through that GEMM; an extend
 chunk after a prefix held in e4m3 pools at a layer's K/V scales (`chunk_attention_with_lse`
-and `prefix_partial` with fp8). The graph cache: a second call of a shape builds nothing.
+and `prefix_partial` with fp8); q in e4m3 from the norm + RoPE kernel
+(`ops.norm_rope_fp8`, Qwen3's path). The graph cache: a second call of a shape builds
+nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ H, G, D = 32, 4, 128
 SCALE = D ** -0.5
 
 
-def _q8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to e4m3 with the module's per-tensor scale, back in float32."""
-    s = fa.E4M3_MAX / x.abs().max()
+def _q8(x: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded to e4m3 with the module's per-tensor scale (or s), back in float32."""
+    s = fa.E4M3_MAX / x.abs().max() if s is None else s
     return (x.float() * s).to(torch.float8_e4m3fn).float() / s
 
 
@@ -63,8 +65,8 @@ def exact(q, k, v, causal):
     return torch.einsum("hnm,mhd->nhd", p, v.float().repeat_interleave(H // G, 1))
 
 
-def emulate(q, k, v, causal):
-    s = _scores(_q8(q), _q8(k), causal)
+def emulate(q, k, v, causal, q_scale=None):
+    s = _scores(_q8(q, q_scale), _q8(k), causal)
     p = torch.exp(s - s.amax(-1, keepdim=True))
     p8 = (p * fa.E4M3_MAX).to(torch.float8_e4m3fn).float() / fa.E4M3_MAX
     o = torch.einsum("hnm,mhd->nhd", p8, _q8(v).repeat_interleave(H // G, 1))
@@ -141,6 +143,72 @@ def test_prefill_attention_fp8_runs_match_the_16_bit_path():
         assert _rel(want[r0:r1], ref) < 0.01  # the 16-bit path, for scale
         print(f"run at {p0}: fp8 {_rel(got[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
         assert _rel(got[r0:r1], ref) <= 1.5 * _rel(emul, ref), (r0, _rel(got[r0:r1], ref))
+
+
+def test_prefill_attention_takes_q_in_e4m3_from_norm_rope_fp8():
+    """The model's FP8 prefill path for Qwen3's q (`ops.norm_rope_fp8`, then
+    `prefill_attention` with its descale): the codes are the reference arithmetic's
+    (`norm_rope_fp8_ref`; where the two float32 values round apart, one e4m3 step), and
+    attention from them, on a rank's two zigzag runs of a 4,096-token sequence, is within
+    1.5x the emulated FP8 error of exact attention over the 16-bit normed q, the emulation
+    quantizing q at the same weight-bound scale; with an FP8 o_proj after it (one run at
+    the start), O is offered in e4m3 as with a 16-bit q. The K/V store kernel's e4m3 q (a
+    served chunk's, `ops.qkv_norm_rope_store_fp8`) is the same codes, its pools the 16-bit
+    q store's."""
+    from cpmoe import ops
+    from cpmoe.ops.fp8 import offered
+    g = torch.Generator(device="cuda").manual_seed(13)
+    L, n = 4096, 1024
+    k = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
+    pos = torch.cat([torch.arange(0, n), torch.arange(L - n, L)]).cuda()
+    rows = (3 * torch.randn(2 * n, H + 8, D, device="cuda", generator=g)).bfloat16()
+    raw = rows[:, :H]  # q's columns of the QKV rows: strided
+    w = (0.5 + 1.5 * torch.rand(D, device="cuda", generator=g)).bfloat16()
+    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda").float() / D)
+    angle = pos[:, None].float() * inv[None, :]
+    cos, sin = angle.cos().repeat(1, 2).bfloat16(), angle.sin().repeat(1, 2).bfloat16()
+    q8, dq = ops.norm_rope_fp8(raw, w, 1e-6, cos, sin)
+    want8, want_dq = ops.norm_rope_fp8_ref(raw, w, 1e-6, cos, sin)
+    assert float(dq) == float(want_dq)
+    gf, wf = q8.float(), want8.float()
+    assert (gf != wf).float().mean() < 0.01
+    assert ((gf - wf).abs() <= 2.0 ** -3 * wf.abs() + 2.0 ** -9).all()
+    # the served chunk's store kernel writes the same q codes, and the same e4m3 pools as
+    # with a 16-bit q
+    qkv = torch.cat([raw.reshape(2 * n, H * D), k[:2 * n].reshape(2 * n, G * D),
+                     v[:2 * n].reshape(2 * n, G * D)], 1)
+    slots = torch.randperm(4096, device="cuda")[:2 * n]
+    kv_scale = torch.tensor([0.02, 0.01, 50.0, 100.0], device="cuda")
+    pools = [torch.zeros(256, 16, G, D, dtype=torch.float8_e4m3fn, device="cuda")
+             for _ in range(4)]
+    s8, sd = ops.qkv_norm_rope_store_fp8(qkv, H, G, w, w, 1e-6, cos, sin, *pools[:2], slots,
+                                         kv_scale)
+    ops.qkv_norm_rope_store(qkv, H, G, w, w, 1e-6, cos, sin, *pools[2:], slots, kv_scale)
+    assert s8.view(torch.uint8).equal(q8.view(torch.uint8)) and sd.equal(dq)
+    assert all(a.view(torch.uint8).equal(b.view(torch.uint8))
+               for a, b in zip(pools[:2], pools[2:]))
+    q16 = ops.norm_rope(raw, w, 1e-6, cos, sin)
+    seq = torch.zeros_like(pos)
+    runs = [(0, n, 0, 0), (n, 2 * n, 0, L - n)]
+    got = prefill_attention(q8, pos, seq, k, v, [0, L], SCALE, runs, fp8=True, q_descale=dq)
+    amax_path = prefill_attention(q16, pos, seq, k, v, [0, L], SCALE, runs, fp8=True)
+    assert got.dtype == torch.bfloat16 and got.shape == q16.shape
+    for (r0, r1, _, p0) in runs:
+        ref = exact(q16[r0:r1], k[:p0 + n], v[:p0 + n], True)
+        emul = emulate(q16[r0:r1], k[:p0 + n], v[:p0 + n], True, q_scale=1 / dq)
+        err = _rel(got[r0:r1], ref)
+        print(f"run at {p0}: q from norm_rope_fp8 {err:.4f}, q quantized at its amax "
+              f"{_rel(amax_path[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
+        assert err <= 1.5 * _rel(emul, ref), (p0, err)
+    o = prefill_attention(q8[:n], pos[:n], seq[:n], k[:n], v[:n], [0, n], SCALE, runs[:1],
+                          fp8=True, o_quant_group=128, q_descale=dq)
+    codes, scales = offered(o.view(n, H * D), 128)
+    assert o.dtype == torch.bfloat16 and codes.dtype == torch.float8_e4m3fn
+    o16 = prefill_attention(q8[:n], pos[:n], seq[:n], k[:n], v[:n], [0, n], SCALE, runs[:1],
+                            fp8=True, q_descale=dq)
+    # the same codes: dequantized once, or offered with their descale in every group
+    assert torch.equal((codes.float() * scales[:, :1]).bfloat16(), o16.view(n, H * D))
 
 
 @pytest.mark.parametrize("lengths", [(1000,), (1024, 1000)])

@@ -1,9 +1,11 @@
 """What `--kv-cache-dtype fp8_e4m3` decides before any GPU work (the CUDA kernel itself:
 tests/gpu/test_fp8_attention_cuda.py): when prefill attention runs in FP8, the one line a
 machine without cuDNN's frontend gets, the graph buckets, and the device-side quantization:
-its torch path on CPU, and its Triton kernels (the amax, the scale-and-cast with the bucket's
-padding, O's dequantization) in Triton's CPU interpreter against the test's own float32
-arithmetic (a subprocess: TRITON_INTERPRET is read at import; skipped without Triton)."""
+its torch path on CPU, and its Triton kernels (the amax, the scale-and-cast with the
+bucket's padding, on contiguous and on strided rows, O's dequantization, q's norm + RoPE in
+e4m3 at its weight-bound scale, alone and in the K/V store kernel) in Triton's CPU
+interpreter against the test's own float32 arithmetic (a subprocess: TRITON_INTERPRET is
+read at import; skipped without Triton)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,47 @@ def test_quantize_keeps_the_largest_value_at_448_and_zeroes_the_padding():
     assert (x8[100:].float() == 0).all()
     zero8, zero_descale = fa.quantize(torch.zeros(3, 2, 8, dtype=torch.bfloat16), 3)
     assert zero_descale.item() == pytest.approx(1.0 / fa.E4M3_MAX) and (zero8.float() == 0).all()
+
+
+def _rope(T: int, D: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [T, D] of real angles, the two halves equal (rotate-half)."""
+    angle = torch.rand(T, D // 2, generator=g) * 6.3
+    return angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+
+
+def test_norm_rope_fp8_scale_is_a_bound_the_weight_reaches():
+    """`norm_rope_fp8`'s per-tensor scale, 448 / (max |w| sqrt(D)), bounds every normed,
+    rotated value: a head whose energy sits in one input, at the largest weight, at angle
+    0, reaches code 448 exactly; random heads at random angles never saturate; the codes
+    times the descale are the float32 values within e4m3's 2^-4 (the test's own arithmetic,
+    not the module's)."""
+    from cpmoe import ops
+    g = torch.Generator().manual_seed(1)
+    T, heads, D = 64, 4, 16
+    w = (torch.rand(D, generator=g) * 3).bfloat16()
+    top = int(w.float().abs().argmax())
+    cos, sin = _rope(T, D, g)
+    cos[0], sin[0] = 1.0, 0.0  # position 0: no rotation
+    x = torch.randn(T, heads, D, generator=g).bfloat16()
+    x[0, 2] = 0
+    x[0, 2, top] = -5.0  # all of head 2's energy at the largest weight
+    codes, descale = ops.norm_rope_fp8_ref(x, w, 1e-6, cos, sin)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (T, heads, D)
+    bound = w.float().abs().max() * D ** 0.5
+    assert descale.shape == (1,) and float(descale) == pytest.approx(float(bound) / 448, 1e-6)
+    assert float(codes[0, 2, top].float()) == -448.0
+    assert int((codes.float().abs() == 448).sum()) == 1  # only the one-hot head saturates
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    y1, y2 = y[..., :D // 2], y[..., D // 2:]
+    c, sn = cos[:, None, :D // 2], sin[:, None, :D // 2]
+    want = torch.cat([y1 * c - y2 * sn, y2 * c + y1 * sn], -1)
+    back = codes.float() * descale
+    normal = want.abs() > float(descale) * 2.0 ** -6
+    assert ((back - want).abs() <= 2.0 ** -4 * want.abs() + 1e-6)[normal].all()
+    assert ((back - want).abs() <= float(descale) * 2.0 ** -10)[~normal].all()
+    zero, zero_descale = ops.norm_rope_fp8_ref(x, torch.zeros(D).bfloat16(), 1e-6, cos, sin)
+    assert float(zero_descale) == pytest.approx(1 / 448) and not zero.float().any()
 
 
 def test_warm_up_builds_the_chunk_graphs_and_its_prefix_graphs(monkeypatch):
@@ -141,6 +184,61 @@ for n, heads, dim, rows, dtype, scale in ((3, 2, 16, 128, torch.bfloat16, 7.0),
     assert not gf[n:].any()  # the padding is zero codes
     if scale:
         assert float(gf.abs().max()) == 448.0
+
+# v's rows as the QKV GEMM leaves them, columns of wider rows: read where they lie, the
+# same codes as from a contiguous copy
+wide = (torch.randn(70, 3 * 64, generator=g) * 2).to(torch.bfloat16)
+v = wide[:, 128:].view(70, 4, 16)
+assert not v.is_contiguous()
+got, descale = fa.quantize(v, 128)
+want, want_descale = fa.quantize(v.contiguous(), 128)
+assert got.view(torch.uint8).equal(want.view(torch.uint8)) and descale.equal(want_descale)
+
+# q's norm + RoPE in e4m3 (ops.norm_rope_fp8) against the test's float32 arithmetic: RMSNorm
+# per head times w, rotate-half, times 448 / (max |w| sqrt(D)), one rounding; rows strided
+# (q's columns of the QKV rows), with the interpreter's cast quirks as above
+import math
+from cpmoe import ops
+T, heads, D = 37, 3, 16
+x = (torch.randn(T, heads + 2, D, generator=g) * 3).to(torch.bfloat16)[:, :heads]
+w = (torch.rand(D, generator=g) * 2).to(torch.bfloat16)
+angle = torch.rand(T, D // 2, generator=g) * 6.3
+cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+got, descale = ops.norm_rope_fp8(x, w, 1e-6, cos, sin)
+assert got.dtype == E4M3 and got.shape == (T, heads, D) and descale.shape == (1,)
+xf = x.float()
+y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+c, sn = cos[:, None, :D // 2], sin[:, None, :D // 2]
+y1, y2 = y[..., :D // 2], y[..., D // 2:]
+y = torch.cat([y1 * c - y2 * sn, y2 * c + y1 * sn], -1)
+bound = w.float().abs().max() * torch.tensor(math.sqrt(D))
+assert abs(float(descale) - float(bound / 448)) <= 1e-6 * float(bound / 448)
+exact = y * (torch.tensor(448.0) / bound)
+wf, gf = exact.to(E4M3).float(), got.float()
+carry = (wf != 0) & (wf.abs().log2() == wf.abs().log2().round()) & (gf == wf / 2)
+near = (gf - exact).abs() <= (wf - exact).abs() + 1e-5 * exact.abs()  # ties, float32 ulps
+sub = (exact.abs() < 2.0 ** -6) & ((gf - wf).abs() <= 2.0 ** -9)
+assert ((gf == wf) | carry | near | sub).all()
+assert (gf != wf).float().mean() < 0.05
+# a served chunk's q in the store kernel (ops.qkv_norm_rope_store_fp8): the same codes and
+# descale as norm_rope_fp8 on its q columns, and the same K/V in the pools as the 16-bit q
+# store writes (e4m3 pools at a layer's scales)
+kv_heads = 1
+qkv = (torch.randn(T, (heads + 2 * kv_heads) * D + 8, generator=g) * 3).to(torch.bfloat16)
+qkv = qkv[:, :(heads + 2 * kv_heads) * D]
+slots = torch.randperm(64, generator=g)[:T]
+kv_scale = torch.tensor([0.02, 0.01, 50.0, 100.0])
+pools = [torch.zeros(4, 16, kv_heads, D, dtype=E4M3) for _ in range(4)]
+q8, d8 = ops.qkv_norm_rope_store_fp8(qkv, heads, kv_heads, w, w, 1e-6, cos, sin, *pools[:2],
+                                     slots, kv_scale)
+q16 = ops.qkv_norm_rope_store(qkv, heads, kv_heads, w, w, 1e-6, cos, sin, *pools[2:], slots,
+                              kv_scale)
+want8, want_d8 = ops.norm_rope_fp8(qkv[:, :heads * D].reshape(T, heads, D), w, 1e-6, cos, sin)
+assert q16.dtype == torch.bfloat16 and q8.view(torch.uint8).equal(want8.view(torch.uint8))
+assert d8.equal(want_d8)
+for got_pool, want_pool in zip(pools[:2], pools[2:]):
+    assert got_pool.view(torch.uint8).equal(want_pool.view(torch.uint8))
+    assert got_pool.view(torch.uint8).view(-1, kv_heads, D)[slots].any()
 
 # O's dequantization into a slice of a larger 16-bit tensor, rows around it untouched
 codes = (torch.randn(300, 4, 16, generator=g) * 40).to(E4M3)

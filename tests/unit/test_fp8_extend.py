@@ -22,19 +22,22 @@ from cpmoe.ops import fill_kv_scale
 CALLS: list[tuple[int, int, bool, bool]] = []  # (rows, keys, causal, fp8 keys) per call
 
 
-def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None, out=None):
+def emulate(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None, out=None,
+            q_descale=None):
     """fp8_attention's interface in float32, no quantization; records each call."""
     fp8 = k.dtype == torch.float8_e4m3fn
     CALLS.append((q.shape[0], k.shape[0], causal, fp8))
+    qf = q.float() * q_descale.view(()) if q_descale is not None else q.float()
     kf = k.float() * k_descale.view(()) if fp8 else k.float()
     vf = v.float() * v_descale.view(()) if fp8 else v.float()
     group = q.shape[1] // k.shape[1]
     kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
-    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    s = torch.einsum("nhd,mhd->hnm", qf, kf) * scale
     if causal:
         n = q.shape[0]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.einsum("hnm,mhd->nhd", s.softmax(-1), vf).to(q.dtype)
+    o = torch.einsum("hnm,mhd->nhd", s.softmax(-1), vf).to(
+        q.dtype if q_descale is None else v.dtype)
     o = o if out is None else out.copy_(o)
     return o, (torch.logsumexp(s, -1).t().contiguous() if lse else None)
 
@@ -125,8 +128,9 @@ def test_prefill_runs_offer_their_e4m3_o_to_the_fp8_o_proj(fp8_on_cpu, monkeypat
     from cpmoe.ops.fp8 import offered
     made = []
 
-    def emulate_e4m3(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None):
-        o, _ = emulate(q, k, v, scale, causal)
+    def emulate_e4m3(q, k, v, scale, causal, lse=False, k_descale=None, v_descale=None,
+                     q_descale=None):
+        o, _ = emulate(q, k, v, scale, causal, q_descale=q_descale)
         descale = (o.float().abs().max() / 448).reshape(1)
         codes = (o.float() / descale).to(torch.float8_e4m3fn).contiguous()
         made.append((codes, descale))
@@ -172,13 +176,48 @@ def test_prefill_runs_offer_their_e4m3_o_to_the_fp8_o_proj(fp8_on_cpu, monkeypat
     assert offered(o.view(-1, 128), 64) is None
 
 
+def test_prefill_takes_q_in_e4m3_with_its_descale(fp8_on_cpu):
+    """q as `ops.norm_rope_fp8` writes it (e4m3 codes, one descale): a zigzag CP rank's two
+    runs (the second merged from its own keys and the keys before it) attend as the 16-bit
+    path over q = codes x descale, O in v's dtype; every fp8_attention call got the codes."""
+    from cpmoe import ops
+    torch.manual_seed(4)
+    split = CPSplit.build([600], 2, "zigzag")
+    pos, seq = split.local_positions(0), split.local_token_to_seq(0)
+    runs, cu = att.query_runs(pos, seq), list(split.cu_seqlens)
+    T = pos.numel()
+    k, v = torch.randn(600, 2, 16).bfloat16(), torch.randn(600, 2, 16).bfloat16()
+    angle = torch.rand(T, 8) * 6.3
+    q8, descale = ops.norm_rope_fp8(torch.randn(T, 8, 16).bfloat16(), torch.rand(16) + 0.5,
+                                    1e-6, angle.cos().repeat(1, 2), angle.sin().repeat(1, 2))
+    assert q8.dtype == torch.float8_e4m3fn and len(runs) == 2 and runs[1][3] > 0
+    o = att.prefill_attention(q8, pos, seq, k, v, cu, 0.25, runs, fp8=True, q_descale=descale)
+    want = att.prefill_attention((q8.float() * descale).bfloat16(), pos, seq, k, v, cu, 0.25,
+                                 runs)
+    assert o.dtype == torch.bfloat16 and len(fp8_on_cpu) == 3  # one call, then two merged
+    torch.testing.assert_close(o.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir, monkeypatch):
     """A 2,200-token prompt in two chunks of 1,100 over e4m3 pools: with FP8 attention on,
-    the second chunk's attention (its own keys and the cached 1,100) goes through
-    fp8_attention in every layer, and its logits equal the 16-bit path's; at the rule's
-    real threshold (`fp8_worth`) the runner keeps such a chunk 16-bit."""
+    the first chunk's q comes from the store kernel's e4m3 variant (no cached prefix) in
+    every layer, the second chunk's attention (its own keys and the cached 1,100) goes
+    through fp8_attention in every layer, and its logits equal the 16-bit path's; at the
+    rule's real threshold (`fp8_worth`) the runner keeps such a chunk 16-bit. As
+    fp8_attention here, q's e4m3 store is emulated without its rounding (the 16-bit q with
+    descale 1; the rounding is tests/unit/test_fp8_attention.py's)."""
+    from cpmoe import ops
     from cpmoe.engine.runner import ModelRunner, Segment
+    from cpmoe.models.qwen_moe import model as qwen
     from cpmoe.parallel.groups import ProcessGroups
+
+    e4m3_stores = []
+
+    def store_unrounded(*args):
+        e4m3_stores.append(args[0].shape[0])
+        return ops.qkv_norm_rope_store_ref(*args), torch.ones(1)
+
+    monkeypatch.setattr(qwen, "qkv_norm_rope_store_fp8", store_unrounded)
 
     ids = torch.randint(0, 256, (2200,), generator=torch.Generator().manual_seed(2)).tolist()
     logits = []
@@ -187,11 +226,13 @@ def test_the_model_takes_the_fp8_extend_path(fp8_on_cpu, qwen3_moe_dir, monkeypa
                              show_progress=False)
         runner.allocate_kv(2304, kv_dtype="fp8_e4m3")
         runner.fp8_attention = fp8  # what CUDA sets for e4m3 pools of a 16-bit model
+        e4m3_stores.clear()
         runner.extend([Segment(0, ids[:1100])])
         fp8_on_cpu.clear()
         logits.append(runner.extend([Segment(0, ids[1100:], 1100)]))
         calls = list(fp8_on_cpu)
     layers = len(runner.model.model.layers)
+    assert e4m3_stores == [1100] * layers  # the first chunk only
     assert calls == [(1100, 1100, True, False), (1100, 1100, False, True)] * layers
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(att, "FP8_MIN_PAIRS", 8192 * 8193 // 2)

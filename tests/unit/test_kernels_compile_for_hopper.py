@@ -10,9 +10,9 @@ GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry
 16-byte alignment real launches specialize on, so the compiled program is the one a launch
 gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
 (cp.async), and that the prefill GEMM uses Hopper's warp-group MMA, its tiles loaded by the
-TMA unit where its config says so. Also the two kernels
-that quantize the rows they write for the FP8 GEMM after them (the residual add + RMSNorm,
-decode attention's split merge), and FP8 prefill attention's quantization kernels. Every
+TMA unit where its config says so. Also the two kernels that quantize the rows they write
+for the FP8 GEMM after them (the residual add + RMSNorm, decode attention's split merge),
+and FP8 prefill attention's quantization kernels (q's in the norm + RoPE kernel). Every
 kernel of a decode step is compiled as the H200 launches it, with programmatic dependent
 launch (PDL): its first access to global memory must come after its wait for the kernel
 before it (`griddepcontrol.wait`), else it could read rows that kernel has not written yet.
@@ -46,6 +46,10 @@ def compile_sm90(fn, pointers, constexprs, unaligned, options):
     # pointers {name: Triton type}; other non-constexpr arguments int32, `limit` float32;
     # every argument not in `unaligned` 16-divisible, as launches specialize them
     params = list(inspect.signature(fn.fn).parameters)
+    # constexpr parameters left out take their defaults (else they would compile as int32)
+    constexprs = {p: v.default for p, v in inspect.signature(fn.fn).parameters.items()
+                  if "constexpr" in str(v.annotation) and v.default is not inspect.Parameter.empty
+                  } | constexprs
     sig = {p: "constexpr" if p in constexprs else pointers.get(
         p, "fp32" if p in ("limit", "eps", "scale_log2") else "i32") for p in params}
     aligned = [i for i, p in enumerate(params) if sig[p] != "constexpr" and p not in unaligned]
@@ -143,7 +147,7 @@ for fn, pointers, constexprs, unaligned in (
         (ops.norm._qkv_norm_rope_store_kernel,
          {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
           "sin_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "slots_ptr": "*i64",
-          "scale_ptr": "*fp32"},
+          "scale_ptr": "*fp32", "descale_ptr": "*fp32"},
          {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64}, ("kv_heads",)),
         (ops.routing._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
          {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
@@ -173,10 +177,20 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
          "sin_ptr": bf16, "k_cache_ptr": fmt, "v_cache_ptr": fmt, "slots_ptr": "*i64",
-         "scale_ptr": "*fp32"},
+         "scale_ptr": "*fp32", "descale_ptr": "*fp32"},
         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True,
          "KV_MAX": 448.0 if name == "e4m3x2" else 57344.0}, ("kv_heads",), {"num_warps": 4})
     assert re.search(r"cvt\.rn\.satfinite\." + name, waits_first(ptx, ("store", fmt))), fmt
+# a served chunk's q in e4m3 for FP8 prefill attention (ops.qkv_norm_rope_store_fp8), over
+# e4m3 pools: the scale an IEEE division
+ptx = compile_sm90(
+    ops.norm._qkv_norm_rope_store_kernel,
+    {"qkv_ptr": bf16, "q_ptr": "*fp8e4nv", "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
+     "sin_ptr": bf16, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+     "slots_ptr": "*i64", "scale_ptr": "*fp32", "descale_ptr": "*fp32"},
+    {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True, "KV_MAX": 448.0,
+     "FP8_Q": True, "SQRT_D": 128 ** 0.5}, ("kv_heads",), {"num_warps": 4})
+assert "div.rn.f32" in waits_first(ptx, "store, e4m3 q")
 # FP8 prefill attention's quantization (cp.fp8_attention): the amax an atomic maximum, the
 # codes rounded to nearest and saturated, the scale an IEEE division; O widened to bf16;
 # every access 8 or 16 bytes wide (vectorized: masks on whole rows only)
@@ -197,6 +211,14 @@ ptx = compile_sm90(fa._dequant_kernel, {"x_ptr": "*fp8e4nv", "out_ptr": bf16,
                                         "descale_ptr": "*fp32"}, block, ("n",),
                    {"num_warps": 8})
 assert re.search(r"cvt\.rn\.bf16", ptx) and wide(ptx, "ld") and wide(ptx, "st")
+# q's norm + RoPE writing e4m3 for FP8 attention (ops.norm_rope_fp8): the scale an IEEE
+# division, the codes rounded to nearest and saturated
+ptx = compile_sm90(ops.norm._norm_rope_kernel,
+                   {"x_ptr": bf16, "out_ptr": "*fp8e4nv", "w_ptr": bf16, "cos_ptr": bf16,
+                    "sin_ptr": bf16, "descale_ptr": "*fp32"},
+                   {"HAS_NORM": True, "HEADS": 32, "HALF": 64, "FP8_OUT": True,
+                    "SQRT_D": 128 ** 0.5}, (), {"num_warps": 4})
+assert re.search(r"cvt\.rn\.satfinite\.e4m3x2", ptx) and "div.rn.f32" in ptx
 print("compiled")
 """
 

@@ -30,7 +30,8 @@ from cpmoe.moe.dispatch import create_dispatcher
 from cpmoe.moe.experts import LocalExperts
 from cpmoe.moe.placement import ExpertPlacement
 from cpmoe.moe.router import SoftmaxTopKRouter
-from cpmoe.ops import merge_two_attention, norm_rope, qkv_norm_rope_store
+from cpmoe.ops import (merge_two_attention, norm_rope, norm_rope_fp8, qkv_norm_rope_store,
+                       qkv_norm_rope_store_fp8)
 from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.quant.modules import fp8_input_group
 
@@ -76,40 +77,54 @@ class QwenMoeAttention(nn.Module):
             qkv = self.qkv(x_TH)
         else:
             qkv = torch.cat([self.q_proj(x_TH), self.k_proj(x_TH), self.v_proj(x_TH)], dim=-1)
+        # FP8 prefill attention of a normed q and no cached prefix: q is written in e4m3 by
+        # its norm + RoPE kernel, at a scale its norm's weight bounds (`ops.norm_rope_fp8`)
+        fp8_q = (not batch.is_decode and self.q_norm is not None and batch.prefix is None
+                 and fp8_runs_apply(qkv, batch.q_runs, batch.fp8_attention))
         if batch.is_decode:
             o = self._decode(qkv, rope, batch, layer)
         elif batch.kv is not None and batch.write_slots is not None:
             # q/k norm + RoPE and the K/V writes in one kernel (as decode), K/V read back
-            q = self._store(qkv, rope, batch, layer)
-            o = self._extend(q, *batch.kv.read(layer, batch.write_slots, q.dtype,
-                                               self.kv_scale), batch, layer)
+            q, q_descale = self._store(qkv, rope, batch, layer, fp8_q)
+            o = self._extend(q, *batch.kv.read(layer, batch.write_slots, qkv.dtype,
+                                               self.kv_scale), batch, layer, q_descale)
         else:
             q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D,
                                  self.num_kv_heads * D], dim=-1)
             q, k = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D)
-            if self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
+            v = v.reshape(T, self.num_kv_heads, D)  # FP8 attention quantizes it where it lies
+            q_descale = None
+            if fp8_q:
+                q, q_descale = norm_rope_fp8(q, self.q_norm.weight, self.q_norm.eps, *rope)
+                k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+            elif self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
                 q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
                 k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
             else:
                 q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
-            o = self._extend(q, k, v.reshape(T, self.num_kv_heads, D).contiguous(), batch,
-                             layer)
+            o = self._extend(q, k, v if fp8_q else v.contiguous(), batch, layer, q_descale)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
     def _store(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               batch: ForwardBatch, layer: int) -> torch.Tensor:
-        """q/k norm + RoPE with the new k/v written to `batch.write_slots` -> q (one kernel
-        on the GPU: `ops.qkv_norm_rope_store`, the same q/k math as `ops.norm_rope`)."""
+               batch: ForwardBatch, layer: int, fp8_q: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q/k norm + RoPE with the new k/v written to `batch.write_slots` -> (q, None), or
+        with fp8_q (e4m3 q, `ops.qkv_norm_rope_store_fp8`) (q, its descale); one kernel on
+        the GPU: `ops.qkv_norm_rope_store`, the same q/k math as `ops.norm_rope`."""
         kv = batch.kv
         norms = (None, None, 0.0) if self.q_norm is None else (
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return qkv_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, *norms, *rope,
-                                   kv.k[layer], kv.v[layer], batch.write_slots, self.kv_scale)
+        args = (qkv, self.num_heads, self.num_kv_heads, *norms, *rope, kv.k[layer],
+                kv.v[layer], batch.write_slots, self.kv_scale)
+        if fp8_q:
+            return qkv_norm_rope_store_fp8(*args)
+        return qkv_norm_rope_store(*args), None
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                layer: int) -> torch.Tensor:
+                layer: int, q_descale: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's chunk rows attend their own sequence's new tokens (K/V gathered over
-        CP) causally and, for sequences with cached tokens, the cached prefix."""
+        CP) causally and, for sequences with cached tokens, the cached prefix. q_descale:
+        q in e4m3 (`ops.norm_rope_fp8`; no cached prefix)."""
         kv = batch.kv
         assert batch.split is not None
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
@@ -118,7 +133,7 @@ class QwenMoeAttention(nn.Module):
             # FP8 attention may leave o in e4m3 for an FP8 o_proj (offered, o unwritten)
             return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
                                      cu, self.scale, batch.q_runs, batch.packed_runs,
-                                     batch.fp8_attention, self.o_quant_group)
+                                     batch.fp8_attention, self.o_quant_group, q_descale)
         fp8 = fp8_runs_apply(q, batch.q_runs, batch.fp8_attention)  # the chunk and prefix
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
                                           v_flat, cu, self.scale, batch.packed_runs,
@@ -134,7 +149,7 @@ class QwenMoeAttention(nn.Module):
         GPU), then every row attends its sequence's pages, merged over the CP ranks."""
         kv = batch.kv
         assert kv is not None and batch.block_table is not None and batch.kv_lens is not None
-        q = self._store(qkv, rope, batch, layer)
+        q, _ = self._store(qkv, rope, batch, layer)
         cp = self.groups.attn_cp.size
         o, lse = paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.block_table,
                                         batch.kv_lens, self.scale,
