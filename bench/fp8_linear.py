@@ -10,7 +10,8 @@ weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16, 32 
   of fp8_linear's work past SKINNY_ROWS rows;
 - "skinny default": `quantize_act` and `fp8_linear_skinny` with `skinny_config`'s tiles
   (what fp8_linear runs up to SKINNY_ROWS rows), and the same under every tile of the sweep
-  (BLOCK_N, SPLIT_K, warps, stages), the split K's sum of partials included;
+  (BLOCK_N, SPLIT_K, warps, stages; `--tiles` for another grid), the split K's sum of
+  partials included;
 - the HBM floor: the FP8 weight bytes at 4.8 TB/s.
 Time per call in microseconds from a CUDA graph replay (`decode_kernels.time_us`, as the
 decode step replays them); 8 weight copies are rotated, so no call finds its weights in the
@@ -45,7 +46,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,32,64",
                     help=f"row counts, each at most fp8_gemm.SKINNY_ROWS "
                          f"({fp8_gemm.SKINNY_ROWS})")
+    ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:SPLIT_K:"
+                    "warps:stages, comma-separated (e.g. 64:8:4:3,32:16:4:5)")
     args = ap.parse_args()
+    grid = GRID
+    if args.tiles:
+        try:
+            grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
+        except ValueError:
+            grid = []
+        if not grid or any(len(t) != 4 for t in grid):
+            sys.exit(f"--tiles: expected BLOCK_N:SPLIT_K:warps:stages[,...], got "
+                     f"{args.tiles!r}")
     torch.manual_seed(0)
     table: dict[str, dict[str, float]] = {}  # row label -> column -> us
     results = []
@@ -85,7 +97,7 @@ def main() -> None:
                 table.setdefault(label, {})[col] = t = time_us(fn)
                 results.append({"shape": name, "N": N, "K": K, "rows": rows, "path": label,
                                 "us": t, **(default if label == "skinny default" else {})})
-            for tile in GRID:
+            for tile in grid:
                 bn, split, warps, stages = tile
                 cfg = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
                 try:
@@ -102,15 +114,16 @@ def main() -> None:
                   f"quantize+scaled_mm {table['quantize+scaled_mm'][col]:.1f} us",
                   file=sys.stderr, flush=True)
         del ws
-    print_table(table, columns)
+    print_table(table, columns, grid)
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
 
 
-def print_table(table: dict[str, dict[str, float]], columns: list[str]) -> None:
+def print_table(table: dict[str, dict[str, float]], columns: list[str],
+                grid: list[tuple[int, ...]]) -> None:
     """A line per path or skinny tile ("BLOCK_N SPLIT_K warps stages"), a column per shape
     and row count, in us per call; * marks each column's fastest skinny tile."""
-    tiles = {" ".join(map(str, tile)) for tile in GRID}
+    tiles = {" ".join(map(str, tile)) for tile in grid}
     best = {c: min((table[t][c] for t in tiles if c in table[t]), default=None)
             for c in columns}
     print("| path or tile (BLOCK_N SPLIT_K warps stages) | " + " | ".join(columns) + " |")

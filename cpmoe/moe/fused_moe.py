@@ -134,17 +134,21 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     as `fp8_act` says (an FP8_ACT_MODES entry, default FP8_ACTIVATIONS): 32 columns and 3
     stages everywhere, the fastest weights-only tiles of the same sweep with `--fp8` at 1,
     16 and 64 rows (5-20% under the bf16 tiles at batch 1, 7% for gate/up at 64). W8A8
-    ("w8a8") with at least as many slots as experts takes 64 columns: its sweep at 64 rows
-    (9b4f34c) timed down 58.5 against 63.1 us with 32, gate/up 106.3 against 106.5 (the
-    best, 104.3 with 256 of K, is within 2%); the compact case was not swept."""
+    ("w8a8") with at least as many slots as experts takes 64 columns and 256 of K (two
+    dots of 128 a step): its sweep at 64 rows (9b4f34c, H200) timed down 58.5 against 63.1
+    us with 32 columns, gate/up 104.3 with 256 of K against 106.3 with 128; on an H100
+    (4ebe13c, bench/results/decode-kernels-fp8-h100-4ebe13c.log) gate/up 135.4 against
+    138.2 and down 75.5 against 76.1; the compact case was not swept."""
     compact = slots < experts
     mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
     if mode not in FP8_ACT_MODES:
         raise ValueError(f"FP8 decode activations (CPMOE_FP8_DECODE_ACTIVATIONS or fp8_act): "
                          f"expected one of {FP8_ACT_MODES}, got {mode!r}")
-    block_n = 32 if fp8 and not (mode == "w8a8" and not compact) else 64
+    wide = mode == "w8a8" and not compact
+    block_n = 32 if fp8 and not wide else 64
+    block_k = 256 if wide and k_dim % 256 == 0 else 128
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
-            "BLOCK_K": 128 if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
+            "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
             "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 

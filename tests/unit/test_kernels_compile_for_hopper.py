@@ -81,7 +81,7 @@ for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
             {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
              "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
-                 K_PIECES=1, PDL=True),
+                 K_PIECES=max(1, cfg["BLOCK_K"] // 128), PDL=True),
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         assert "cp.async" in ptx, (slots, gated)
         waits_first(ptx, ("experts", slots, gated))
