@@ -288,10 +288,15 @@ def skinny_fits(m: int, w: torch.Tensor, block: tuple[int, int]) -> bool:
 def skinny_config(m: int, n: int, k: int) -> dict:
     """Tiles of `fp8_linear_skinny` for [m, k] x [k, n]: 64 columns, 128 inputs a step, 4
     warps, 3 stages, K split in 4 ranges (fewer when K has fewer 128-input groups): the
-    fastest of bench/fp8_linear.py's sweep at 9b4f34c for qkv and o_proj from 1 to 64 rows,
-    within 5% of each column's best."""
+    fastest of bench/fp8_linear.py's sweep at 9b4f34c (H200) for qkv and o_proj from 1 to 64
+    rows, within 5% of each column's best. In 2 ranges where more than 32 rows meet 64 or
+    more column tiles (qkv at batch 64): every range writes and rereads float32 partials of
+    all rows, which there cost more than the programs a range adds; on an H100 at 64 rows
+    (d2b4632, bench/results/fp8-linear-h100-d2b4632.log, quantize_act included) qkv took 11.2
+    us in 2 ranges against 12.8 in 4, while o_proj's 32 tiles keep 4 (11.8 against 14.3)."""
+    ranges = 2 if m > 32 and n // 64 >= 64 else 4
     split = 1
-    while split < 4 and split * 2 <= k // 128:
+    while split < ranges and split * 2 <= k // 128:
         split *= 2
     return {"BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
