@@ -6,8 +6,10 @@ kernel), the rows are quantized per 1 x bk group (each token once; gate/up reads
 token row where it loads it, no gathered copy), and two block-scaled grouped FP8
 GEMMs (`ops.fp8_gemm.grouped_fp8_gemm`) run gate/up and down with the experts' own activation in
 between (so DeepSeek-V4's clamped SwiGLU is kept): LocalExperts' own SwiGLU (plain or
-clamped) and the down GEMM's quantization are one kernel (`ops.fp8.swiglu_quantize`, the bits
-of the SwiGLU kernel and quantize_act); an overridden activation runs, then quantize_act.
+clamped) is computed by the gate/up GEMM itself (`fused_swiglu`: it writes the [P, I]
+activation, which quantize_act then reads), or, where that does not fit, with the down
+GEMM's quantization in one kernel (`ops.fp8.swiglu_quantize`); an overridden activation
+runs, then quantize_act.
 Each row's weighted sum of its slots' outputs follows (`ops.weighted_row_sum`). With EP and
 many slots (prefill) the local slot count is read once so other ranks' slots are not
 gathered; with few slots (decode) nothing syncs with the host, so CUDA graphs can capture
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from cpmoe.ops import weighted_row_sum
+from cpmoe.ops import launch, weighted_row_sum
 from cpmoe.ops.fp8 import quantize_act, swiglu_quantize, swiglu_quantize_fits
 from cpmoe.ops.fp8_gemm import grouped_fp8_config, grouped_fp8_gemm, grouped_fp8_tiles
 
@@ -34,17 +36,35 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     xq, xs = quantize_act(x_MH, block[1])  # per row: each row once, then its K slots
     # both GEMMs tile the same n rows of the same experts: one tile map for the two
     E = experts.gate_up_proj.shape[0]
-    up_cfg, down_cfg = grouped_fp8_config(n, E, a_rows=True), grouped_fp8_config(n, E)
+    fused = fused_swiglu(experts, block)
+    up_cfg = grouped_fp8_config(n, E, a_rows=True, swiglu=fused)
+    if fused:  # a SwiGLU tile's gate and up columns each inside one weight scale block
+        up_cfg["BN"] = min(up_cfg["BN"], block[0])
+    down_cfg = grouped_fp8_config(n, E)
     assert up_cfg["BM"] == down_cfg["BM"]
     tiles = grouped_fp8_tiles(offs, n, E, up_cfg["BM"])
     # gate/up reads each slot's row of xq through rows_n (no gathered copy)
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
-                         out_dtype=x_MH.dtype, config=up_cfg, tiles=tiles, a_rows=rows_n)
-    aq, a_s = activate_and_quantize(experts, h, block[1])
+                         out_dtype=x_MH.dtype, config=up_cfg, tiles=tiles, a_rows=rows_n,
+                         swiglu=fused, limit=experts.swiglu_limit)
+    if fused:  # h is the SwiGLU already
+        aq, a_s = quantize_act(h, block[1])
+    else:
+        aq, a_s = activate_and_quantize(experts, h, block[1])
     y = grouped_fp8_gemm(aq, a_s, experts.down_proj, experts.down_scale_inv, offs, block,
                          out_dtype=x_MH.dtype, config=down_cfg, tiles=tiles)
     w_MK = torch.where(local_ids_MK >= 0, weights_MK.to(y.dtype), 0)
     return weighted_row_sum(y, rank_MK, w_MK).to(x_MH.dtype)
+
+
+def fused_swiglu(experts, block: tuple[int, int]) -> bool:
+    """Whether gate/up computes the experts' SwiGLU itself (`grouped_fp8_gemm(swiglu=True)`:
+    it writes the [P, I] activation, not the [P, 2I] gate and up rows, and the down GEMM's
+    quantization reads half the bytes): LocalExperts' own SwiGLU, on the Triton path, over
+    whole weight scale blocks of gate and of up."""
+    inter = experts.gate_up_proj.shape[1] // 2
+    return (experts.own_activation() and launch.use_triton(experts.gate_up_proj)
+            and inter % block[0] == 0 and block[0] >= 16 and block[0] & (block[0] - 1) == 0)
 
 
 def activate_and_quantize(experts, h_PI2: torch.Tensor, group: int

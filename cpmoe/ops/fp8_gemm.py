@@ -55,7 +55,7 @@ def grouped_fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
     return out.to(out_dtype)
 
 
-def grouped_fp8_config(P: int, E: int, a_rows: bool = False) -> dict:
+def grouped_fp8_config(P: int, E: int, a_rows: bool = False, swiglu: bool = False) -> dict:
     """Tiles of `grouped_fp8_gemm` for P rows over E experts: BM rows x BN columns (weight
     scales are read per column, so tiles need not align with the scale blocks), the
     launch's warps and pipeline stages, and how tiles are loaded (TMA, `TMA_MODES`);
@@ -69,11 +69,13 @@ def grouped_fp8_config(P: int, E: int, a_rows: bool = False) -> dict:
     copy: 1.209 + its gather 0.184; the old default 1.234 + 0.184). Within 5% of the
     fastest each GEMM alone took (128 x 64 tiles, which call for a tile map of their own;
     run-to-run spread of a config about 5%). Experts of a few rows each keep 16-row tiles
-    and address loads (not swept with TMA)."""
+    and address loads (not swept with TMA). swiglu (gate/up with its SwiGLU, address loads):
+    64 output columns a tile, 64 of gate and 64 of up, the MMA work of a 128-column tile."""
     if P <= 16 * E:
-        return {"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 4, "TMA": ""}
-    return {"BM": 64, "BN": 128, "num_warps": 4, "num_stages": 3,
-            "TMA": "" if a_rows else "aw"}
+        return {"BM": 16, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 4,
+                "TMA": ""}
+    return {"BM": 64, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 3,
+            "TMA": "" if a_rows or swiglu else "aw"}
 
 
 def grouped_fp8_tiles(offs: torch.Tensor, P: int, E: int, BM: int) -> torch.Tensor:
@@ -107,14 +109,20 @@ _MAP_BLOCK = 64  # tile slots a program of `_tile_map_kernel`: [64, E] compariso
 def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                     tiles: torch.Tensor | None = None, a_rows: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     tiles: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
+                     swiglu: bool = False, limit: float | None = None) -> torch.Tensor:
     """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them). tiles:
     `grouped_fp8_tiles(offs, P, E, config's BM)` made ahead (else made here). a_rows: the
     sorted rows are a's rows a_rows [P] (and a_scale's), read where the kernel loads them,
-    instead of a gathered copy (a then has any number of rows)."""
+    instead of a gathered copy (a then has any number of rows). swiglu: w holds gate rows
+    then up rows [E, 2I, K] and the result is their SwiGLU [P, I] (with limit: the clamped
+    one, `activation.swiglu_act`), each program multiplying a column tile of gate and the
+    same of up: gate and up are rounded to out_dtype first, the SwiGLU after, as the
+    unfused GEMM and `fp8.swiglu_quantize` round them (address loads only)."""
     P, K = a.shape if a_rows is None else (a_rows.shape[0], a.shape[1])
     E, N, _ = w.shape
+    if swiglu:
+        N //= 2
     bn, bk = block
     if K % bk or bk < 16 or bk & (bk - 1):
         raise ValueError(f"grouped FP8 GEMM: K {K} must be a multiple of the block {bk}, a "
@@ -124,8 +132,12 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     out = torch.empty(P, N, dtype=out_dtype, device=a.device)
     if P == 0:
         return out
-    cfg = config or grouped_fp8_config(P, E)
+    cfg = config or grouped_fp8_config(P, E, swiglu=swiglu)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
+    if swiglu and (cfg.get("TMA", "") or N % bn or bn % BN):
+        raise ValueError(f"grouped FP8 GEMM with SwiGLU: address loads (TMA '') and column "
+                         f"tiles inside one scale block of {bn} rows of gate and of up "
+                         f"(I = {N}), got TMA {cfg.get('TMA')!r} and BN {BN}")
     tile_map = tiles if tiles is not None else grouped_fp8_tiles(offs, P, E, BM)
     if tuple(tile_map.shape) != (2, _tile_slots(P, E, BM)):
         raise ValueError(f"grouped FP8 GEMM: a tile map of {tuple(tile_map.shape)} for "
@@ -150,8 +162,9 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     _grouped_fp8_kernel[grid](
         a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, P, N, K,
         a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
-        w_scale.stride(2), E=E, BN_Q=bn, BM=BM, BN=BN, BK=BK, UPCAST=_INTERPRET,
-        TMA_A="a" in tma, TMA_W="w" in tma, GATHER=a_rows is not None,
+        w_scale.stride(2), 0.0 if limit is None else float(limit), E=E, BN_Q=bn, BM=BM,
+        BN=BN, BK=BK, UPCAST=_INTERPRET, TMA_A="a" in tma, TMA_W="w" in tma,
+        GATHER=a_rows is not None, SWIGLU=swiglu, CLAMP=limit is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -171,6 +184,8 @@ def _descriptor(x: torch.Tensor, rows: int, cols: int):
 
 
 if triton is not None:
+    from cpmoe.ops.activation import swiglu_act
+
     @triton.jit(do_not_specialize=["slots"])
     def _tile_map_kernel(offs_ptr, map_ptr, slots, E: tl.constexpr, E_POW2: tl.constexpr,
                          BM: tl.constexpr, BLOCK: tl.constexpr):
@@ -194,13 +209,17 @@ if triton is not None:
     # P: the slots, which change every step (no variant per residue mod 16)
     @triton.jit(do_not_specialize=["P"])
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr,
-                            rows_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2,
+                            rows_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, limit,
                             E: tl.constexpr, BN_Q: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                             TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False,
-                            GATHER: tl.constexpr = False):
+                            GATHER: tl.constexpr = False, SWIGLU: tl.constexpr = False,
+                            CLAMP: tl.constexpr = False):
         """TMA_A / TMA_W: a_ptr / w_ptr are `_descriptor`s (tiles copied by the TMA unit, no
-        per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]."""
+        per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]. SWIGLU: the
+        expert's 2N weight rows are gate then up; the program's N columns of each, two dots
+        a K block, give out [P, N] = swiglu_act(gate, up) (CLAMP: at limit), gate and up
+        rounded to out's dtype first (address loads, one weight scale a tile)."""
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
@@ -219,7 +238,8 @@ if triton is not None:
         row_ok = rows < end
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w_base = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * N * K
+        W_ROWS: tl.constexpr = 2 if SWIGLU else 1  # weight rows an output column: gate, up
+        w_base = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * W_ROWS * N * K
         src = tl.load(rows_ptr + rows, mask=row_ok, other=0) if GATHER else rows
         # The scales of K block kb are loaded one block ahead, before the dot: loaded after
         # it, their latency followed every MMA's wait (Triton pipelines the tile loads
@@ -232,6 +252,10 @@ if triton is not None:
             ws_at = ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1
         a_s = tl.load(as_rows, mask=row_ok, other=0.0)
         w_s = tl.load(ws_at) if ONE_WS else tl.load(ws_at, mask=col_ok, other=0.0)
+        if SWIGLU:  # up's rows and scale block: N rows (N / BN_Q blocks) past gate's
+            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            ws_up_at = ws_at + (N // BN_Q) * ws_s1
+            w_s_up = tl.load(ws_up_at)
         last = K // BK - 1
         for kb in range(0, K // BK):
             nxt = tl.minimum(kb + 1, last)
@@ -259,8 +283,22 @@ if triton is not None:
                 acc += part * (a_s * w_s)[:, None]
             else:
                 acc += part * a_s[:, None] * w_s[None, :]
+            if SWIGLU:
+                w_s_up_next = tl.load(ws_up_at + nxt * ws_s2)
+                b_up = tl.load(w_base + (N + cols)[None, :].to(tl.int64) * K + k[:, None],
+                               mask=col_ok[None, :], other=0.0)
+                if UPCAST:
+                    part_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32))
+                else:
+                    part_up = tl.dot(a, b_up)
+                acc_up += part_up * (a_s * w_s_up)[:, None]
+                w_s_up = w_s_up_next
             a_s = a_s_next
             w_s = w_s_next
+        if SWIGLU:  # rounded as the unfused GEMM stores gate and up, then as the SwiGLU
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = swiglu_act(gate, up, limit, CLAMP)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -320,6 +320,34 @@ def test_grouped_fp8_gemm_tile_loads_give_the_same_products(tma):
 
 
 @cuda
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_grouped_fp8_gemm_swiglu_equals_the_gemm_then_swiglu_quantize(limit):
+    """gate/up computing its SwiGLU (swiglu=True, what the FP8 experts run for their own
+    SwiGLU, plain or clamped), its [P, I] activation quantized by quantize_act: the codes
+    and scales of the unfused GEMM's [P, 2I] gate and up rows through swiglu_quantize, bit
+    for bit at the same column tile (the same K blocks summed in the same order, gate and up
+    rounded alike); rows of other ranks' experts (id E) zero."""
+    torch.manual_seed(3)
+    E, inter, K, top_k, tokens = 16, 768, 2048, 4, 3000
+    q, s, _ = fp8_weight(2 * inter, K, E)
+    xq, xs = fp8.quantize_act(torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16), 128)
+    ids, order = torch.sort(torch.randint(0, E + 1, (tokens * top_k,), device="cuda"),
+                            stable=True)
+    src = order // top_k
+    offs = torch.searchsorted(ids, torch.arange(1, E + 1, device="cuda"))
+    cfg = fp8_gemm.grouped_fp8_config(src.numel(), E, a_rows=True, swiglu=True)
+    act = fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK, config=cfg, a_rows=src,
+                                    swiglu=True, limit=limit)
+    h = fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK, config=cfg, a_rows=src)
+    assert act.shape == (src.numel(), inter) and h.shape == (src.numel(), 2 * inter)
+    want_q, want_s = fp8.swiglu_quantize(h, 128, limit)
+    got_q, got_s = fp8.quantize_act(act, 128)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s, want_s)
+    assert not act[int(offs[-1]):].any()
+
+
+@cuda
 @pytest.mark.parametrize("rows", [4, 3000])
 def test_fp8_experts_match_bf16_experts_on_dequantized_weights(rows):
     from cpmoe.config import Fp8Config

@@ -12,7 +12,8 @@
   ranks' slots) are written as zeros by the kernel's spare tile slots, even when the fresh
   memory held NaN, and the rest equals `grouped_fp8_gemm_ref`, for tiles that span two
   weight scale blocks and for tiles inside one, for each way of loading tiles (`TMA_MODES`)
-  and with the rows read through `a_rows`.
+  and with the rows read through `a_rows`; with `swiglu` (gate/up computing its SwiGLU,
+  plain or clamped) it equals the SwiGLU of the reference's gate and up rows.
 """
 
 import importlib.util
@@ -134,6 +135,35 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
             assert torch.equal(got[L:], torch.zeros(P - L, N)), (P, offs, tma)
             torch.testing.assert_close(got[:L], want[:L], rtol=1e-5, atol=1e-4)
             cases += 1
+    # gate/up with its SwiGLU (swiglu=True): gate rows then up rows [E, 2I, K] -> [P, I],
+    # the SwiGLU (plain, or clamped at a limit) by the test's own arithmetic of the gate and
+    # up rows the unfused GEMM writes (float32: also within the float32 reference's
+    # tolerance); tail rows zero. bf16: the SwiGLU's one rounding by the interpreter's
+    # truncating cast against torch's, one bf16 step
+    inter = 32
+    pairs = [quantize_block_fp8(torch.randn(2 * inter, K), block) for _ in range(E)]
+    gq, gs = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    h32 = fp8_gemm.grouped_fp8_gemm_ref(tq[src], ts[src], gq, gs, offs, block, torch.float32)
+    cfg = {"BM": BM, "BN": 16, "num_warps": 4, "num_stages": 1, "TMA": ""}
+    for dtype, limit in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 1.5)):
+        h = fp8_gemm.grouped_fp8_gemm(tq, ts, gq, gs, offs, block, dtype, config=cfg,
+                                      a_rows=src).float()
+        g, u = h[:, :inter], h[:, inter:]
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        want = (g / (1 + torch.exp(-g)) * u).to(dtype).float()
+        got = fp8_gemm.grouped_fp8_gemm(tq, ts, gq, gs, offs, block, dtype, config=cfg,
+                                        a_rows=src, swiglu=True, limit=limit)
+        L = int(offs[-1])
+        assert got.shape == (P, inter) and got.dtype == dtype
+        assert torch.equal(got[L:].float(), torch.zeros(P - L, inter)), (P, offs, dtype)
+        tol = (1e-6, 1e-6) if dtype == torch.float32 else (2 ** -7, 1e-6)
+        torch.testing.assert_close(got[:L].float(), want[:L], rtol=tol[0], atol=tol[1])
+        if dtype == torch.float32:
+            g32, u32 = h32[:, :inter], h32[:, inter:]
+            torch.testing.assert_close(got[:L], (g32 / (1 + torch.exp(-g32)) * u32)[:L],
+                                       rtol=1e-5, atol=1e-4)
+        cases += 1
 print("gemm tail ok", cases)
 """
 

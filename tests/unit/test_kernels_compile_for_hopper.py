@@ -99,8 +99,9 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     # split K: the count releases and acquires the partials, which are read from L2
     split = re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
-for a_rows in (True, False):  # the experts' gate/up (rows through a_rows) and down GEMMs
-    cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows)
+# the experts' gate/up (rows through a_rows, with its SwiGLU or without) and down GEMMs
+for a_rows, swiglu in ((True, True), (True, False), (False, False)):
+    cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows, swiglu=swiglu)
     tma = cfg.pop("TMA")
     fp8_tile = "tensordesc<fp8e4nv[{}, 128]>"
     ptx = compile_sm90(
@@ -109,7 +110,7 @@ for a_rows in (True, False):  # the experts' gate/up (rows through a_rows) and d
          "w_ptr": fp8_tile.format(cfg["BN"]) if "w" in tma else "*fp8e4nv", "ws_ptr": "*fp32",
          "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
         {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
-         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows},
+         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu},
         ("P", "as_s0", "ws_s2"), launch_options(cfg))
     # tiles by the TMA unit (cp.async.bulk.tensor) or by addresses (cp.async), into wgmma
     assert "wgmma" in ptx and ("cp.async.bulk.tensor" in ptx) == bool(tma), (a_rows, tma)
