@@ -66,6 +66,18 @@ def time_us(fn, reps: int = 48) -> float:
     return start.elapsed_time(stop) * 1000 / (3 * reps)
 
 
+def parse_tiles(text: str, fields: str) -> list[tuple[int, ...]]:
+    """`--tiles`' comma-separated tiles of four integers (`fields` names them) -> tuples;
+    anything else exits with one line."""
+    try:
+        grid = [tuple(int(v) for v in t.split(":")) for t in text.split(",")]
+    except ValueError:
+        grid = []
+    if not grid or any(len(t) != 4 for t in grid):
+        sys.exit(f"--tiles: expected {fields}[,...], got {text!r}")
+    return grid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -98,13 +110,7 @@ def main() -> None:
         grid = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
     if args.tiles:
-        try:
-            grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
-        except ValueError:
-            grid = []
-        if not grid or any(len(t) != 4 for t in grid):
-            sys.exit(f"--tiles: expected BLOCK_N:BLOCK_K:warps:stages[,...], got "
-                     f"{args.tiles!r}")
+        grid = parse_tiles(args.tiles, "BLOCK_N:BLOCK_K:warps:stages")
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)

@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.decode_kernels import time_us
+from bench.decode_kernels import parse_tiles, time_us
 from cpmoe.bench.provenance import provenance
 from cpmoe.ops import fp8, fp8_gemm
 
@@ -49,15 +49,7 @@ def main() -> None:
     ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:SPLIT_K:"
                     "warps:stages, comma-separated (e.g. 64:8:4:3,32:16:4:5)")
     args = ap.parse_args()
-    grid = GRID
-    if args.tiles:
-        try:
-            grid = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
-        except ValueError:
-            grid = []
-        if not grid or any(len(t) != 4 for t in grid):
-            sys.exit(f"--tiles: expected BLOCK_N:SPLIT_K:warps:stages[,...], got "
-                     f"{args.tiles!r}")
+    grid = parse_tiles(args.tiles, "BLOCK_N:SPLIT_K:warps:stages") if args.tiles else GRID
     torch.manual_seed(0)
     table: dict[str, dict[str, float]] = {}  # row label -> column -> us
     results = []
