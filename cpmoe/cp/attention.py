@@ -242,14 +242,13 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     log-sum-exp (the FP8 kernel's causal mask is top-left aligned on Hopper, as cuDNN's is
     in torch). Every row lies in a run (`query_runs`). `o_quant_group`: see
     `prefill_attention` (`_runs_fp8_offered`); `q_descale`: q in e4m3 (`prefill_attention`)."""
-    from cpmoe.cp.fp8_attention import fp8_attention
+    from cpmoe.cp.fp8_attention import fp8_attention, o_dtype
 
     if (o_quant_group and not with_lse and all(p0 == 0 for _, _, _, p0 in runs)
             and (q.shape[1] * q.shape[2]) % o_quant_group == 0 and launch.use_triton(q)):
         return _runs_fp8_offered(q, k_flat, v_flat, cu_seqlens, scale, runs,
                                  o_quant_group, q_descale), None
-    out = torch.empty(q.shape, dtype=v_flat.dtype if q_descale is not None else q.dtype,
-                      device=q.device)
+    out = torch.empty(q.shape, dtype=o_dtype(q, v_flat), device=q.device)
     lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse
            else None)
     for row0, row1, s, p0 in runs:
@@ -281,11 +280,10 @@ def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     with their run's per-tensor descale in every 1 x group scale (O's one rounding, by
     cuDNN, is all the GEMM sees: no dequantization pass, no `quantize_act` pass, no second
     rounding). One run: cuDNN's buffer is the offer; several: their codes copied into one."""
-    from cpmoe.cp.fp8_attention import fp8_attention_e4m3
+    from cpmoe.cp.fp8_attention import fp8_attention_e4m3, o_dtype
 
     T, H, D = q.shape
-    out = torch.empty(q.shape, dtype=v_flat.dtype if q_descale is not None else q.dtype,
-                      device=q.device)
+    out = torch.empty(q.shape, dtype=o_dtype(q, v_flat), device=q.device)
     codes = None
     scales_t = torch.empty(H * D // group, T, dtype=torch.float32, device=q.device)
     for row0, row1, s, _ in runs:

@@ -240,7 +240,7 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     return _Graph(g, t, workspace)
 
 
-def _wide_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+def o_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
     """O's 16-bit dtype: q's, or v's where q came in e4m3 (`norm_rope_fp8`)."""
     for x in (q, v):
         if x.dtype.itemsize > 1:
@@ -269,7 +269,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """See the module docstring: q [n, H, D], k / v [m, G, D], each 16-bit or e4m3 (then
     with its descale) -> (o [n, H, D] in q's 16-bit dtype (v's where q is e4m3), written
     into `out` when given, lse [n, H] fp32 or None)."""
-    out = torch.empty(q.shape, dtype=_wide_dtype(q, v), device=q.device) if out is None else out
+    out = torch.empty(q.shape, dtype=o_dtype(q, v), device=q.device) if out is None else out
     o8, o_descale, stats = fp8_attention_e4m3(q, k, v, scale, causal, lse, k_descale,
                                               v_descale, q_descale)
     if q.shape[0]:

@@ -26,7 +26,7 @@ import math
 import torch
 
 from cpmoe.ops import launch
-from cpmoe.ops.fp8 import offer_quantized
+from cpmoe.ops.fp8 import FP8_MAX, offer_quantized
 from cpmoe.ops.launch import pdl_args, tl, triton
 
 if triton is not None:
@@ -68,8 +68,6 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
-E4M3_MAX = 448.0
-
 
 def fp8_rope_bound(weight: torch.Tensor) -> torch.Tensor:
     """The largest magnitude `norm_rope` can write with this per-head RMSNorm weight [D]:
@@ -86,10 +84,9 @@ def norm_rope_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     """`norm_rope` in float32, times s = 448 / `fp8_rope_bound`(weight), rounded once to
     e4m3 (nearest even) -> (codes [T, heads, D], descale 1 / s as a [1] float32 tensor)."""
     bound = fp8_rope_bound(weight)
-    s = torch.tensor(E4M3_MAX, device=bound.device) / bound
+    s = torch.tensor(FP8_MAX, device=bound.device) / bound
     y = _norm_rope_f32(x, weight, eps, cos, sin) * s
-    return (y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn),
-            (bound / E4M3_MAX).reshape(1))
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), (bound / FP8_MAX).reshape(1)
 
 
 def norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -223,7 +220,9 @@ def _store_kernel_fits(qkv: torch.Tensor, q_weight: torch.Tensor | None,
 def _store(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
            k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-           kv_scale: torch.Tensor | None, fp8_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           kv_scale: torch.Tensor | None, fp8_q: bool
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (q, its descale where fp8_q, else None)."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     if qkv.stride(-1) != 1:
@@ -231,11 +230,12 @@ def _store(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor 
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty((T, heads, D), dtype=torch.float8_e4m3fn if fp8_q else qkv.dtype,
                     device=qkv.device)
-    descale = torch.empty(1, dtype=torch.float32, device=qkv.device)
+    descale = torch.empty(1, dtype=torch.float32, device=qkv.device) if fp8_q else None
     _qkv_norm_rope_store_kernel[(T,)](
         qkv, q, q_weight if q_weight is not None else qkv,
         k_weight if k_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
-        kv_scale if kv_scale is not None else unit_kv_scale(qkv.device), descale,
+        kv_scale if kv_scale is not None else unit_kv_scale(qkv.device),
+        descale if fp8_q else q,  # any pointer when q is 16-bit
         qkv.stride(0), eps, heads, kv_heads, HAS_NORM=q_weight is not None,
         HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
         HALF=D // 2, KV_MAX=kv_max(k_cache.dtype), FP8_Q=fp8_q, SQRT_D=math.sqrt(D),
@@ -304,7 +304,7 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 
 if triton is not None:
-    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+    _E4M3_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
     def _rms_norm_fp32w_kernel(x_ptr, w_ptr, out_ptr, x_st, N, eps, BLOCK: tl.constexpr):
