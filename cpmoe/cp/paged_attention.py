@@ -117,12 +117,13 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                            num_splits: int | None = None, out_dtype: torch.dtype | None = None,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           quant_group: int | None = None, kv_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           quant_group: int | None = None, kv_scale: torch.Tensor | None = None,
+                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
     quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
     1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
-    launches no quantization: `ops.fp8.offer_quantized`)."""
+    launches no quantization: `ops.fp8.offer_quantized`). config: stage 1's tile and launch
+    (`stage1_config`'s keys; a benchmark's sweep), default `stage1_config`'s."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
     if kv_scale is not None and (kv_scale.shape != (4,) or kv_scale.dtype != torch.float32
                                  or kv_scale.device != q_BHD.device):
@@ -138,7 +139,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if kv_scale is None:
         kv_scale = unit_kv_scale(q_BHD.device)
     return _paged_decode_triton(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, scale,
-                                num_splits, out_dtype, workspace, quant, kv_scale)
+                                num_splits, out_dtype, workspace, quant, kv_scale, config)
 
 
 @functools.cache
@@ -218,7 +219,8 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          block_table_BP: torch.Tensor, kv_lens_B: torch.Tensor, scale: float,
                          num_splits: int | None, out_dtype: torch.dtype,
                          workspace: tuple[torch.Tensor, torch.Tensor] | None, quant: bool,
-                         kv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_scale: torch.Tensor, config: dict | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = q_BHD.shape
     _, page, Hkv, _ = k_cache.shape
     P = block_table_BP.shape[1]
@@ -238,11 +240,9 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     else:
         o_part, lse_part = _workspace(workspace, B, H, num_splits, D, q_BHD.device)
     G = H // Hkv
-    block_n = 32 if D > 128 else 64  # bounds the [BLOCK_N, D] K/V tiles in registers
     d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
-    # FP8 pools: two stages, not three (41 vs 57 us at batch 64 x 1K on the H200, see
-    # KV_FP8 in the kernel)
-    fp8 = {"KV_FP8": True, "num_stages": 2} if k_cache.dtype in FP8_KV else {}
+    kv_fp8 = k_cache.dtype in FP8_KV
+    cfg = config or stage1_config(kv_fp8, D)
     _paged_decode_stage1[(B, Hkv, num_splits)](
         q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
@@ -250,9 +250,9 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table_BP.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        G, D, num_splits, PAGE=page, BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(G)),
-        D_PAD=d_pad, IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
-        **fp8, **pdl_args(q_BHD))
+        G, D, num_splits, PAGE=page, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
+        IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
+        KV_FP8=kv_fp8, **cfg, **pdl_args(q_BHD))
     if num_splits > 1:
         q8 = s_t = o_BHD  # any pointer when not quantizing
         if quant:
@@ -267,6 +267,14 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         if quant:
             offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
+
+
+def stage1_config(kv_fp8: bool, head_dim: int) -> dict:
+    """Stage 1's keys a tile (BLOCK_N: 64, 32 when D > 128 to bound the [BLOCK_N, D] K/V
+    tiles in registers), warps, pipeline stages (FP8 pools two, not three: 41 vs 57 us at
+    batch 64 x 1K on the H200, see KV_FP8 in the kernel) and PREFETCH (the kernel's)."""
+    return {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
+            "num_stages": 2 if kv_fp8 else 3, "PREFETCH": False}
 
 
 def _interpreter_bf16(dtype: torch.dtype) -> bool:
@@ -293,6 +301,48 @@ def _workspace(workspace: tuple[torch.Tensor, torch.Tensor] | None, B: int, H: i
 
 
 if triton is not None:
+    @triton.jit
+    def _kv_tile(k_ptr, v_ptr, page, t, t_ok, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh,
+                 d, d_ok, PAGE: tl.constexpr):
+        """The [BLOCK_N, D] K and V tiles of keys t (pages `page`), as stored."""
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _pages(bt_row, t, t_ok, PAGE: tl.constexpr):
+        return tl.load(bt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+
+    @triton.jit
+    def _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale, scale_log2,
+                     IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
+        """Online softmax over one tile of keys: (m, total, acc) updated in the log2 domain."""
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(t_ok[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, axis=1))  # finite: the tile has a valid key
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        if KV_FP8:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if UPCAST:  # p rounded to bf16 as below, then exact products
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)  # bf16/fp16 tensor cores, fp32 accumulate
+        return m_new, total, acc * alpha[:, None] + pv
+
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS"])
@@ -303,14 +353,18 @@ if triton is not None:
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                             KV_FP8: tl.constexpr = False):
+                             KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         """KV_FP8: FP8 pools, widened to q's dtype as k * k_scale and v * v_scale
         (kvs_ptr[0:2], the layer's scales, read here so a captured graph keeps following
         them; 1: exact). The multiply by a value known only at run time makes Triton
         widen each tile in registers and stage it in shared memory as 16-bit values, read
         into the MMA layout with ldmatrix; a plain cast let it stage the FP8 bytes and read
         them one by one into that layout (on the H200 at batch 64 x 1K: 51 us against 41 us
-        a call with 64-key tiles; bf16 pools 40 us)."""
+        a call with 64-key tiles; bf16 pools 40 us).
+        PREFETCH: the next tile's K and V are loaded into registers while this tile is
+        multiplied, and the page ids a tile further ahead (launch with num_stages=1). Triton's
+        own pipeline (num_stages 2) issues the next tile's copies at the end of an iteration
+        and waits for them at the top of the next, so no load overlaps any math."""
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -323,9 +377,11 @@ if triton is not None:
 
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
+        n = tl.arange(0, BLOCK_N)
         heads = kvh * GROUP + g
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
+        bt_row = bt_ptr + b * bt_sb
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         k_scale = tl.load(kvs_ptr)  # used by FP8 pools only
@@ -333,40 +389,28 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_ok = t < end
-            page = tl.load(bt_ptr + b * bt_sb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
-                        + d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
-                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
-                            input_precision="ieee")
-            elif IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(t_ok[None, :], qk * scale_log2, float("-inf"))  # log2 domain
-            m_new = tl.maximum(m, tl.max(qk, axis=1))  # finite: t0 < end is a valid key
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
-                        + d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
-            if UPCAST:  # p rounded to bf16 as below, then exact products
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                            input_precision="ieee")
-            elif IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)  # bf16/fp16 tensor cores, fp32 accumulate
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+        if PREFETCH:
+            t = start + n
+            k_nx, v_nx = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t < end, PAGE), t,
+                                  t < end, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok,
+                                  PAGE)
+            page_nx = _pages(bt_row, t + BLOCK_N, t + BLOCK_N < end, PAGE)
+            for t0 in range(start, end, BLOCK_N):
+                k, v = k_nx, v_nx
+                t1 = t0 + BLOCK_N + n  # past `end`: masked, no memory read
+                k_nx, v_nx = _kv_tile(k_ptr, v_ptr, page_nx, t1, t1 < end, kvh,
+                                      k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok, PAGE)
+                page_nx = _pages(bt_row, t1 + BLOCK_N, t1 + BLOCK_N < end, PAGE)
+                m, total, acc = _attend_tile(q, k, v, t0 + n < end, m, total, acc, k_scale,
+                                             v_scale, scale_log2, IEEE, UPCAST, KV_FP8)
+        else:
+            for t0 in range(start, end, BLOCK_N):
+                t = t0 + n
+                t_ok = t < end
+                k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok,
+                                kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok, PAGE)
+                m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
+                                             scale_log2, IEEE, UPCAST, KV_FP8)
         empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
         total = tl.where(empty, 1.0, total)
         o = acc / total[:, None]

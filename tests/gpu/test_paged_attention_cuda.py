@@ -53,9 +53,11 @@ def make_batch(lens: list[int], page: int, dtype: torch.dtype = torch.bfloat16,
     return q, k_cache, v_cache, table, lens_B
 
 
-def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None) -> None:
+def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None,
+                            config=None) -> None:
     dtype, scale = q.dtype, q.shape[-1] ** -0.5
-    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale, num_splits)
+    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale, num_splits,
+                                       config=config)
     want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
     abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.float().abs(), table, lens_B,
                                              scale)
@@ -109,6 +111,22 @@ def test_fp8_pools_match_reference_on_the_values_they_hold(fmt, batch, ctx, spli
     q, k_cache, v_cache, table, lens_B = make_batch(ragged_lens(batch, ctx, seed=ctx), 16,
                                                     seed=batch)
     check_against_reference(q, k_cache.to(fmt), v_cache.to(fmt), table, lens_B, splits)
+
+
+@cuda
+@pytest.mark.parametrize("tile", [(16, 1), (32, 2), (64, 4), (128, 8)])
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_prefetching_stage1_matches_reference(tile, fmt, splits) -> None:
+    """Stage 1 loading the next tile into registers while it multiplies this one
+    (PREFETCH), at the tiles and warps the sweep (bench/decode_attention.py) tries: the
+    same bound, ragged rows (an empty one) and shuffled pages."""
+    block_n, warps = tile
+    q, k_cache, v_cache, table, lens_B = make_batch(ragged_lens(64, 1100, seed=block_n), 16,
+                                                    seed=warps)
+    check_against_reference(q, k_cache.to(fmt), v_cache.to(fmt), table, lens_B, splits,
+                            {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 1,
+                             "PREFETCH": True})
 
 
 @cuda

@@ -217,7 +217,7 @@ U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 **
 
 
 def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views=False,
-          workspace=False, pool=None, kv_scale=None):
+          workspace=False, pool=None, kv_scale=None, config=None):
     k_cache, v_cache, table, lens_B, _, _ = build_paged(lens, page, kv_heads, dim, dtype, 11)
     if pool is not None:  # --kv-cache-dtype fp8: the kernel widens what the pools hold
         k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
@@ -231,7 +231,7 @@ def check(lens, page, heads, kv_heads, dim, dtype, splits, out_dtype=None, views
         ws = (torch.empty(len(lens), heads, splits, dim), torch.empty(len(lens), heads, splits))
     o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale,
                                        num_splits=splits, out_dtype=out_dtype, workspace=ws,
-                                       kv_scale=kv_scale)
+                                       kv_scale=kv_scale, config=config)
     want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale,
                                                      kv_scale)
     abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.abs(), table, lens_B, scale,
@@ -270,6 +270,14 @@ for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and thre
     torch.manual_seed(5)
     q1, *_, o_unit, _ = check([70, 5, 0], 16, 8, 2, 32, torch.float32, 3, pool=pool)
     assert torch.equal(q, q1) and (o_scaled - o_unit).abs().max() > 0.1  # scales applied
+# stage 1 with the next tile's K/V loaded while this one is multiplied (PREFETCH): rows of
+# no key, of one tile, ending mid-tile and mid-page, over several tiles; 16-key tiles over
+# 16- and 4-key pages; 16-bit and FP8 pools, one split and three
+for block_n, page in ((16, 16), (32, 4), (64, 16)):
+    cfg = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 1, "PREFETCH": True}
+    for splits in (1, 3):
+        check([0, 1, 16, 17, 150], page, 8, 2, 32, torch.float32, splits, config=cfg)
+    check([70, 5, 33], page, 8, 2, 32, torch.bfloat16, 2, config=cfg, pool=torch.float8_e4m3fn)
 
 # CP merge with the kernel: two shards of row keys merged equal the whole
 q, kc, vc, tb, lb, o, lse = check([50, 20], 16, 8, 2, 32, torch.float32, 2)
