@@ -242,17 +242,26 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     G = H // Hkv
     d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
     kv_fp8 = k_cache.dtype in FP8_KV
-    cfg = config or stage1_config(kv_fp8, D)
+    # FP8 codes widened to float16 as they are, their scales outside the dots (KV_F16),
+    # unless q is float32 (then widened to float32 times the scales, exactly)
+    cfg = {"KV_F16": kv_fp8, **(config or stage1_config(kv_fp8, D))}
+    cfg["KV_F16"] = cfg["KV_F16"] and kv_fp8 and q_BHD.dtype != torch.float32
+    k_in, v_in = k_cache, v_cache
+    cfg["WORDS"] = cfg["KV_F16"] and q_BHD.is_cuda and D % 4 == 0 and all(
+        st % 4 == 0 for st in (*k_cache.stride()[:3], *v_cache.stride()[:3],
+                               k_cache.storage_offset(), v_cache.storage_offset()))
+    if cfg["WORDS"]:  # four codes an int32 word (strides below in words)
+        k_in, v_in = k_cache.view(torch.int32), v_cache.view(torch.int32)
     _paged_decode_stage1[(B, Hkv, num_splits)](
-        q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
+        q_BHD, k_in, v_in, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table_BP.stride(0),
+        k_in.stride(0), k_in.stride(1), k_in.stride(2),
+        v_in.stride(0), v_in.stride(1), v_in.stride(2), block_table_BP.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
         IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
-        KV_FP8=kv_fp8, **cfg, **pdl_args(q_BHD))
+        KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, **cfg, **pdl_args(q_BHD))
     if num_splits > 1:
         q8 = s_t = o_BHD  # any pointer when not quantizing
         if quant:
@@ -317,30 +326,57 @@ if triton is not None:
         return tl.load(bt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
 
     @triton.jit
-    def _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale, scale_log2,
-                     IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
-        """Online softmax over one tile of keys: (m, total, acc) updated in the log2 domain."""
-        if KV_FP8:
+    def _words_to_f16(w, E5M2: tl.constexpr):
+        """[N, D / 4] int32 words of four FP8 codes each -> [N, D] their float16 values
+        (exact), through two `cvt.rn.f16x2` a word. Loaded as bytes, Triton moves FP8 tiles
+        a byte at a time (unpacked to a register each, or read from shared memory into the
+        MMA layout byte by byte)."""
+        fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+            f"cvt.rn.f16x2.{fmt} x, lo; cvt.rn.f16x2.{fmt} y, hi; "
+            "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+        codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [N, D / 4, 2, 2]: c0 c1 c2 c3
+        return tl.reshape(codes, (w.shape[0], w.shape[1] * 4))
+
+    @triton.jit
+    def _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale, qk_scale,
+                     IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+                     KV_F16: tl.constexpr, WORDS: tl.constexpr, E5M2: tl.constexpr):
+        """Online softmax over one tile of keys: (m, total, acc) updated in the log2 domain.
+        KV_F16: q is float16 and the FP8 codes are widened to float16 as they are (exact),
+        their scales applied outside the dots (k_scale in qk_scale, v_scale by the caller)."""
+        if WORDS:
+            k = _words_to_f16(k, E5M2)
+        elif KV_F16:
+            k = k.to(tl.float16)
+        elif KV_FP8:
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        if UPCAST:  # exact products of the bf16 values, as the tensor cores form them
+        if UPCAST:  # exact products of the 16-bit values, as the tensor cores form them
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         elif IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(t_ok[None, :], qk * scale_log2, float("-inf"))
+        qk = tl.where(t_ok[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))  # finite: the tile has a valid key
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        if KV_FP8:
+        if WORDS:
+            v = _words_to_f16(v, E5M2)
+        elif KV_F16:
+            v = v.to(tl.float16)
+        elif KV_FP8:
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        if UPCAST:  # p rounded to bf16 as below, then exact products
+        if UPCAST:  # p rounded to the 16-bit dtype as below, then exact products
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         elif IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)  # bf16/fp16 tensor cores, fp32 accumulate
+            pv = tl.dot(p.to(v.dtype), v)  # 16-bit tensor cores, fp32 accumulate
         return m_new, total, acc * alpha[:, None] + pv
 
     # a size that changes every step: no specialization on it (Triton would compile a
@@ -353,7 +389,9 @@ if triton is not None:
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                             KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                             KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                             KV_F16: tl.constexpr = False, WORDS: tl.constexpr = False,
+                             E5M2: tl.constexpr = False):
         """KV_FP8: FP8 pools, widened to q's dtype as k * k_scale and v * v_scale
         (kvs_ptr[0:2], the layer's scales, read here so a captured graph keeps following
         them; 1: exact). The multiply by a value known only at run time makes Triton
@@ -382,38 +420,52 @@ if triton is not None:
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
         bt_row = bt_ptr + b * bt_sb
+        if WORDS:  # K/V read as int32 words of four codes (strides in words)
+            dk = tl.arange(0, D_PAD // 4)
+            dk_ok = dk < HEAD_DIM // 4
+        else:
+            dk = d
+            dk_ok = d_ok
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         k_scale = tl.load(kvs_ptr)  # used by FP8 pools only
         v_scale = tl.load(kvs_ptr + 1)
+        qk_scale = scale_log2
+        if KV_F16:  # q in float16 (|q| past its range saturates), k_scale outside the dot
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            qk_scale = scale_log2 * k_scale
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         if PREFETCH:
             t = start + n
             k_nx, v_nx = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t < end, PAGE), t,
-                                  t < end, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok,
+                                  t < end, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok,
                                   PAGE)
             page_nx = _pages(bt_row, t + BLOCK_N, t + BLOCK_N < end, PAGE)
             for t0 in range(start, end, BLOCK_N):
                 k, v = k_nx, v_nx
                 t1 = t0 + BLOCK_N + n  # past `end`: masked, no memory read
                 k_nx, v_nx = _kv_tile(k_ptr, v_ptr, page_nx, t1, t1 < end, kvh,
-                                      k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok, PAGE)
+                                      k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
                 page_nx = _pages(bt_row, t1 + BLOCK_N, t1 + BLOCK_N < end, PAGE)
                 m, total, acc = _attend_tile(q, k, v, t0 + n < end, m, total, acc, k_scale,
-                                             v_scale, scale_log2, IEEE, UPCAST, KV_FP8)
+                                             v_scale, qk_scale, IEEE, UPCAST, KV_FP8, KV_F16,
+                                             WORDS, E5M2)
         else:
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + n
                 t_ok = t < end
                 k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok,
-                                kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, d, d_ok, PAGE)
+                                kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
                 m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
-                                             scale_log2, IEEE, UPCAST, KV_FP8)
+                                             qk_scale, IEEE, UPCAST, KV_FP8, KV_F16,
+                                             WORDS, E5M2)
         empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
         total = tl.where(empty, 1.0, total)
         o = acc / total[:, None]
+        if KV_F16:
+            o = o * v_scale
         lse = tl.where(empty, float("-inf"), (m + tl.log2(total)) * 0.6931471805599453)
         tl.store(o_ptr + b * o_sb + heads[:, None] * o_sh + split * o_ss + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

@@ -162,18 +162,22 @@ for fn, pointers, constexprs, unaligned in (
         ):
     ptx = compile_sm90(fn, pointers, dict(constexprs, PDL=True), unaligned, {"num_warps": 4})
     waits_first(ptx, fn.fn.__name__)
-# FP8 K/V pools (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): decode attention compiles with FP8
-# loads, widened to bf16 times the layer's scales (loaded, as the store's reciprocals); the
-# store rounds to nearest and saturates (satfinite)
+# FP8 K/V pools (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): decode attention loads the codes as
+# int32 words and widens them to float16 (the layer's scales outside the dots); the store
+# rounds to nearest and saturates (satfinite)
 for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
+    cfg = paged_attention.stage1_config(True, 128)
+    options = launch_options(cfg)
     ptx = compile_sm90(
         paged_attention._paged_decode_stage1,
-        {"q_ptr": bf16, "k_ptr": fmt, "v_ptr": fmt, "bt_ptr": "*i32", "lens_ptr": "*i32",
+        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
          "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
-        {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False, "UPCAST": False,
-         "PDL": True, "KV_FP8": True}, ("bt_sb", "NUM_SPLITS", "GROUP"),
-        {"num_warps": 4, "num_stages": 2})
-    waits_first(ptx, ("stage 1", fmt))
+        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
+             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2"),
+        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
+    # four codes a word widened by cvt.rn.f16x2 (two a word), never read a byte at a time
+    assert len(re.findall(r"cvt\.rn\.f16x2\." + name, waits_first(ptx, ("stage 1", fmt)))) >= 64
+    assert not re.search(r"ld\.shared\.(u8|b8|s8)|ld\.global\.(u8|b8|s8)", ptx), fmt
     ptx = compile_sm90(
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
