@@ -13,8 +13,10 @@ heads per KV head, D head dim, P max pages per row (block-table width), S splits
 Inputs:
 - q_BHD [B, H, D], bf16/fp16/fp32, last dim contiguous; any D (non-powers of two masked).
 - k_cache, v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8 (e4m3fn / e5m2:
-  `--kv-cache-dtype`, widened to q's dtype as they are loaded, times the layer's k_scale and
-  v_scale: kv_scale [4] float32 on the device, `ops.norm`; None: 1), last dim contiguous
+  `--kv-cache-dtype`, read times the layer's k_scale and v_scale: kv_scale [4] float32 on
+  the device, `ops.norm`; None: 1; with a 16-bit q the codes are widened to float16 as
+  they are and multiplied by a float16 q and float16 probabilities, the scales applied to
+  the float32 scores and output), last dim contiguous
   (other strides are passed through, so views of a larger pool work); page_size a power of
   two.
 - block_table_BP int32 [B, P]: row b's token t lives at page block_table[b, t // page_size],
@@ -392,13 +394,14 @@ if triton is not None:
                              KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                              KV_F16: tl.constexpr = False, WORDS: tl.constexpr = False,
                              E5M2: tl.constexpr = False):
-        """KV_FP8: FP8 pools, widened to q's dtype as k * k_scale and v * v_scale
-        (kvs_ptr[0:2], the layer's scales, read here so a captured graph keeps following
-        them; 1: exact). The multiply by a value known only at run time makes Triton
-        widen each tile in registers and stage it in shared memory as 16-bit values, read
-        into the MMA layout with ldmatrix; a plain cast let it stage the FP8 bytes and read
-        them one by one into that layout (on the H200 at batch 64 x 1K: 51 us against 41 us
-        a call with 64-key tiles; bf16 pools 40 us).
+        """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
+        captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
+        widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
+        float32 scores and v_scale the output; WORDS (CUDA): the codes are loaded as int32
+        words and widened by `_words_to_f16`, because Triton moves 8-bit tiles a byte at a
+        time (a plain cast staged the codes in shared memory and read them one by one into
+        the MMA layout: 51 against 41 us on the H200 at batch 64 x 1K). Not KV_F16 (float32
+        q): widened to q's dtype times the scales.
         PREFETCH: the next tile's K and V are loaded into registers while this tile is
         multiplied, and the page ids a tile further ahead (launch with num_stages=1). Triton's
         own pipeline (num_stages 2) issues the next tile's copies at the end of an iteration
