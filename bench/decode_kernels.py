@@ -67,13 +67,13 @@ def time_us(fn, reps: int = 48) -> float:
 
 
 def parse_tiles(text: str, fields: str) -> list[tuple[int, ...]]:
-    """`--tiles`' comma-separated tiles of four integers (`fields` names them) -> tuples;
-    anything else exits with one line."""
+    """`--tiles`' comma-separated tiles of integers, one per colon-separated name of
+    `fields` -> tuples; anything else exits with one line."""
     try:
         grid = [tuple(int(v) for v in t.split(":")) for t in text.split(",")]
     except ValueError:
         grid = []
-    if not grid or any(len(t) != 4 for t in grid):
+    if not grid or any(len(t) != fields.count(":") + 1 for t in grid):
         sys.exit(f"--tiles: expected {fields}[,...], got {text!r}")
     return grid
 

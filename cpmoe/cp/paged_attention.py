@@ -282,10 +282,17 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def stage1_config(kv_fp8: bool, head_dim: int) -> dict:
     """Stage 1's keys a tile (BLOCK_N: 64, 32 when D > 128 to bound the [BLOCK_N, D] K/V
-    tiles in registers), warps, pipeline stages (FP8 pools two, not three: 41 vs 57 us at
-    batch 64 x 1K on the H200, see KV_FP8 in the kernel) and PREFETCH (the kernel's)."""
+    tiles in registers), warps and pipeline stages. Swept on an H100 at 64 x 1,088 and 128 x
+    1,280 keys (bench/decode_attention.py: 32-128 keys, 2-8 warps, 2-3 stages, 1-8 splits;
+    bench/results/decode-attention-h100-318ad0c.log, decode-attention-fp8-h100-d2524f8.log):
+    with `default_num_splits`' splits this tile was within 5% of the fastest for FP8 pools
+    (two stages; three tie) and bf16 pools at 128 rows; bf16 at 64 rows was 8% faster in
+    one split, which moved the decode step by 0.6% (23.38 against 23.53 ms), not taken. A
+    variant that loaded the next tile into registers itself (Triton's two-stage pipeline
+    waits for a tile's copies at the top of the iteration that uses it) was never faster
+    by more than 2% (318ad0c)."""
     return {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
-            "num_stages": 2 if kv_fp8 else 3, "PREFETCH": False}
+            "num_stages": 2 if kv_fp8 else 3}
 
 
 def _interpreter_bf16(dtype: torch.dtype) -> bool:
@@ -391,9 +398,8 @@ if triton is not None:
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                             KV_FP8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                             KV_F16: tl.constexpr = False, WORDS: tl.constexpr = False,
-                             E5M2: tl.constexpr = False):
+                             KV_FP8: tl.constexpr = False, KV_F16: tl.constexpr = False,
+                             WORDS: tl.constexpr = False, E5M2: tl.constexpr = False):
         """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
         captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
         widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
@@ -402,10 +408,7 @@ if triton is not None:
         time (a plain cast staged the codes in shared memory and read them one by one into
         the MMA layout: 51 against 41 us on the H200 at batch 64 x 1K). Not KV_F16 (float32
         q): widened to q's dtype times the scales.
-        PREFETCH: the next tile's K and V are loaded into registers while this tile is
-        multiplied, and the page ids a tile further ahead (launch with num_stages=1). Triton's
-        own pipeline (num_stages 2) issues the next tile's copies at the end of an iteration
-        and waits for them at the top of the next, so no load overlaps any math."""
+        """
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -440,30 +443,13 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        if PREFETCH:
-            t = start + n
-            k_nx, v_nx = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t < end, PAGE), t,
-                                  t < end, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok,
-                                  PAGE)
-            page_nx = _pages(bt_row, t + BLOCK_N, t + BLOCK_N < end, PAGE)
-            for t0 in range(start, end, BLOCK_N):
-                k, v = k_nx, v_nx
-                t1 = t0 + BLOCK_N + n  # past `end`: masked, no memory read
-                k_nx, v_nx = _kv_tile(k_ptr, v_ptr, page_nx, t1, t1 < end, kvh,
-                                      k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
-                page_nx = _pages(bt_row, t1 + BLOCK_N, t1 + BLOCK_N < end, PAGE)
-                m, total, acc = _attend_tile(q, k, v, t0 + n < end, m, total, acc, k_scale,
-                                             v_scale, qk_scale, IEEE, UPCAST, KV_FP8, KV_F16,
-                                             WORDS, E5M2)
-        else:
-            for t0 in range(start, end, BLOCK_N):
-                t = t0 + n
-                t_ok = t < end
-                k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok,
-                                kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
-                m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
-                                             qk_scale, IEEE, UPCAST, KV_FP8, KV_F16,
-                                             WORDS, E5M2)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + n
+            t_ok = t < end
+            k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok, kvh,
+                            k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
+            m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
+                                         qk_scale, IEEE, UPCAST, KV_FP8, KV_F16, WORDS, E5M2)
         empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
         total = tl.where(empty, 1.0, total)
         o = acc / total[:, None]

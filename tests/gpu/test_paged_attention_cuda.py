@@ -114,22 +114,6 @@ def test_fp8_pools_match_reference_on_the_values_they_hold(fmt, batch, ctx, spli
 
 
 @cuda
-@pytest.mark.parametrize("tile", [(16, 1), (32, 2), (64, 4), (128, 8)])
-@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("splits", [None, 1])
-def test_prefetching_stage1_matches_reference(tile, fmt, splits) -> None:
-    """Stage 1 loading the next tile into registers while it multiplies this one
-    (PREFETCH), at the tiles and warps the sweep (bench/decode_attention.py) tries: the
-    same bound, ragged rows (an empty one) and shuffled pages."""
-    block_n, warps = tile
-    q, k_cache, v_cache, table, lens_B = make_batch(ragged_lens(64, 1100, seed=block_n), 16,
-                                                    seed=warps)
-    check_against_reference(q, k_cache.to(fmt), v_cache.to(fmt), table, lens_B, splits,
-                            {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 1,
-                             "PREFETCH": True})
-
-
-@cuda
 def test_cuda_graph_replay_matches_eager_with_new_lengths_and_tables() -> None:
     batch, ctx, page = 16, 4096, 16
     q, k_cache, v_cache, table, lens_B = make_batch([ctx] * batch, page, seed=1)

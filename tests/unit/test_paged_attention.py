@@ -270,15 +270,6 @@ for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and thre
     torch.manual_seed(5)
     q1, *_, o_unit, _ = check([70, 5, 0], 16, 8, 2, 32, torch.float32, 3, pool=pool)
     assert torch.equal(q, q1) and (o_scaled - o_unit).abs().max() > 0.1  # scales applied
-# stage 1 with the next tile's K/V loaded while this one is multiplied (PREFETCH): rows of
-# no key, of one tile, ending mid-tile and mid-page, over several tiles; 16-key tiles over
-# 16- and 4-key pages; 16-bit and FP8 pools, one split and three
-for block_n, page in ((16, 16), (32, 4), (64, 16)):
-    cfg = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 1, "PREFETCH": True}
-    for splits in (1, 3):
-        check([0, 1, 16, 17, 150], page, 8, 2, 32, torch.float32, splits, config=cfg)
-    check([70, 5, 33], page, 8, 2, 32, torch.bfloat16, 2, config=cfg, pool=torch.float8_e4m3fn)
-
 # CP merge with the kernel: two shards of row keys merged equal the whole
 q, kc, vc, tb, lb, o, lse = check([50, 20], 16, 8, 2, 32, torch.float32, 2)
 tail = torch.tensor([30, 7], dtype=torch.int32)  # shard 1: keys [lb - tail, lb)
