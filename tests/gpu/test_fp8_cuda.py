@@ -122,9 +122,11 @@ def test_decode_attention_reads_fp8_pools_times_the_layer_scales(splits):
     """FP8 pools with a checkpoint's k_scale / v_scale at Qwen3-30B-A3B's heads: the kernel
     (scales read from the device, so a graph replay follows a changed scale) against the
     float32 reference over codes x scale, within 2^-5 of the attention of |v|, and again on
-    a replay after the scales change. The bound: the widened K rounded to bf16 moves each
-    score by up to 2^-9 of sum |q_i k_i| x scale (about 1e-2 here, so p by 1%), and p, the
-    widened V and o round to bf16 (2^-9 each); a scale not applied is off by its factor."""
+    a replay after the scales change. The bound: the codes are exact in float16 and q
+    rounds to float16, moving each score by up to 2^-11 of sum |q_i k_i| x scale (about 1e-2
+    here, so p by under 1%); p rounds to float16 and o to bf16 (2^-11, 2^-9), and a kernel
+    that widened K and V to bf16 times the scales (the code before d2524f8) stayed within
+    it too; a scale not applied is off by its factor."""
     from cpmoe.cp.paged_attention import paged_decode_attention, paged_decode_attention_ref
     from cpmoe.ops import fill_kv_scale
     torch.manual_seed(1)
