@@ -351,18 +351,26 @@ if triton is not None:
         return tl.reshape(codes, (w.shape[0], w.shape[1] * 4))
 
     @triton.jit
+    def _widen(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr,
+               WORDS: tl.constexpr, E5M2: tl.constexpr):
+        """A K or V tile as the dots take it: 16-bit pools as stored; FP8 codes in float16
+        (KV_F16, from int32 words with WORDS) or times their scale in q's dtype."""
+        if WORDS:
+            x = _words_to_f16(x, E5M2)
+        elif KV_F16:
+            x = x.to(tl.float16)
+        elif KV_FP8:
+            x = (x.to(tl.float32) * scale).to(dtype)
+        return x
+
+    @triton.jit
     def _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale, qk_scale,
                      IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
                      KV_F16: tl.constexpr, WORDS: tl.constexpr, E5M2: tl.constexpr):
         """Online softmax over one tile of keys: (m, total, acc) updated in the log2 domain.
         KV_F16: q is float16 and the FP8 codes are widened to float16 as they are (exact),
         their scales applied outside the dots (k_scale in qk_scale, v_scale by the caller)."""
-        if WORDS:
-            k = _words_to_f16(k, E5M2)
-        elif KV_F16:
-            k = k.to(tl.float16)
-        elif KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        k = _widen(k, k_scale, q.dtype, KV_FP8, KV_F16, WORDS, E5M2)
         if UPCAST:  # exact products of the 16-bit values, as the tensor cores form them
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         elif IEEE:
@@ -374,12 +382,7 @@ if triton is not None:
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        if WORDS:
-            v = _words_to_f16(v, E5M2)
-        elif KV_F16:
-            v = v.to(tl.float16)
-        elif KV_FP8:
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        v = _widen(v, v_scale, q.dtype, KV_FP8, KV_F16, WORDS, E5M2)
         if UPCAST:  # p rounded to the 16-bit dtype as below, then exact products
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         elif IEEE:
