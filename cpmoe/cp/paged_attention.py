@@ -286,11 +286,11 @@ def stage1_config(kv_fp8: bool, head_dim: int) -> dict:
     1,280 keys (bench/decode_attention.py: 32-128 keys, 2-8 warps, 2-3 stages, 1-8 splits;
     bench/results/decode-attention-h100-318ad0c.log, decode-attention-fp8-h100-d2524f8.log):
     with `default_num_splits`' splits this tile was within 5% of the fastest for FP8 pools
-    (two stages; three tie) and bf16 pools at 128 rows; bf16 at 64 rows was 8% faster in
-    one split, which moved the decode step by 0.6% (23.38 against 23.53 ms), not taken. A
-    variant that loaded the next tile into registers itself (Triton's two-stage pipeline
-    waits for a tile's copies at the top of the iteration that uses it) was never faster
-    by more than 2% (318ad0c)."""
+    (two stages; three tie) and bf16 pools at 128 rows. For bf16 at 64 rows the sweep's
+    fastest (one split, 8 warps, the next tile loaded into registers by the kernel itself)
+    was 8% faster alone and moved the decode step by 0.6% (23.38 against 23.53 ms), so
+    neither it nor that loop (318ad0c; Triton's two-stage pipeline waits for a tile's
+    copies at the top of the iteration that uses it) was kept."""
     return {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
             "num_stages": 2 if kv_fp8 else 3}
 
@@ -322,7 +322,8 @@ if triton is not None:
     @triton.jit
     def _kv_tile(k_ptr, v_ptr, page, t, t_ok, kvh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh,
                  d, d_ok, PAGE: tl.constexpr):
-        """The [BLOCK_N, D] K and V tiles of keys t (pages `page`), as stored."""
+        """The [BLOCK_N, D] K and V tiles of keys t (pages `page`), as stored (d indexes
+        int32 words of four FP8 codes where the caller reads words)."""
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss + kvh * k_sh
                     + d[None, :], mask=kv_mask, other=0.0)
