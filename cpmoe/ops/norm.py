@@ -68,7 +68,6 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
-
 def fp8_rope_bound(weight: torch.Tensor) -> torch.Tensor:
     """The largest magnitude `norm_rope` can write with this per-head RMSNorm weight [D]:
     max |w| sqrt(D) (float32, 1 where w is all 0). A normed head y = w x / rms(x) has
