@@ -13,7 +13,11 @@ row itself (`a_rows`) where the others read a gathered copy, whose gather is tim
 (`the rows' gather`). Time per call: `timing.cuda_ms` (CUDA
 events over 5 back-to-back calls after one untimed; the figures of BENCHMARKS.md at 721b0ce
 took the median of 10 calls synced one by one); TFLOP/s = 2 P N K / time. Prints a table
-per GEMM; writes JSON.
+per GEMM; writes JSON. --swiglu: gate/up as the experts run it since 568040c, with its
+SwiGLU in the kernel and each slot's token row read through `a_rows` (configs then need
+address loads, TMA ''; the default is `grouped_fp8_config(..., a_rows=True, swiglu=True)`);
+--gemms picks which of the two GEMMs are timed (the experts' two GEMMs share a tile map, so
+a pick for both needs one BM).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--configs", help="a JSON list of configs (grouped_fp8_config's keys) "
                     "to time instead of the tile grid")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="gate/up with its SwiGLU in the kernel, rows through a_rows")
+    ap.add_argument("--gemms", default="gate_up,down", help="which GEMMs to time")
     args = ap.parse_args()
     torch.manual_seed(0)
     launches = ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))
@@ -55,6 +62,9 @@ def main() -> None:
         offs = counts.cumsum(0).to(torch.int32)
         src = torch.sort(ids, stable=True)[1] // TOP_K  # each sorted slot's token
         for name, N, K in (("gate_up", 2 * I, H), ("down", H, I)):
+            if name not in args.gemms.split(","):
+                continue
+            swiglu = args.swiglu and name == "gate_up"
             a = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
             wq = w.to(torch.float8_e4m3fn)
@@ -71,12 +81,19 @@ def main() -> None:
                       flush=True)
             else:
                 aq, a_s = quantize_act(a, 128)
-            flops = 2 * P * N * K
+            flops = 2 * P * N * K  # with --swiglu too: gate and up, N = 2 I rows
             bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
-            default = fp8_gemm.grouped_fp8_config(P, E)
+            default = fp8_gemm.grouped_fp8_config(P, E, a_rows=swiglu, swiglu=swiglu)
+            if swiglu:  # as fp8_experts caps it: a tile inside one weight scale block
+                default["BN"] = min(default["BN"], 128)
 
             def fp8(cfg):
                 cfg = dict(cfg)
+                if swiglu:
+                    cfg.pop("GATHER", None)
+                    return lambda: fp8_gemm.grouped_fp8_gemm(
+                        tok_q, tok_s, wq, ws, offs, (128, 128), config=cfg, a_rows=src,
+                        swiglu=True)
                 if cfg.pop("GATHER", False) and gather:
                     return lambda: fp8_gemm.grouped_fp8_gemm(
                         tok_q, tok_s, wq, ws, offs, (128, 128), config=cfg, a_rows=src)
