@@ -19,9 +19,7 @@ block, BLOCK_N <= 128; BLOCK_K 256 is two dots of 128. The FP8 grid leaves out w
 weights-only sweep at 721b0ce found slow or never best (BLOCK_K 64, BLOCK_N 128 on 4 warps,
 BLOCK_N 32 on 8 warps, 5 or 7 stages on 4 warps, 6 on 8) and adds BLOCK_N 16 (more
 programs at batch 1): 10 tiles a mode, so three modes take about the old sweep's 31 tiles
-of compiling. --persist: each tile also from the persistent kernel with that many programs
-an SM (`fused_moe._expert_gemm_persistent_kernel`; 0: one program a tile), the last field of
-a tile's label.
+of compiling.
 """
 
 from __future__ import annotations
@@ -87,8 +85,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
     ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:BLOCK_K:"
                     "warps:stages, comma-separated (e.g. 64:128:4:5,128:128:4:4)")
-    ap.add_argument("--persist", default="0", help="programs an SM of the persistent "
-                    "kernel, comma-separated (0: one program a tile)")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -115,7 +111,6 @@ def main() -> None:
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
     if args.tiles:
         grid = parse_tiles(args.tiles, "BLOCK_N:BLOCK_K:warps:stages")
-    grid = [(*t, p) for t in grid for p in (int(v) for v in args.persist.split(","))]
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
@@ -142,11 +137,11 @@ def main() -> None:
                 results.append({"gemm": name, "rows": rows, "mode": mode, "default": True,
                                 "us": table["default"][mode], **default})
                 for tile in grid:
-                    bn, bk, warps, stages, persist = tile
+                    bn, bk, warps, stages = tile
                     if bk > k_dim:
                         continue
                     cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                               num_stages=stages, PERSIST=persist)
+                               num_stages=stages)
                     try:
                         t = time_us(run(cfg))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
@@ -164,16 +159,15 @@ def main() -> None:
 
 
 def print_table(title: str, table: dict, modes: list[str]) -> None:
-    """One line per tile (BLOCK_N, BLOCK_K, warps, stages, persistent programs an SM), a
-    column per mode; * marks each mode's fastest, `gemm_config`'s choice last."""
+    """One line per tile (BLOCK_N, BLOCK_K, warps, stages), a column per mode; * marks each
+    mode's fastest, `gemm_config`'s choice last."""
     best = {m: min((us[m] for us in table.values() if m in us), default=None) for m in modes}
     print(f"{title}, us per call:")
-    print(f"{'BLOCK_N BLOCK_K warps stages persist':>38s}" + "".join(f"{m:>12s} "
-                                                                    for m in modes))
+    print(f"{'BLOCK_N BLOCK_K warps stages':>30s}" + "".join(f"{m:>12s} " for m in modes))
     for tile, us in sorted(table.items(), key=lambda kv: kv[0] == "default"):
         label = "default" if tile == "default" else " ".join(
-            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6, 7)))
-        print(f"{label:>38s}" + "".join(
+            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6)))
+        print(f"{label:>30s}" + "".join(
             f"{us[m]:12.1f}{'*' if us[m] == best[m] else ' '}" if m in us else f"{'-':>12s} "
             for m in modes), flush=True)
 

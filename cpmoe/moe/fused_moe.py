@@ -10,7 +10,6 @@ is a memory-bound read of the used experts' weights, so this path is built aroun
 2. `_expert_gemm_kernel` with GATED: program (e, n-block) reads expert e's gate and up rows
    n-block once, multiplies every slot routed to e (BLOCK_M at a time) and writes
    SiLU(gate) * up for those slots. An expert no slot chose exits before reading a byte.
-   (`_expert_gemm_persistent_kernel`: the same tiles walked by a few programs an SM.)
 3. the same kernel, not GATED, with the down projection -> one output row per slot.
 4. `_slot_sum_kernel`: each row's routing-weighted sum over its K slots (a slot of another
    EP rank's expert, id -1, is not read).
@@ -29,7 +28,6 @@ Legend: M rows, K top-k slots, P = M*K slots, E local experts, H hidden, I local
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -160,9 +158,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
           config: dict | None = None, scale: torch.Tensor | None = None,
           limit: float | None = None) -> None:
     """One expert GEMM (`_expert_gemm_kernel`) of `config` (default `gemm_config`'s); with
-    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it. A config's
-    PERSIST (programs an SM, default 0: one program a tile) runs it as
-    `_expert_gemm_persistent_kernel` where the grid is not COMPACT and K is whole steps."""
+    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it."""
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
@@ -179,31 +175,13 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
-    args = (a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
-            a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
-            out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
-            0.0 if limit is None else float(limit))
-    flags = dict(GATED=gated, SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None,
-                 K_PIECES=pieces, **pdl_args(a))
-    cfg = dict(cfg)
-    persist = cfg.pop("PERSIST", 0)
-    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    if persist and not cfg["COMPACT"] and k_dim % cfg["BLOCK_K"] == 0:
-        cfg.pop("COMPACT")
-        items = E * n_blocks
-        per = triton.cdiv(items, min(items, _sm_count(a.device) * persist))
-        _expert_gemm_persistent_kernel[(triton.cdiv(items, per),)](
-            *args, ITEMS=_pow2(per), **flags, **cfg)
-        return
-    _expert_gemm_kernel[(rows, n_blocks)](*args, E_POW2=_pow2(E), **flags, **cfg)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The GPU's SMs; 2 in the interpreter (its tests then deal several items a program)."""
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
+        a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
+        a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
+        out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
+        0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
+        SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
+        **cfg, **pdl_args(a))
 
 
 if triton is not None:
@@ -270,6 +248,7 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up."""
         wait_for_producer(PDL)
+        PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)
@@ -296,135 +275,49 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_DIM, BLOCK_K):
-                acc, acc_up = _k_step(acc, acc_up, a_rows, as_rows, m_ok, w_e, s_gate, s_up,
-                                      offs_n, n_ok, k0, N, K_DIM, stride_wn, stride_as_k,
-                                      GATED, SCALED, ACT_FP8, QUANT_A, UPCAST, BLOCK_K,
-                                      K_PIECES)
-            _store_tile(acc, acc_up, out_ptr, p, offs_n, m_ok, n_ok, stride_out, limit,
-                        GATED, CLAMP)
-
-    @triton.jit(do_not_specialize=["cap"])
-    def _expert_gemm_persistent_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr,
-                                       out_ptr, N, K_DIM, cap, rows_per_a, stride_a,
-                                       stride_as, stride_as_k, stride_we, stride_wn,
-                                       stride_out, E, stride_se, stride_sn, limit,
-                                       GATED: tl.constexpr, SCALED: tl.constexpr,
-                                       ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr,
-                                       UPCAST: tl.constexpr, CLAMP: tl.constexpr,
-                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                                       ITEMS: tl.constexpr, PDL: tl.constexpr = False):
-        """`_expert_gemm_kernel`'s products (not COMPACT; K_DIM whole BLOCK_K steps) from a
-        grid of a few programs per SM: the (expert, n-block) items, expert-major, are dealt
-        to the programs in runs of at most ITEMS consecutive ones, and each program walks
-        its run's BLOCK_M-row tiles and their K steps as one loop, so Triton's pipeline
-        keeps loading across tiles and items instead of filling and draining once per
-        tile (a decode step's tiles read 48-256 KB each). An item with no slot still takes
-        one tile of fully masked loads (no bytes read), so the loop's length is known from
-        the counts up front."""
-        wait_for_producer(PDL)
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        k_steps = K_DIM // BLOCK_K
-        total = E * n_blocks
-        per = tl.cdiv(total, tl.num_programs(0))
-        first = tl.program_id(0) * per
-        lane = tl.arange(0, ITEMS)
-        mine = (lane < per) & (first + lane < total)
-        cnt = tl.load(counts_ptr + (first + lane) // n_blocks, mask=mine, other=0)
-        tiles = tl.where(mine, tl.maximum((cnt + BLOCK_M - 1) // BLOCK_M, 1), 0)
-        zero = tl.program_id(0) * 0
-        j = zero  # the item in the run, its row tile's first row and K step
-        m0 = zero
-        kk = zero
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for _ in range(0, tl.sum(tiles, axis=0) * k_steps):
-            item = first + j
-            e = item // n_blocks
-            nb = item % n_blocks
-            count = tl.sum(tl.where(lane == j, cnt, 0), axis=0)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < count
-            p = tl.load(slots_ptr + e * cap + offs_m, mask=m_ok, other=0).to(tl.int64)
-            a_rows = a_ptr + (p // rows_per_a) * stride_a
-            as_rows = as_ptr + (p // rows_per_a) * stride_as
-            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < tl.where(count > 0, N, 0)  # an unused expert's: none read
-            w_e = w_ptr + e.to(tl.int64) * stride_we
-            s_gate = s_ptr + e.to(tl.int64) * stride_se + (nb * BLOCK_N // 128) * stride_sn
-            s_up = s_gate + (N // 128) * stride_sn
-            acc, acc_up = _k_step(acc, acc_up, a_rows, as_rows, m_ok, w_e, s_gate, s_up,
-                                  offs_n, n_ok, kk * BLOCK_K, N, K_DIM, stride_wn, stride_as_k,
-                                  GATED, SCALED, ACT_FP8, QUANT_A, UPCAST, BLOCK_K, K_PIECES)
-            if kk == k_steps - 1:
-                _store_tile(acc, acc_up, out_ptr, p, offs_n, m_ok, n_ok, stride_out, limit,
-                            GATED, CLAMP)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            kk += 1
-            wrap = kk == k_steps
-            kk = tl.where(wrap, 0, kk)
-            m0 = tl.where(wrap, m0 + BLOCK_M, m0)
-            done = wrap & (m0 >= count)  # the item's last tile: on to the next item
-            m0 = tl.where(done, 0, m0)
-            j = tl.where(done, j + 1, j)
-
-    @triton.jit
-    def _k_step(acc, acc_up, a_rows, as_rows, m_ok, w_e, s_gate, s_up, offs_n, n_ok, k0, N,
-                K_DIM, stride_wn, stride_as_k, GATED: tl.constexpr, SCALED: tl.constexpr,
-                ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr):
-        """One BLOCK_K step of an expert tile (see `_expert_gemm_kernel`) -> (acc, acc_up)."""
-        PIECE: tl.constexpr = BLOCK_K // K_PIECES
-        for j in tl.static_range(K_PIECES):
-            offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
-            k_ok = offs_k < K_DIM
-            a = tl.load(a_rows[:, None] + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
-                        mask=w_mask, other=0.0)
-            if GATED:
-                u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
-                            mask=w_mask, other=0.0)
-            if SCALED:  # one weight scale per piece
-                kb = (k0 + j * PIECE) // 128
-                w_s = tl.load(s_gate + kb)
-                if GATED:
-                    u_s = tl.load(s_up + kb)
-            if ACT_FP8:
-                if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
-                    a, a_s = quantize_rows(a.to(tl.float32))
-                else:
-                    a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
+                for j in tl.static_range(K_PIECES):
+                    offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
+                    k_ok = offs_k < K_DIM
+                    a = tl.load(a_rows[:, None] + offs_k[None, :],
+                                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w_mask = k_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
+                                mask=w_mask, other=0.0)
                     if GATED:
-                        u = u.to(tl.float32)
-                # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
-                # with fewer bits, here over 128 inputs at most
-                acc += tl.dot(a, w) * (a_s[:, None] * w_s)
-                if GATED:
-                    acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
-            elif SCALED:
-                acc += tl.dot(a, w.to(a.dtype)) * w_s
-                if GATED:
-                    acc_up += tl.dot(a, u.to(a.dtype)) * u_s
-            else:
-                acc = tl.dot(a, w, acc)
-                if GATED:
-                    acc_up = tl.dot(a, u, acc_up)
-        return acc, acc_up
-
-    @triton.jit
-    def _store_tile(acc, acc_up, out_ptr, p, offs_n, m_ok, n_ok, stride_out, limit,
-                    GATED: tl.constexpr, CLAMP: tl.constexpr):
-        """An expert tile's rows p: acc, or with GATED SiLU(acc) * acc_up (CLAMP: at limit)."""
-        if GATED:
-            if CLAMP:
-                acc = tl.minimum(acc, limit)
-                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                                    mask=w_mask, other=0.0)
+                    if SCALED:  # one weight scale per piece
+                        kb = (k0 + j * PIECE) // 128
+                        w_s = tl.load(s_gate + kb)
+                        if GATED:
+                            u_s = tl.load(s_up + kb)
+                    if ACT_FP8:
+                        if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
+                            a, a_s = quantize_rows(a.to(tl.float32))
+                        else:
+                            a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
+                        if UPCAST:
+                            a = a.to(tl.float32)
+                            w = w.to(tl.float32)
+                            if GATED:
+                                u = u.to(tl.float32)
+                        # a dot per piece, summed in float32: Hopper's FP8 MMA accumulates
+                        # with fewer bits, here over 128 inputs at most
+                        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+                        if GATED:
+                            acc_up += tl.dot(a, u) * (a_s[:, None] * u_s)
+                    elif SCALED:
+                        acc += tl.dot(a, w.to(a.dtype)) * w_s
+                        if GATED:
+                            acc_up += tl.dot(a, u.to(a.dtype)) * u_s
+                    else:
+                        acc = tl.dot(a, w, acc)
+                        if GATED:
+                            acc_up = tl.dot(a, u, acc_up)
+            if GATED:
+                if CLAMP:
+                    acc = tl.minimum(acc, limit)
+                    acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
