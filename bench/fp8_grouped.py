@@ -83,7 +83,8 @@ def main() -> None:
                 aq, a_s = quantize_act(a, 128)
             flops = 2 * P * N * K  # with --swiglu too: gate and up, N = 2 I rows
             bf16 = cuda_ms(lambda: _grouped_mm(a, w.transpose(-2, -1), offs=offs))
-            default = fp8_gemm.grouped_fp8_config(P, E, a_rows=swiglu, swiglu=swiglu)
+            default = fp8_gemm.grouped_fp8_config(P, E, a_rows=swiglu, swiglu=swiglu,
+                                                  after_swiglu=args.swiglu and not swiglu)
             if swiglu:  # as fp8_experts caps it: a tile inside one weight scale block
                 default["BN"] = min(default["BN"], 128)
 

@@ -40,7 +40,7 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     up_cfg = grouped_fp8_config(n, E, a_rows=True, swiglu=fused)
     if fused:  # a SwiGLU tile's gate and up columns each inside one weight scale block
         up_cfg["BN"] = min(up_cfg["BN"], block[0])
-    down_cfg = grouped_fp8_config(n, E)
+    down_cfg = grouped_fp8_config(n, E, after_swiglu=fused)
     assert up_cfg["BM"] == down_cfg["BM"]
     tiles = grouped_fp8_tiles(offs, n, E, up_cfg["BM"])
     # gate/up reads each slot's row of xq through rows_n (no gathered copy)

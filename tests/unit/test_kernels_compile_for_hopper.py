@@ -100,8 +100,11 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     split = re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
 # the experts' gate/up (rows through a_rows, with its SwiGLU or without) and down GEMMs
-for a_rows, swiglu in ((True, True), (True, False), (False, False)):
-    cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows, swiglu=swiglu)
+# (after the SwiGLU gate/up, as the FP8 experts run it, or after the unfused one)
+for a_rows, swiglu, after in ((True, True, False), (True, False, False), (False, False, True),
+                              (False, False, False)):
+    cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows, swiglu=swiglu,
+                                      after_swiglu=after)
     tma = cfg.pop("TMA")
     fp8_tile = "tensordesc<fp8e4nv[{}, 128]>"
     ptx = compile_sm90(
