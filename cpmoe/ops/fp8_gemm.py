@@ -79,7 +79,7 @@ def grouped_fp8_config(P: int, E: int, a_rows: bool = False, swiglu: bool = Fals
     (bench/results/fp8-grouped-bm128-h100-b34d70d.log, equal bits): gate/up 1.133 / 0.627 /
     0.387 ms at 16K / 8K / 4K tokens against 1.299 / 0.690 / 0.414 for 64 x 64 tiles,
     down 0.618 / 0.348 / 0.231 against 0.644 / 0.361 / 0.232; a 16K FP8 prefill 0.273 s
-    against 0.281 (bench/results/fp8-prefill-bm128-h100-b34d70d.log). Below 4K tokens and
+    against 0.281 (bench/results/fp8-h100-b34d70d.log). Below 4K tokens and
     for the unfused gate/up, not swept: 64-row tiles as before."""
     if P <= 16 * E:
         return {"BM": 16, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 4,
