@@ -68,8 +68,9 @@ def grouped_fp8_config(P: int, E: int, a_rows: bool = False, swiglu: bool = Fals
     loads with 4 stages, the choice of 1db9310's H200 sweep; 4K: 0.201 against 0.244) and
     the address loads with a_rows for gate/up (16K: 1.306 ms, where TMA needs a gathered
     copy: 1.209 + its gather 0.184; the old default 1.234 + 0.184). Within 5% of the
-    fastest each GEMM alone took then (run-to-run spread of a config about 5%). Experts of a few rows each keep 16-row tiles
-    and address loads (not swept with TMA). swiglu (gate/up with its SwiGLU, address loads):
+    fastest each GEMM alone took then (run-to-run spread of a config about 5%). Experts of
+    a few rows each keep 16-row tiles and address loads (not swept with TMA). swiglu
+    (gate/up with its SwiGLU, address loads):
     64 output columns a tile, 64 of gate and 64 of up, the MMA work of a 128-column tile
     (in the model a 16K FP8 prefill on an H100 took 0.277 s against 0.281 for the unfused
     GEMM and swiglu_quantize, bench/results/fp8-swiglu-568040c.log). From 128 rows an
@@ -79,8 +80,8 @@ def grouped_fp8_config(P: int, E: int, a_rows: bool = False, swiglu: bool = Fals
     (bench/results/fp8-grouped-bm128-h100-b34d70d.log, equal bits): gate/up 1.133 / 0.627 /
     0.387 ms at 16K / 8K / 4K tokens against 1.299 / 0.690 / 0.414 for 64 x 64 tiles,
     down 0.618 / 0.348 / 0.231 against 0.644 / 0.361 / 0.232; a 16K FP8 prefill 0.273 s
-    against 0.281 (bench/results/fp8-h100-b34d70d.log). Below 4K tokens and
-    for the unfused gate/up, not swept: 64-row tiles as before."""
+    against 0.281 (bench/results/fp8-h100-b34d70d.log). Below 4K tokens, for the unfused
+    gate/up and at other models' expert shapes (DeepSeek-V4's), not swept."""
     if P <= 16 * E:
         return {"BM": 16, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 4,
                 "TMA": ""}
