@@ -246,8 +246,8 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     kv_fp8 = k_cache.dtype in FP8_KV
     # FP8 codes widened to float16 as they are, their scales outside the dots (KV_F16),
     # unless q is float32 (then widened to float32 times the scales, exactly)
-    cfg = {"KV_F16": kv_fp8, **(config or stage1_config(kv_fp8, D))}
-    cfg["KV_F16"] = cfg["KV_F16"] and kv_fp8 and q_BHD.dtype != torch.float32
+    cfg = dict(config or stage1_config(kv_fp8, D))
+    cfg["KV_F16"] = kv_fp8 and q_BHD.dtype != torch.float32 and cfg.get("KV_F16", True)
     k_in, v_in = k_cache, v_cache
     cfg["WORDS"] = cfg["KV_F16"] and q_BHD.is_cuda and D % 4 == 0 and all(
         st % 4 == 0 for st in (*k_cache.stride()[:3], *v_cache.stride()[:3],

@@ -53,11 +53,9 @@ def make_batch(lens: list[int], page: int, dtype: torch.dtype = torch.bfloat16,
     return q, k_cache, v_cache, table, lens_B
 
 
-def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None,
-                            config=None) -> None:
+def check_against_reference(q, k_cache, v_cache, table, lens_B, num_splits=None) -> None:
     dtype, scale = q.dtype, q.shape[-1] ** -0.5
-    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale, num_splits,
-                                       config=config)
+    o, lse = pa.paged_decode_attention(q, k_cache, v_cache, table, lens_B, scale, num_splits)
     want_o, want_lse = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, lens_B, scale)
     abs_o, _ = pa.paged_decode_attention_ref(q, k_cache, v_cache.float().abs(), table, lens_B,
                                              scale)

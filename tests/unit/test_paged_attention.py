@@ -257,6 +257,9 @@ check([5, 70, 0], 1, 3, 3, 80, torch.bfloat16, 3)  # page 1, GQA group 1, D not 
 check([64, 65, 1], 64, 16, 2, 16, torch.float16, 2, out_dtype=torch.float32)  # group 8
 check([33, 0, 47], 16, 4, 1, 64, torch.float32, 4, views=True, workspace=True)
 check([130, 2], 16, 8, 2, 256, torch.bfloat16, 2)
+# a stage-1 tile other than stage1_config's (a sweep's `config`): 16-key tiles, 3 stages
+check([0, 1, 16, 17, 150], 16, 8, 2, 32, torch.float32, 3,
+      config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 3})
 for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and three splits
     check([0, 1, 16, 150], 16, 8, 2, 32, torch.bfloat16, 1, pool=pool)
     check([70, 5], 16, 8, 2, 32, torch.float32, 3, pool=pool)
