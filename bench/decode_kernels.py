@@ -31,6 +31,7 @@ import sys
 
 import torch
 
+from cpmoe.bench.one_batch import hbm_bytes_per_s
 from cpmoe.bench.provenance import provenance
 from cpmoe.moe import fused_moe
 
@@ -150,7 +151,7 @@ def main() -> None:
                     table.setdefault(tile, {})[mode] = t
                     results.append({"gemm": name, "rows": rows, "mode": mode, "us": t, **cfg})
             floor = (len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim
-                     * wdtype.itemsize / 4.8e12 * 1e6)
+                     * wdtype.itemsize / hbm_bytes_per_s(torch.cuda.get_device_name()) * 1e6)
             print_table(f"{name}, {rows} rows (HBM floor {floor:.1f} us)", table, modes)
             results.append({"gemm": name, "rows": rows, "hbm_floor_us": floor})
     with open(args.out, "w") as f:

@@ -12,7 +12,7 @@ weights with one float32 scale per 128 x 128 block and bf16 rows, for 1, 16, 32 
   (what fp8_linear runs up to SKINNY_ROWS rows), and the same under every tile of the sweep
   (BLOCK_N, SPLIT_K, warps, stages; `--tiles` for another grid), the split K's sum of
   partials included;
-- the HBM floor: the FP8 weight bytes at 4.8 TB/s.
+- the HBM floor: the FP8 weight bytes at the card's datasheet HBM bandwidth.
 Time per call in microseconds from a CUDA graph replay (`decode_kernels.time_us`, as the
 decode step replays them); 8 weight copies are rotated, so no call finds its weights in the
 50 MB L2. Prints one table (a column per shape and row count, * the column's fastest
@@ -30,12 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from bench.decode_kernels import parse_tiles, time_us
+from cpmoe.bench.one_batch import hbm_bytes_per_s
 from cpmoe.bench.provenance import provenance
 from cpmoe.ops import fp8, fp8_gemm
 
 SHAPES = (("qkv", 5120, 2048), ("o_proj", 2048, 4096))  # (name, N, K)
 COPIES = 8  # 8 x 8-10 MB of FP8 weights, past the L2
-HBM_BYTES_PER_S = 4.8e12
+HBM_BYTES_PER_S = hbm_bytes_per_s(torch.cuda.get_device_name() if torch.cuda.is_available()
+                                  else "cpu")
 GRID = [(bn, split, warps, stages) for bn, split, (warps, stages) in itertools.product(
     (32, 64, 128), (1, 2, 4), ((4, 3), (4, 5)))]
 

@@ -8,7 +8,7 @@ attention's output; 128K slots of the experts' 768 intermediate, 8 per token, an
 rows of hidden) and decode's (64 rows; 64 x 8 expert slots of 768). Each shape runs
 `quantize_config`'s default tile and every BLOCK_M x warps of the sweep; a call moves
 2 + 1 bytes an input and 4 bytes a scale, printed as GB/s and as a share of the H200's
-4.8 TB/s HBM peak. Time per call from CUDA events over back-to-back calls
+the card's datasheet HBM peak (`cpmoe.bench.one_batch.hbm_bytes_per_s`). Time per call from CUDA events over back-to-back calls
 (`cpmoe.bench.timing.cuda_ms`), so decode's figures are launch-bound. Prints one table (a
 line per tile, a column per shape, * the column's fastest) and writes every time to JSON.
 Then, at the experts' intermediate (768) for 128K and 512 slots, the FP8 experts' SwiGLU +
@@ -24,6 +24,7 @@ import sys
 import torch
 
 from cpmoe import ops
+from cpmoe.bench.one_batch import hbm_bytes_per_s
 from cpmoe.bench.provenance import provenance
 from cpmoe.bench.timing import cuda_ms, sweep_ms
 from cpmoe.ops import fp8
@@ -31,7 +32,8 @@ from cpmoe.ops import fp8
 SHAPES = ((16384, 2048), (16384, 4096), (131072, 768), (131072, 2048), (64, 2048),
           (64, 4096), (64 * 8, 768))  # (M, K)
 GRID = {"BLOCK_M": (1, 2, 4, 8, 16, 32, 64), "num_warps": (1, 2, 4, 8)}
-HBM_BYTES_PER_S = 4.8e12
+HBM_BYTES_PER_S = hbm_bytes_per_s(torch.cuda.get_device_name() if torch.cuda.is_available()
+                                  else "cpu")
 GROUP = 128
 
 

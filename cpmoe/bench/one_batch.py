@@ -12,7 +12,9 @@ embedding and of DeepSeek-V4's token -> expert hash tables only the batch's rows
 layer's routed experts that the step really used (counted in an eager step of the same
 batch), and the cache of every sequence (its shard on this rank: the K/V pages, or for
 DeepSeek-V4 its own caches as `V4Cache.step_read_bytes` counts them: window rows, HCA
-entries, CSA indexer keys and top-k entries), over 4.8 TB/s (H200 HBM3e, datasheet).
+entries, CSA indexer keys and top-k entries), over the card's datasheet HBM bandwidth
+(`hbm_bytes_per_s`: 4.8 TB/s on an H200, 3.35 on an H100 SXM; the H200's for a card not in
+its table, and on CPU).
 
 cpmoe runs in one spawned world per layout, HF afterwards in another (both at once do not
 fit one GPU at 30B). HF runs eager with its dynamic cache and, for the batches asked, with a
@@ -41,7 +43,14 @@ from cpmoe.parallel.groups import ProcessGroups
 from cpmoe.parallel.launch import RankInfo
 from cpmoe.parallel.layout import ParallelLayout
 
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, datasheet
+# datasheet HBM bandwidth by a name `torch.cuda.get_device_name` contains, first match
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12),
+                   ("H100", 3.35e12))
+
+
+def hbm_bytes_per_s(name: str) -> float:
+    """The roofline's bandwidth for a device named `name` (the H200's when not listed)."""
+    return next((bw for key, bw in HBM_BYTES_PER_S if key in name), HBM_BYTES_PER_S[0][1])
 
 
 @dataclass(frozen=True)
@@ -126,10 +135,12 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
     if info.rank != 0:
         return None
     step_s = median(steps) if steps else float("nan")
-    roof_s = max(float(r[0]) for r in per_rank) / HBM_BYTES_PER_S
+    bandwidth = hbm_bytes_per_s(device_name(device))
+    roof_s = max(float(r[0]) for r in per_rank) / bandwidth
     return {"prefill_s": prefill_s, "decode_ms": step_s * 1e3, "decode_ms_steps": steps,
             "decode_tok_s": batch / step_s, "roofline_ms": roof_s * 1e3,
-            "vs_roofline": step_s / roof_s, "step_bytes_busiest_rank": roof_s * HBM_BYTES_PER_S,
+            "vs_roofline": step_s / roof_s, "step_bytes_busiest_rank": roof_s * bandwidth,
+            "hbm_bytes_per_s": bandwidth,
             "peak_bytes_per_rank": [int(r[1]) for r in per_rank],
             "distinct_experts_per_layer": routing["distinct"],
             "busiest_expert_vs_mean": routing["busiest"],

@@ -94,8 +94,7 @@ def run_one_batch(args: argparse.Namespace, layout, engine, argv: list[str]) -> 
     head = rp.header(argv, shape, raw, None, dtype_name, device,
                      {"batch_sizes": batches, "input_lens": lengths,
                       "output_len": args.output_len, "routing": args.routing,
-                      "layout": layout.summary(), "engine": engine.__dict__,
-                      "hbm_bytes_per_s": ob.HBM_BYTES_PER_S})
+                      "layout": layout.summary(), "engine": engine.__dict__})
     head["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     rows: list[dict] = []
 

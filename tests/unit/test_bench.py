@@ -497,3 +497,18 @@ def test_bench_one_batch_takes_quantization_fp8(runs):
     proc, d = _result(runs, "bench-one-batch")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fp8" in (d / "bench-one-batch.json").read_text()
+    rows = [r for r in json.loads((d / "bench-one-batch.json").read_text())["rows"]
+            if "roofline_ms" in r]
+    assert rows  # the roofline is the step's bytes over the bandwidth it names (CPU: H200's)
+    for r in rows:
+        assert r["hbm_bytes_per_s"] == 4.8e12
+        assert r["roofline_ms"] == pytest.approx(r["step_bytes_busiest_rank"] / 4.8e9)
+
+
+def test_one_batch_roofline_takes_the_cards_datasheet_bandwidth():
+    from cpmoe.bench.one_batch import hbm_bytes_per_s
+    assert hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
+    assert hbm_bytes_per_s("NVIDIA H100 NVL") == 3.9e12
+    assert hbm_bytes_per_s("cpu") == hbm_bytes_per_s("NVIDIA A100-SXM4-80GB") == 4.8e12
