@@ -7,10 +7,11 @@ prefill shapes of Qwen3-30B-A3B's FP8 layers (16K tokens: hidden 2048 and the 40
 attention's output; 128K slots of the experts' 768 intermediate, 8 per token, and 128K
 rows of hidden) and decode's (64 rows; 64 x 8 expert slots of 768). Each shape runs
 `quantize_config`'s default tile and every BLOCK_M x warps of the sweep; a call moves
-2 + 1 bytes an input and 4 bytes a scale, printed as GB/s and as a share of the H200's
-the card's datasheet HBM peak (`cpmoe.bench.one_batch.hbm_bytes_per_s`). Time per call from CUDA events over back-to-back calls
-(`cpmoe.bench.timing.cuda_ms`), so decode's figures are launch-bound. Prints one table (a
-line per tile, a column per shape, * the column's fastest) and writes every time to JSON.
+2 + 1 bytes an input and 4 bytes a scale, printed as GB/s and as a share of the card's
+datasheet HBM peak (`cpmoe.bench.one_batch.hbm_bytes_per_s`). Time per call from CUDA events
+over back-to-back calls (`cpmoe.bench.timing.cuda_ms`), so decode's figures are
+launch-bound. Prints one table (a line per tile, a column per shape, * the column's fastest)
+and writes every time to JSON.
 Then, at the experts' intermediate (768) for 128K and 512 slots, the FP8 experts' SwiGLU +
 quantization fused (`fp8.swiglu_quantize`) against `ops.silu_and_mul` + `quantize_act`.
 """
