@@ -149,7 +149,7 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     block_k = 256 if wide and k_dim % 256 == 0 else 128
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
-            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
+            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused", "TMA_W": False,
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
@@ -175,8 +175,11 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
+    # TMA_W: the weight tiles copied by the TMA unit, boxes of BLOCK_N rows x one piece of K
+    w_in = _descriptor(w.view(E * n_rows, k_dim), cfg["BLOCK_N"],
+                       cfg["BLOCK_K"] // pieces) if cfg.get("TMA_W") else w
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
-        a, a_scale, w, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
+        a, a_scale, w_in, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
         a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
         out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
         0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
@@ -188,6 +191,7 @@ if triton is not None:
     # the in-kernel row quantization; programmatic dependent launch
     from cpmoe.ops import pdl_args
     from cpmoe.ops.fp8 import quantize_rows
+    from cpmoe.ops.fp8_gemm import _descriptor
     from cpmoe.ops.launch import wait_for_producer
 
     # a size that changes every step: no specialization on it (Triton would compile a
@@ -233,7 +237,7 @@ if triton is not None:
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            TMA_W: tl.constexpr = False, PDL: tl.constexpr = False):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -246,7 +250,9 @@ if triton is not None:
         quantizes its 16-bit rows so itself (as unused; a piece is then one 128-input group).
         Else the weight tile is widened to a's dtype (weights-only FP8). UPCAST: FP8 dots in
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
-        [-limit, limit] before SiLU(gate) * up."""
+        [-limit, limit] before SiLU(gate) * up. TMA_W: w_ptr is a TMA descriptor of the
+        weights as one [E rows, K_DIM] matrix in [BLOCK_N, PIECE] boxes (a box past an
+        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros)."""
         wait_for_producer(PDL)
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
@@ -260,9 +266,11 @@ if triton is not None:
         else:
             e = tl.program_id(0)
             count = tl.load(counts_ptr + e)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        w_e = w_ptr + e.to(tl.int64) * stride_we
+        W_ROWS: tl.constexpr = 2 if GATED else 1  # weight rows an output column: gate, up
+        w_e = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * stride_we
         s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
             stride_sn
         s_up = s_gate + (N // 128) * stride_sn
@@ -280,12 +288,17 @@ if triton is not None:
                     k_ok = offs_k < K_DIM
                     a = tl.load(a_rows[:, None] + offs_k[None, :],
                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    w_mask = k_ok[:, None] & n_ok[None, :]
-                    w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
-                                mask=w_mask, other=0.0)
-                    if GATED:
-                        u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn + offs_k[:, None],
+                    if TMA_W:
+                        w = w_e.load([e * W_ROWS * N + n0, k0 + j * PIECE]).T
+                        if GATED:
+                            u = w_e.load([e * W_ROWS * N + N + n0, k0 + j * PIECE]).T
+                    else:
+                        w_mask = k_ok[:, None] & n_ok[None, :]
+                        w = tl.load(w_e + offs_n[None, :] * stride_wn + offs_k[:, None],
                                     mask=w_mask, other=0.0)
+                        if GATED:
+                            u = tl.load(w_e + (N + offs_n)[None, :] * stride_wn
+                                        + offs_k[:, None], mask=w_mask, other=0.0)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
                         w_s = tl.load(s_gate + kb)

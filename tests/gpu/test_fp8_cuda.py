@@ -416,6 +416,33 @@ def test_fused_fp8_experts_match_dequantized_float32(rows, block_k, monkeypatch,
     assert rel(got["w8a8-fused"], got["w8a8"]) < REF_TOL
 
 
+@cuda
+@pytest.mark.parametrize("rows", [16, 64, 128])
+def test_fused_fp8_experts_weight_tiles_by_tma_give_the_same_bits(rows, monkeypatch):
+    """The W8A8 decode experts with their weight tiles copied by the TMA unit (TMA_W) sum
+    the same products in the same order as with per-element loads: the same bits, for
+    several tiles (a box of the next expert's rows is never multiplied in)."""
+    from cpmoe.moe import fused_moe
+    torch.manual_seed(4)
+    E, H, inter, K = 128, 2048, 768, 8
+    q_gu, s_gu, _ = fp8_weight(2 * inter, H, E)
+    q_d, s_d, _ = fp8_weight(H, inter, E)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(rows)])
+    ids[0, 0] = -1  # another rank's expert
+    w = torch.rand(rows, K, device="cuda", dtype=torch.bfloat16)
+    base = fused_moe.gemm_config
+    for tile in ({}, {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8},
+                 {"BLOCK_N": 32, "num_stages": 4}):
+        got = {}
+        for tma in (False, True):
+            monkeypatch.setattr(fused_moe, "gemm_config",
+                                lambda *a, **kw: dict(base(*a, **kw), **tile, TMA_W=tma))
+            got[tma] = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d),
+                                               fp8_act="w8a8")
+        assert torch.equal(got[True], got[False]), (rows, tile, rel(got[True], got[False]))
+
+
 def _fp8_qwen3_checkpoint(tmp_path):
     """A Qwen3-MoE of 128-multiple widths written as a [128, 128] FP8 hub checkpoint."""
     from tests.conftest import make_hf_model

@@ -512,3 +512,17 @@ def test_one_batch_roofline_takes_the_cards_datasheet_bandwidth():
     assert hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
     assert hbm_bytes_per_s("NVIDIA H100 NVL") == 3.9e12
     assert hbm_bytes_per_s("cpu") == hbm_bytes_per_s("NVIDIA A100-SXM4-80GB") == 4.8e12
+
+
+def test_kernel_sweeps_parse_their_tiles_and_refuse_a_wrong_count_in_one_line(capsys):
+    from bench.decode_kernels import parse_tiles
+    fields = "BLOCK_N:BLOCK_K:warps:stages:tma"
+    # the decode experts' sweep: tma may be left out (address loads)
+    assert parse_tiles("64:256:4:3,128:256:8:3:1", fields, optional=1) == [
+        (64, 256, 4, 3, 0), (128, 256, 8, 3, 1)]
+    assert parse_tiles("64:4:3", "BLOCK_N:warps:stages") == [(64, 4, 3)]
+    for text, optional in (("64:256:4", 1), ("64:256:4:3:1:2", 1), ("64:256:4:3", 0),
+                           ("64:x:4:3", 1)):
+        with pytest.raises(SystemExit) as e:
+            parse_tiles(text, fields, optional)
+        assert str(e.value) == f"--tiles: expected {fields}[,...], got {text!r}"

@@ -104,7 +104,7 @@ def exact_rows(M, K):
     return q * 2.0 ** torch.randint(-10, -6, (M, 1)).float()
 
 
-def gemm(a, w, s, ids, gated, mode, block_k, limit=None):
+def gemm(a, w, s, ids, gated, mode, block_k, limit=None, tma=False):
     # one expert GEMM of the decode path -> [slots, N] float32; NaN where no slot wrote
     E, n_rows, k_dim = w.shape
     M, K = ids.shape
@@ -113,7 +113,8 @@ def gemm(a, w, s, ids, gated, mode, block_k, limit=None):
     counts = torch.empty(E, dtype=torch.int32)
     fused_moe._align_kernel[(E,)](ids.reshape(P), slots, counts, P, P, BLOCK_P=64)
     out = torch.full((P, n_rows // 2 if gated else n_rows), float("nan"))
-    cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k)
+    cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k,
+               TMA_W=tma)
     fused_moe._gemm(a, w, slots, counts, out, K, row_of_slot=gated, gated=gated, config=cfg,
                     scale=s, limit=limit)
     return out
@@ -126,9 +127,10 @@ def gate_up_ref(x, gu, e, limit=None):
     return F.silu(g) * u
 
 
-# GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks; (rows, top-k,
-# experts, hidden, intermediate): one row on fewer slots than experts (COMPACT), a few
-# rows, and more rows on one expert than a 64-row tile; a slot of another rank (-1)
+# GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks, the weight tiles
+# by address and (w8a8) by TMA descriptor; (rows, top-k, experts, hidden, intermediate):
+# one row on fewer slots than experts (COMPACT), a few rows, and more rows on one expert
+# than a 64-row tile; a slot of another rank (-1)
 for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 128)):
     q_gu, s_gu, gu = fp8_weights(E, 2 * I, H)
     q_d, s_d, dn = fp8_weights(E, H, I)
@@ -136,16 +138,16 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
     ids[M // 2, K - 1] = -1
     routed = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
     x, act = exact_rows(M, H), exact_rows(M * K, I)
-    for mode in ("w8a8", "w8a8-fused"):
+    for mode, tma in (("w8a8", False), ("w8a8", True), ("w8a8-fused", False)):
         for block_k, limit in ((128, None), (256, 0.5)):
-            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit)
+            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit, tma)
             assert got[~(ids.reshape(-1) >= 0)].isnan().all()  # not written
             for p in routed.tolist():
                 want = gate_up_ref(x[p // K:p // K + 1], gu, ids.reshape(-1)[p], limit)
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
             if I % block_k:
                 continue
-            got = gemm(act, q_d, s_d, ids, False, mode, block_k)
+            got = gemm(act, q_d, s_d, ids, False, mode, block_k, tma=tma)
             for p in routed.tolist():
                 want = fake_quant(act[p:p + 1]) @ dn[ids.reshape(-1)[p]].t()
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)

@@ -72,19 +72,22 @@ def waits_first(ptx, name):
 
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B's experts
-for slots in (512, 8):  # batch 64 and batch 1 (COMPACT) at top-8
+for slots, tma in ((512, False), (8, False), (512, True)):  # batch 64, batch 1 (COMPACT)
     for gated, k_dim in ((True, H), (False, I)):
-        cfg = fused_moe.gemm_config(slots, E, k_dim, True, "w8a8")
+        cfg = dict(fused_moe.gemm_config(slots, E, k_dim, True, "w8a8"), TMA_W=tma)
         options = launch_options(cfg)
+        pieces = max(1, cfg["BLOCK_K"] // 128)
+        w_type = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {cfg['BLOCK_K'] // pieces}]>"
         ptx = compile_sm90(
             fused_moe._expert_gemm_kernel,
-            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-             "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
+            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": w_type if tma else "*fp8e4nv",
+             "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
-                 K_PIECES=max(1, cfg["BLOCK_K"] // 128), PDL=True),
+                 K_PIECES=pieces, PDL=True),
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
-        assert "cp.async" in ptx, (slots, gated)
-        waits_first(ptx, ("experts", slots, gated))
+        # rows by address (cp.async); weights by address or, TMA_W, by the TMA unit
+        assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == tma, (slots, gated)
+        waits_first(ptx, ("experts", slots, gated, tma))
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
     cfg = fp8_gemm.skinny_config(m, n, k)
     options = launch_options(cfg)
