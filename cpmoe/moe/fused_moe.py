@@ -150,6 +150,7 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
             "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused", "TMA_W": False,
+            "SCALES_AHEAD": False,
             "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
 
 
@@ -173,6 +174,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         a, a_scale = quantize_act(a, 128)
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
+    assert not cfg.get("SCALES_AHEAD") or (scaled and cfg["BLOCK_K"] == 128 * pieces
+                                           and pieces & (pieces - 1) == 0), cfg
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
     # TMA_W: the weight tiles copied by the TMA unit, boxes of BLOCK_N rows x one piece of K
@@ -237,7 +240,8 @@ if triton is not None:
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            TMA_W: tl.constexpr = False, PDL: tl.constexpr = False):
+                            TMA_W: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -252,7 +256,10 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up. TMA_W: w_ptr is a TMA descriptor of the
         weights as one [E rows, K_DIM] matrix in [BLOCK_N, PIECE] boxes (a box past an
-        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros)."""
+        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros).
+        SCALES_AHEAD (SCALED, pieces of one 128 block each): a K step's weight and row scales
+        are loaded during the step before (Triton's pipeline prefetches the tiles only, so
+        each scale's load latency otherwise stalls the dots after it)."""
         wait_for_producer(PDL)
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
@@ -282,7 +289,25 @@ if triton is not None:
             as_rows = as_ptr + (p // rows_per_a) * stride_as
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if SCALES_AHEAD:  # the first step's scales, one per piece (and row)
+                pcs = tl.arange(0, K_PIECES)
+                ws_now = tl.load(s_gate + pcs)
+                if GATED:
+                    us_now = tl.load(s_up + pcs)
+                if ACT_FP8:
+                    if not QUANT_A:
+                        as_now = tl.load(as_rows[:, None] + pcs[None, :] * stride_as_k,
+                                         mask=m_ok[:, None], other=0.0)
             for k0 in range(0, K_DIM, BLOCK_K):
+                if SCALES_AHEAD:  # the next step's (the last step reloads its own)
+                    kb_next = tl.minimum(k0 + BLOCK_K, K_DIM - BLOCK_K) // 128 + pcs
+                    ws_next = tl.load(s_gate + kb_next)
+                    if GATED:
+                        us_next = tl.load(s_up + kb_next)
+                    if ACT_FP8:
+                        if not QUANT_A:
+                            as_next = tl.load(as_rows[:, None] + kb_next[None, :] * stride_as_k,
+                                              mask=m_ok[:, None], other=0.0)
                 for j in tl.static_range(K_PIECES):
                     offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
                     k_ok = offs_k < K_DIM
@@ -301,12 +326,19 @@ if triton is not None:
                                         + offs_k[:, None], mask=w_mask, other=0.0)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
-                        w_s = tl.load(s_gate + kb)
-                        if GATED:
-                            u_s = tl.load(s_up + kb)
+                        if SCALES_AHEAD:  # piece j's of those loaded a step before
+                            w_s = tl.sum(tl.where(pcs == j, ws_now, 0.0), axis=0)
+                            if GATED:
+                                u_s = tl.sum(tl.where(pcs == j, us_now, 0.0), axis=0)
+                        else:
+                            w_s = tl.load(s_gate + kb)
+                            if GATED:
+                                u_s = tl.load(s_up + kb)
                     if ACT_FP8:
                         if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
                             a, a_s = quantize_rows(a.to(tl.float32))
+                        elif SCALES_AHEAD:
+                            a_s = tl.sum(tl.where(pcs[None, :] == j, as_now, 0.0), axis=1)
                         else:
                             a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
                         if UPCAST:
@@ -327,6 +359,13 @@ if triton is not None:
                         acc = tl.dot(a, w, acc)
                         if GATED:
                             acc_up = tl.dot(a, u, acc_up)
+                if SCALES_AHEAD:
+                    ws_now = ws_next
+                    if GATED:
+                        us_now = us_next
+                    if ACT_FP8:
+                        if not QUANT_A:
+                            as_now = as_next
             if GATED:
                 if CLAMP:
                     acc = tl.minimum(acc, limit)

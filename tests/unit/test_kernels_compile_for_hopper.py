@@ -72,9 +72,12 @@ def waits_first(ptx, name):
 
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B's experts
-for slots, tma in ((512, False), (8, False), (512, True)):  # batch 64, batch 1 (COMPACT)
+# batch 64, batch 1 (COMPACT); the weight tiles by TMA; the scales loaded a step ahead
+for slots, tma, ahead in ((512, False, False), (8, False, False), (512, True, False),
+                          (512, False, True)):
     for gated, k_dim in ((True, H), (False, I)):
-        cfg = dict(fused_moe.gemm_config(slots, E, k_dim, True, "w8a8"), TMA_W=tma)
+        cfg = dict(fused_moe.gemm_config(slots, E, k_dim, True, "w8a8"), TMA_W=tma,
+                   SCALES_AHEAD=ahead)
         options = launch_options(cfg)
         pieces = max(1, cfg["BLOCK_K"] // 128)
         w_type = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {cfg['BLOCK_K'] // pieces}]>"
@@ -87,7 +90,7 @@ for slots, tma in ((512, False), (8, False), (512, True)):  # batch 64, batch 1 
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         # rows by address (cp.async); weights by address or, TMA_W, by the TMA unit
         assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == tma, (slots, gated)
-        waits_first(ptx, ("experts", slots, gated, tma))
+        waits_first(ptx, ("experts", slots, gated, tma, ahead))
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
     cfg = fp8_gemm.skinny_config(m, n, k)
     options = launch_options(cfg)
