@@ -138,7 +138,11 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     dots of 128 a step): its sweep at 64 rows (9b4f34c, H200) timed down 58.5 against 63.1
     us with 32 columns, gate/up 104.3 with 256 of K against 106.3 with 128; on an H100
     (4ebe13c, bench/results/decode-kernels-fp8-h100-4ebe13c.log) gate/up 135.4 against
-    138.2 and down 75.5 against 76.1; the compact case was not swept."""
+    138.2 and down 75.5 against 76.1; the compact case was not swept. TMA_W (weight tiles by
+    TMA descriptor) and SCALES_AHEAD (scales loaded a K step ahead) stay off: within 1% of
+    these tiles on an H100 at f3c85f6, in
+    bench/results/decode-kernels-tma-ahead-h100-f3c85f6.log; not yet swept on an H200,
+    whose W8A8 experts fall further short of its bandwidth."""
     compact = slots < experts
     mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
     if mode not in FP8_ACT_MODES:
@@ -179,7 +183,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
     # TMA_W: the weight tiles copied by the TMA unit, boxes of BLOCK_N rows x one piece of K
-    w_in = _descriptor(w.view(E * n_rows, k_dim), cfg["BLOCK_N"],
+    w_in = tma_descriptor(w.view(E * n_rows, k_dim), cfg["BLOCK_N"],
                        cfg["BLOCK_K"] // pieces) if cfg.get("TMA_W") else w
     _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
         a, a_scale, w_in, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
@@ -194,7 +198,7 @@ if triton is not None:
     # the in-kernel row quantization; programmatic dependent launch
     from cpmoe.ops import pdl_args
     from cpmoe.ops.fp8 import quantize_rows
-    from cpmoe.ops.fp8_gemm import _descriptor
+    from cpmoe.ops.fp8_gemm import tma_descriptor
     from cpmoe.ops.launch import wait_for_producer
 
     # a size that changes every step: no specialization on it (Triton would compile a

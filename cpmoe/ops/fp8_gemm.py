@@ -171,8 +171,8 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     if not w.is_contiguous():  # the experts' weights: copying them every call would be slow
         raise ValueError(f"grouped FP8 GEMM: the weights must be contiguous [E, N, K], got "
                          f"strides {w.stride()} for shape {tuple(w.shape)}")
-    a_in = _descriptor(a, BM, BK) if "a" in tma else a
-    w_in = _descriptor(w.view(E * N, K), BN, BK) if "w" in tma else w
+    a_in = tma_descriptor(a, BM, BK) if "a" in tma else a
+    w_in = tma_descriptor(w.view(E * N, K), BN, BK) if "w" in tma else w
     rows = a_rows if a_rows is not None else offs  # any pointer when not GATHER
     _grouped_fp8_kernel[grid](
         a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, P, N, K,
@@ -190,7 +190,7 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
 TMA_MODES = ("", "w", "aw")
 
 
-def _descriptor(x: torch.Tensor, rows: int, cols: int):
+def tma_descriptor(x: torch.Tensor, rows: int, cols: int):
     """A TMA descriptor of the matrix x [R, C] in rows x cols boxes; the experts' weights are
     one [E N, K] matrix, so a tile's box past its expert's columns (or a row box past its
     expert's rows) holds the next expert's, which the store masks; past R, zeros."""
@@ -230,7 +230,7 @@ if triton is not None:
                             TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False,
                             GATHER: tl.constexpr = False, SWIGLU: tl.constexpr = False,
                             CLAMP: tl.constexpr = False):
-        """TMA_A / TMA_W: a_ptr / w_ptr are `_descriptor`s (tiles copied by the TMA unit, no
+        """TMA_A / TMA_W: a_ptr / w_ptr are `tma_descriptor`s (tiles copied by the TMA unit, no
         per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]. SWIGLU: the
         expert's 2N weight rows are gate then up; the program's N columns of each, two dots
         a K block, give out [P, N] = swiglu_act(gate, up) (CLAMP: at limit), gate and up
