@@ -514,7 +514,7 @@ def test_one_batch_roofline_takes_the_cards_datasheet_bandwidth():
     assert hbm_bytes_per_s("cpu") == hbm_bytes_per_s("NVIDIA A100-SXM4-80GB") == 4.8e12
 
 
-def test_kernel_sweeps_parse_their_tiles_and_refuse_a_wrong_count_in_one_line(capsys):
+def test_kernel_sweeps_parse_their_tiles_and_refuse_a_wrong_count_in_one_line():
     from bench.decode_kernels import parse_tiles
     fields = "BLOCK_N:BLOCK_K:warps:stages:tma:ahead"
     # the decode experts' sweep: tma and ahead may be left out (0)
