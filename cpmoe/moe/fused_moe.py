@@ -182,6 +182,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
                                            and pieces & (pieces - 1) == 0), cfg
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
+    if cfg.get("TMA_W") and not w.is_contiguous():  # one descriptor over [E * n_rows, K]
+        raise ValueError(f"fused experts: TMA_W needs contiguous weights [E, N, K], got "
+                         f"strides {w.stride()} for shape {tuple(w.shape)}")
     # TMA_W: the weight tiles copied by the TMA unit, boxes of BLOCK_N rows x one piece of K
     w_in = tma_descriptor(w.view(E * n_rows, k_dim), cfg["BLOCK_N"],
                        cfg["BLOCK_K"] // pieces) if cfg.get("TMA_W") else w

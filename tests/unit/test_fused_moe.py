@@ -201,6 +201,15 @@ for block_k in (128, 256):
     assert torch.equal(ahead, fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), 0.5,
                                                       fp8_act="w8a8")), block_k
 fused_moe.gemm_config = base
+
+# TMA_W reads the weights through one descriptor over [E * N, K]: non-contiguous ones are
+# refused in one line naming the option, before any launch
+try:
+    gemm(x[:, :256], q_gu[:, :, :256], s_gu[:, :, :2], ids, True, "w8a8", 128, tma=True)
+except ValueError as e:
+    assert "TMA_W needs contiguous weights" in str(e), e
+else:
+    raise AssertionError("TMA_W took non-contiguous weights")
 print("w8a8 ok")
 """
 
