@@ -80,14 +80,18 @@ def _in_use_gib(device: torch.device) -> float:
 WARM_UP_KEY = -1  # a cache key no request uses
 
 
-WARM_UP_MIXED = 400  # tokens of the warm-up's mixed-step-sized extend (3,200 top-8 slots)
-
-
 def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
-    """One full prefill chunk, then short extends after it (the cached-prefix path), on a
-    sequence freed again, before the first request: the kernels a prefill launches are
-    compiled and tuned here, not in the first requests' time to first token (SGLang warms up
-    its server the same way)."""
+    """One full prefill chunk, then extends of 16, 32, 64, ... tokens after it (the
+    cached-prefix path; each shorter than the chunk, while the cache and the model's context
+    length hold the sequence), on a sequence freed again, before the
+    first request: the kernels a prefill launches are compiled and tuned here, not in the
+    first requests' time to first token (SGLang warms up its server the same way). The
+    experts' tile variants change where the slots per expert double (`fused_moe._block_m`)
+    or over wider ranges (`grouped_fp8_config`), so the ladder meets each variant that a
+    step of up to a chunk launches at Qwen3-30B-A3B's shape. Without it, served FP8 steps
+    compiled on the way: a 466-token step took 1.1 s (the few-slot experts' 64-row tiles),
+    and the first 1K prompt 1.38 s on an H200 (the grouped FP8 GEMMs' 64-row tiles; bf16's
+    first: 88 ms, bench/results/fp8-serving-h200-1d2b62c.log)."""
     kv = runner.kv
     n = min(chunk if chunk > 0 else DEFAULT_CHUNKED_PREFILL, kv.capacity // 2)
     if n < 32:
@@ -100,12 +104,11 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
         warm_up(runner.device, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, n,
                 min(kv.capacity, runner.config.max_position_embeddings))
     runner.extend([Segment(WARM_UP_KEY, ids)])
-    # short extends after it take the few-slot experts path: 16 tokens (16-row tiles) and
-    # WARM_UP_MIXED (64-row tiles), each a kernel variant a mixed step would otherwise
-    # compile (a served run showed a 466-token step of 1.1 s, its compile)
-    runner.extend([Segment(WARM_UP_KEY, ids[:16], n)])
-    if n >= 2 * WARM_UP_MIXED:
-        runner.extend([Segment(WARM_UP_KEY, ids[16:16 + WARM_UP_MIXED], n + 16)])
+    end = min(kv.capacity, runner.config.max_position_embeddings)  # the sequence's room
+    start, size = n, 16
+    while size < n and start + size <= end:
+        runner.extend([Segment(WARM_UP_KEY, ids[:size], start)])
+        start, size = start + size, 2 * size
     kv.free(WARM_UP_KEY)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -70,9 +70,14 @@ def test_bench_decode_overlapped_equals_synced():
 
 
 @pytest.mark.parametrize("chunk, slots, extends", [
-    (100, 512, [[(100, 0)], [(16, 100)]]),
-    # a chunk of at least two mixed-step extends: one of WARM_UP_MIXED tokens too
-    (800, 2048, [[(800, 0)], [(16, 800)], [(400, 816)]])])
+    (100, 512, [[(100, 0)], [(16, 100)], [(32, 116)], [(64, 148)]]),
+    # a ladder of powers of two under the chunk: every expert tile variant of a served step
+    # of up to a chunk (at Qwen3-30B-A3B's 128 experts x top-8, fused_moe's 32 and 64-row
+    # tiles from 256 and 512 tokens, the grouped FP8 GEMM's 64-row tiles from 1,024)
+    (400, 2048, [[(400, 0)], [(16, 400)], [(32, 416)], [(64, 448)], [(128, 512)],
+                 [(256, 640)]]),
+    # the ladder stops where the sequence would pass the model's 1,024 positions
+    (1000, 1200, [[(600, 0)], [(16, 600)], [(32, 616)], [(64, 648)], [(128, 712)]])])
 def test_prefill_warm_up_runs_a_chunk_and_cached_prefix_extends_and_frees_them(
         monkeypatch, chunk, slots, extends):
     from cpmoe.engine.options import warm_up_prefill
