@@ -87,10 +87,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
     ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:BLOCK_K:"
-                    "warps:stages[:tma[:ahead]], comma-separated (e.g. 64:128:4:5,"
-                    "128:128:4:4:1:1); tma 1: the weight tiles by TMA descriptor (TMA_W), "
-                    "ahead 1: the scales loaded a K step ahead (SCALES_AHEAD); 0 or left "
-                    "out: neither")
+                    "warps:stages[:tma], comma-separated (e.g. 64:128:4:5,128:128:4:4:1); "
+                    "tma 1: the weight tiles by TMA descriptor (TMA_W), 0 or left out: by "
+                    "address")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -110,13 +109,13 @@ def main() -> None:
     gate_up, down = weights(2 * I, H), weights(H, I)
     gate_up_s, down_s = scales(2 * I, H), scales(H, I)
     if args.fp8:
-        grid = [(bn, bk, w, s, 0, 0) for bk, (bn, w, s) in itertools.product(
+        grid = [(bn, bk, w, s, 0) for bk, (bn, w, s) in itertools.product(
             (128, 256), ((16, 4, 3), (32, 4, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)))]
     else:
-        grid = [(bn, bk, w, s, 0, 0) for bn, bk, (w, s) in itertools.product(
+        grid = [(bn, bk, w, s, 0) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
     if args.tiles:
-        grid = parse_tiles(args.tiles, "BLOCK_N:BLOCK_K:warps:stages:tma:ahead", optional=2)
+        grid = parse_tiles(args.tiles, "BLOCK_N:BLOCK_K:warps:stages:tma", optional=1)
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
@@ -138,16 +137,17 @@ def main() -> None:
                                                  scale=ss[i % LAYERS])
             table = {}  # (tile, or "default") -> {mode: us}
             for mode in modes:
-                default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8, fp8_act=mode)
+                default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8, fp8_act=mode,
+                                                gated=gated)
                 table.setdefault("default", {})[mode] = time_us(run(default))
                 results.append({"gemm": name, "rows": rows, "mode": mode, "default": True,
                                 "us": table["default"][mode], **default})
                 for tile in grid:
-                    bn, bk, warps, stages, tma, ahead = tile
+                    bn, bk, warps, stages, tma = tile
                     if bk > k_dim:
                         continue
                     cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                               num_stages=stages, TMA_W=bool(tma), SCALES_AHEAD=bool(ahead))
+                               num_stages=stages, TMA_W=bool(tma))
                     try:
                         t = time_us(run(cfg))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
@@ -165,15 +165,15 @@ def main() -> None:
 
 
 def print_table(title: str, table: dict, modes: list[str]) -> None:
-    """One line per tile (BLOCK_N, BLOCK_K, warps, stages, tma, ahead), a column per mode;
+    """One line per tile (BLOCK_N, BLOCK_K, warps, stages, tma), a column per mode;
     * marks each mode's fastest, `gemm_config`'s choice last."""
     best = {m: min((us[m] for us in table.values() if m in us), default=None) for m in modes}
     print(f"{title}, us per call:")
-    print(f"{'BLOCK_N BLOCK_K warps stages tma ahead':>40s}"
+    print(f"{'BLOCK_N BLOCK_K warps stages tma':>40s}"
           + "".join(f"{m:>12s} " for m in modes))
     for tile, us in sorted(table.items(), key=lambda kv: kv[0] == "default"):
         label = "default" if tile == "default" else " ".join(
-            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6, 3, 5)))
+            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6, 3)))
         print(f"{label:>40s}" + "".join(
             f"{us[m]:12.1f}{'*' if us[m] == best[m] else ' '}" if m in us else f"{'-':>12s} "
             for m in modes), flush=True)

@@ -86,7 +86,7 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
           config=gemm_config(P, E, H, fp8, fp8_act), scale=gate_up_s, limit=swiglu_limit)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
-          config=gemm_config(P, E, I, fp8, fp8_act), scale=down_s)
+          config=gemm_config(P, E, I, fp8, fp8_act, gated=False), scale=down_s)
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
@@ -123,7 +123,7 @@ FP8_ACTIVATIONS = os.environ.get("CPMOE_FP8_DECODE_ACTIVATIONS", "w8a8")
 
 
 def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
-                fp8_act: str | None = None) -> dict:
+                fp8_act: str | None = None, gated: bool = True) -> dict:
     """Tile sizes and launch shape of one expert GEMM of `slots` (row, slot) pairs: BLOCK_M
     rows (`_block_m`), 64 columns and 128 of K per tile, and COMPACT when fewer slots than
     experts: the grid then has one row of programs per slot, each finding the expert it
@@ -138,11 +138,13 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     dots of 128 a step): its sweep at 64 rows (9b4f34c, H200) timed down 58.5 against 63.1
     us with 32 columns, gate/up 104.3 with 256 of K against 106.3 with 128; on an H100
     (4ebe13c, bench/results/decode-kernels-fp8-h100-4ebe13c.log) gate/up 135.4 against
-    138.2 and down 75.5 against 76.1; the compact case was not swept. TMA_W (weight tiles by
-    TMA descriptor) and SCALES_AHEAD (scales loaded a K step ahead) stay off: within 1% of
-    these tiles on an H100 at f3c85f6, in
-    bench/results/decode-kernels-tma-ahead-h100-f3c85f6.log; not yet swept on an H200,
-    whose W8A8 experts fall further short of its bandwidth."""
+    138.2 and down 75.5 against 76.1; the compact case was not swept. There the down GEMM
+    (not `gated`) copies its weight tiles by TMA descriptor (TMA_W): on an H200 at 1d2b62c
+    57.0 / 60.3 us at 64 / 128 rows against 62.2 / 65.8 by address, the decode step at
+    batch 64 11.55 against 11.87 ms (bench/results/decode-kernels-h200-1d2b62c.log); on an
+    H100 at f3c85f6 74.8 against 75.3 us. Gate/up by TMA was 1.7% faster on the H200 and 1%
+    slower on the H100 (decode-kernels-tma-ahead-h100-f3c85f6.log), so it keeps the
+    address loads."""
     compact = slots < experts
     mode = (fp8_act or FP8_ACTIVATIONS) if fp8 else "weights"
     if mode not in FP8_ACT_MODES:
@@ -153,9 +155,9 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     block_k = 256 if wide and k_dim % 256 == 0 else 128
     return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
             "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
-            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused", "TMA_W": False,
-            "SCALES_AHEAD": False,
-            "num_warps": 4, "num_stages": 5 if compact and not fp8 else 3}
+            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
+            "TMA_W": wide and not gated, "num_warps": 4,
+            "num_stages": 5 if compact and not fp8 else 3}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
@@ -167,7 +169,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
-    cfg = config or gemm_config(P, E, k_dim, fp8=scale is not None)
+    cfg = config or gemm_config(P, E, k_dim, fp8=scale is not None, gated=gated)
     scaled = scale is not None
     if scaled:  # one scale per dot: tiles must not straddle 128 x 128 blocks
         assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
@@ -178,8 +180,6 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         a, a_scale = quantize_act(a, 128)
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
-    assert not cfg.get("SCALES_AHEAD") or (scaled and cfg["BLOCK_K"] == 128 * pieces
-                                           and pieces & (pieces - 1) == 0), cfg
     rows = min(E, P) if cfg["COMPACT"] else E
     s = scale if scaled else w  # any pointer when not SCALED
     if cfg.get("TMA_W") and not w.is_contiguous():  # one descriptor over [E * n_rows, K]
@@ -247,8 +247,7 @@ if triton is not None:
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            TMA_W: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            TMA_W: tl.constexpr = False, PDL: tl.constexpr = False):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -263,10 +262,7 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up. TMA_W: w_ptr is a TMA descriptor of the
         weights as one [E rows, K_DIM] matrix in [BLOCK_N, PIECE] boxes (a box past an
-        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros).
-        SCALES_AHEAD (SCALED, pieces of one 128 block each): a K step's weight and row scales
-        are loaded during the step before (Triton's pipeline prefetches the tiles only, so
-        each scale's load latency otherwise stalls the dots after it)."""
+        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros)."""
         wait_for_producer(PDL)
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
@@ -296,25 +292,7 @@ if triton is not None:
             as_rows = as_ptr + (p // rows_per_a) * stride_as
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if SCALES_AHEAD:  # the first step's scales, one per piece (and row)
-                pcs = tl.arange(0, K_PIECES)
-                ws_now = tl.load(s_gate + pcs)
-                if GATED:
-                    us_now = tl.load(s_up + pcs)
-                if ACT_FP8:
-                    if not QUANT_A:
-                        as_now = tl.load(as_rows[:, None] + pcs[None, :] * stride_as_k,
-                                         mask=m_ok[:, None], other=0.0)
             for k0 in range(0, K_DIM, BLOCK_K):
-                if SCALES_AHEAD:  # the next step's (the last step reloads its own)
-                    kb_next = tl.minimum(k0 + BLOCK_K, K_DIM - BLOCK_K) // 128 + pcs
-                    ws_next = tl.load(s_gate + kb_next)
-                    if GATED:
-                        us_next = tl.load(s_up + kb_next)
-                    if ACT_FP8:
-                        if not QUANT_A:
-                            as_next = tl.load(as_rows[:, None] + kb_next[None, :] * stride_as_k,
-                                              mask=m_ok[:, None], other=0.0)
                 for j in tl.static_range(K_PIECES):
                     offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
                     k_ok = offs_k < K_DIM
@@ -333,19 +311,12 @@ if triton is not None:
                                         + offs_k[:, None], mask=w_mask, other=0.0)
                     if SCALED:  # one weight scale per piece
                         kb = (k0 + j * PIECE) // 128
-                        if SCALES_AHEAD:  # piece j's of those loaded a step before
-                            w_s = tl.sum(tl.where(pcs == j, ws_now, 0.0), axis=0)
-                            if GATED:
-                                u_s = tl.sum(tl.where(pcs == j, us_now, 0.0), axis=0)
-                        else:
-                            w_s = tl.load(s_gate + kb)
-                            if GATED:
-                                u_s = tl.load(s_up + kb)
+                        w_s = tl.load(s_gate + kb)
+                        if GATED:
+                            u_s = tl.load(s_up + kb)
                     if ACT_FP8:
                         if QUANT_A:  # as quantize_act: amax / 448 per row, round to nearest
                             a, a_s = quantize_rows(a.to(tl.float32))
-                        elif SCALES_AHEAD:
-                            a_s = tl.sum(tl.where(pcs[None, :] == j, as_now, 0.0), axis=1)
                         else:
                             a_s = tl.load(as_rows + kb * stride_as_k, mask=m_ok, other=0.0)
                         if UPCAST:
@@ -366,13 +337,6 @@ if triton is not None:
                         acc = tl.dot(a, w, acc)
                         if GATED:
                             acc_up = tl.dot(a, u, acc_up)
-                if SCALES_AHEAD:
-                    ws_now = ws_next
-                    if GATED:
-                        us_now = us_next
-                    if ACT_FP8:
-                        if not QUANT_A:
-                            as_now = as_next
             if GATED:
                 if CLAMP:
                     acc = tl.minimum(acc, limit)

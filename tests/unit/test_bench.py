@@ -516,13 +516,13 @@ def test_one_batch_roofline_takes_the_cards_datasheet_bandwidth():
 
 def test_kernel_sweeps_parse_their_tiles_and_refuse_a_wrong_count_in_one_line():
     from bench.decode_kernels import parse_tiles
-    fields = "BLOCK_N:BLOCK_K:warps:stages:tma:ahead"
-    # the decode experts' sweep: tma and ahead may be left out (0)
-    assert parse_tiles("64:256:4:3,128:256:8:3:1,64:512:4:2:0:1", fields, optional=2) == [
-        (64, 256, 4, 3, 0, 0), (128, 256, 8, 3, 1, 0), (64, 512, 4, 2, 0, 1)]
+    fields = "BLOCK_N:BLOCK_K:warps:stages:tma"
+    # the decode experts' sweep: tma may be left out (0)
+    assert parse_tiles("64:256:4:3,128:256:8:3:1,64:512:4:2:0", fields, optional=1) == [
+        (64, 256, 4, 3, 0), (128, 256, 8, 3, 1), (64, 512, 4, 2, 0)]
     assert parse_tiles("64:4:3", "BLOCK_N:warps:stages") == [(64, 4, 3)]
-    for text, optional in (("64:256:4", 2), ("64:256:4:3:1:1:2", 2), ("64:256:4:3", 0),
-                           ("64:x:4:3", 2)):
+    for text, optional in (("64:256:4", 1), ("64:256:4:3:1:1", 1), ("64:256:4:3", 0),
+                           ("64:x:4:3", 1)):
         with pytest.raises(SystemExit) as e:
             parse_tiles(text, fields, optional)
         assert str(e.value) == f"--tiles: expected {fields}[,...], got {text!r}"

@@ -104,7 +104,7 @@ def exact_rows(M, K):
     return q * 2.0 ** torch.randint(-10, -6, (M, 1)).float()
 
 
-def gemm(a, w, s, ids, gated, mode, block_k, limit=None, tma=False, ahead=False):
+def gemm(a, w, s, ids, gated, mode, block_k, limit=None, tma=False):
     # one expert GEMM of the decode path -> [slots, N] float32; NaN where no slot wrote
     E, n_rows, k_dim = w.shape
     M, K = ids.shape
@@ -114,7 +114,7 @@ def gemm(a, w, s, ids, gated, mode, block_k, limit=None, tma=False, ahead=False)
     fused_moe._align_kernel[(E,)](ids.reshape(P), slots, counts, P, P, BLOCK_P=64)
     out = torch.full((P, n_rows // 2 if gated else n_rows), float("nan"))
     cfg = dict(fused_moe.gemm_config(P, E, k_dim, fp8=True, fp8_act=mode), BLOCK_K=block_k,
-               TMA_W=tma, SCALES_AHEAD=ahead)
+               TMA_W=tma)
     fused_moe._gemm(a, w, slots, counts, out, K, row_of_slot=gated, gated=gated, config=cfg,
                     scale=s, limit=limit)
     return out
@@ -128,8 +128,7 @@ def gate_up_ref(x, gu, e, limit=None):
 
 
 # GEMM by GEMM, both W8A8 modes, K steps of one and of two scale blocks, the weight tiles
-# by address and (w8a8) by TMA descriptor, the scales loaded in their step or a step ahead
-# (SCALES_AHEAD); (rows, top-k, experts, hidden, intermediate):
+# by address and by TMA descriptor; (rows, top-k, experts, hidden, intermediate):
 # one row on fewer slots than experts (COMPACT), a few rows, and more rows on one expert
 # than a 64-row tile; a slot of another rank (-1)
 for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 128)):
@@ -139,17 +138,16 @@ for M, K, E, H, I in ((1, 2, 4, 256, 128), (6, 3, 4, 256, 256), (80, 2, 2, 256, 
     ids[M // 2, K - 1] = -1
     routed = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
     x, act = exact_rows(M, H), exact_rows(M * K, I)
-    for mode, tma, ahead in (("w8a8", False, False), ("w8a8", True, False),
-                             ("w8a8", False, True), ("w8a8-fused", True, True)):
+    for mode, tma in (("w8a8", False), ("w8a8", True), ("w8a8-fused", True)):
         for block_k, limit in ((128, None), (256, 0.5)):
-            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit, tma, ahead)
+            got = gemm(x, q_gu, s_gu, ids, True, mode, block_k, limit, tma)
             assert got[~(ids.reshape(-1) >= 0)].isnan().all()  # not written
             for p in routed.tolist():
                 want = gate_up_ref(x[p // K:p // K + 1], gu, ids.reshape(-1)[p], limit)
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
             if I % block_k:
                 continue
-            got = gemm(act, q_d, s_d, ids, False, mode, block_k, tma=tma, ahead=ahead)
+            got = gemm(act, q_d, s_d, ids, False, mode, block_k, tma=tma)
             for p in routed.tolist():
                 want = fake_quant(act[p:p + 1]) @ dn[ids.reshape(-1)[p]].t()
                 torch.testing.assert_close(got[p:p + 1], want, rtol=1e-4, atol=1e-5)
@@ -180,10 +178,10 @@ for M, K, E, H, I, limit in ((1, 2, 4, 256, 128, None), (12, 4, 6, 256, 256, 0.5
                                            fp8_act="weights")
     assert ((weights_only - want).norm() / want.norm()).item() > 1e-2  # FP8 rows mattered
 
-# The scales loaded a step ahead (SCALES_AHEAD) and the weight tiles by TMA: the same
-# products in the same order, so the same bits as the default loads, over K steps of one
-# and of two scale blocks, two steps or more per GEMM (rows of random values: each
-# 128-input group has its own scale, so a group's scale read for another's shows)
+# The weight tiles by TMA and by address: the same products in the same order, so the same
+# bits, over K steps of one and of two scale blocks, two steps or more per GEMM (rows of
+# random values: each 128-input group has its own scale, so a group's scale read for
+# another's shows)
 M, K, E, H, I = 12, 4, 6, 512, 256
 q_gu, s_gu, _ = fp8_weights(E, 2 * I, H)
 q_d, s_d, _ = fp8_weights(E, H, I)
@@ -191,15 +189,15 @@ x, w = torch.randn(M, H), torch.rand(M, K)
 ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
 base = fused_moe.gemm_config
 for block_k in (128, 256):
-    def tile(slots, experts, k_dim, *a, more={}, **kw):
+    def tile(slots, experts, k_dim, *a, tma, **kw):
         bk = block_k if k_dim >= 2 * block_k else 128
-        return dict(base(slots, experts, k_dim, *a, **kw), BLOCK_K=bk, **more)
-    fused_moe.gemm_config = lambda *a, **kw: tile(
-        *a, more={"SCALES_AHEAD": True, "TMA_W": True}, **kw)
-    ahead = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), 0.5, fp8_act="w8a8")
-    fused_moe.gemm_config = tile
-    assert torch.equal(ahead, fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), 0.5,
-                                                      fp8_act="w8a8")), block_k
+        return dict(base(slots, experts, k_dim, *a, **kw), BLOCK_K=bk, TMA_W=tma)
+    got = []
+    for tma in (True, False):
+        fused_moe.gemm_config = lambda *a, **kw: tile(*a, tma=tma, **kw)
+        got.append(fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), 0.5,
+                                           fp8_act="w8a8"))
+    assert torch.equal(*got), block_k
 fused_moe.gemm_config = base
 
 # TMA_W reads the weights through one descriptor over [E * N, K]: non-contiguous ones are

@@ -72,25 +72,29 @@ def waits_first(ptx, name):
 
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B's experts
-# batch 64, batch 1 (COMPACT); the weight tiles by TMA; the scales loaded a step ahead
-for slots, tma, ahead in ((512, False, False), (8, False, False), (512, True, False),
-                          (512, False, True)):
+# batch 64 (down's weight tiles by TMA: gemm_config's choice), batch 1 (COMPACT); gate/up
+# by TMA too, down by address
+for slots, tma in ((512, None), (8, None), (512, True), (512, False)):
     for gated, k_dim in ((True, H), (False, I)):
-        cfg = dict(fused_moe.gemm_config(slots, E, k_dim, True, "w8a8"), TMA_W=tma,
-                   SCALES_AHEAD=ahead)
+        cfg = fused_moe.gemm_config(slots, E, k_dim, True, "w8a8", gated=gated)
+        if tma is None:
+            assert cfg["TMA_W"] == (slots >= E and not gated), (slots, gated)
+        else:
+            cfg["TMA_W"] = tma
+        by_tma = cfg["TMA_W"]
         options = launch_options(cfg)
         pieces = max(1, cfg["BLOCK_K"] // 128)
         w_type = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {cfg['BLOCK_K'] // pieces}]>"
         ptx = compile_sm90(
             fused_moe._expert_gemm_kernel,
-            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": w_type if tma else "*fp8e4nv",
+            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": w_type if by_tma else "*fp8e4nv",
              "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
                  K_PIECES=pieces, PDL=True),
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         # rows by address (cp.async); weights by address or, TMA_W, by the TMA unit
-        assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == tma, (slots, gated)
-        waits_first(ptx, ("experts", slots, gated, tma, ahead))
+        assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == by_tma, (slots, gated)
+        waits_first(ptx, ("experts", slots, gated, by_tma))
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
     cfg = fp8_gemm.skinny_config(m, n, k)
     options = launch_options(cfg)
