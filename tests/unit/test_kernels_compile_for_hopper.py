@@ -124,7 +124,7 @@ for a_rows, swiglu, after in ((True, True, False), (True, False, False), (False,
          "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
         {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
          "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu},
-        ("P", "as_s0", "ws_s2"), launch_options(cfg))
+        ("P", "as_s0", "as_s1", "ws_s2"), launch_options(cfg))
     # tiles by the TMA unit (cp.async.bulk.tensor) or by addresses (cp.async), into wgmma
     assert "wgmma" in ptx and ("cp.async.bulk.tensor" in ptx) == bool(tma), (a_rows, tma)
     assert "cp.async.ca" in ptx or "cp.async.cg" in ptx or "a" in tma, a_rows
