@@ -394,7 +394,7 @@ if triton is not None:
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS"])
+    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
     def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, kvs_ptr,
                              scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
@@ -464,8 +464,8 @@ if triton is not None:
                  o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
 
-    # likewise: no specialization on the sizes that change every step
-    @triton.jit(do_not_specialize=["B", "NUM_SPLITS"])
+    # likewise: no specialization on the sizes that change every step (lp_*: H S, S)
+    @triton.jit(do_not_specialize=["B", "NUM_SPLITS", "lp_sb", "lp_sh"])
     def _paged_decode_stage2(op_ptr, lp_ptr, o_ptr, lse_ptr, q_ptr, s_ptr, op_sb, op_sh, op_ss,
                              lp_sb, lp_sh, o_sb, o_sh, lse_sb, B, HEAD_DIM, NUM_SPLITS,
                              BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, QUANT: tl.constexpr,

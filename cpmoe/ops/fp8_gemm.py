@@ -415,8 +415,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 if triton is not None:
-    # M: the batch, which changes every step (no variant per residue mod 16; see above)
-    @triton.jit(do_not_specialize=["M"])
+    # M and stride_xs_g (the row scales' column stride: M, `quantize_act`'s layout) change
+    # every step (no variant per residue mod 16; see above)
+    @triton.jit(do_not_specialize=["M", "stride_xs_g"])
     def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, out_ptr, count_ptr,
                            M, N, K, stride_x, stride_xs_m, stride_xs_g, stride_w,
                            stride_ws_n, stride_ws_k,
