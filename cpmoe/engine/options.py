@@ -83,9 +83,9 @@ WARM_UP_KEY = -1  # a cache key no request uses
 def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
     """One full prefill chunk, then extends of 16, 32, 64, ... tokens after it (the
     cached-prefix path; each shorter than the chunk, while the cache and the model's context
-    length hold the sequence), on a sequence freed again, before the
-    first request: the kernels a prefill launches are compiled and tuned here, not in the
-    first requests' time to first token (SGLang warms up its server the same way). The
+    length hold the sequence), on a sequence freed again, before the first request: the
+    kernels a prefill launches are compiled and tuned here, not in the first requests' time
+    to first token (SGLang warms up its server the same way). The
     experts' tile variants change where the slots per expert double (`fused_moe._block_m`)
     or over wider ranges (`grouped_fp8_config`), so the ladder meets each variant that a
     step of up to a chunk launches at Qwen3-30B-A3B's shape. Without it, served FP8 steps
