@@ -10,6 +10,12 @@
 failed=()
 ran=0
 rm -f "$failed_file"
+# A time limit's TERM (`timeout` signals the whole process group) or an INT: the shell exits
+# only once the running step has (bash runs a trap after its foreground command), so what
+# that step cleans up on the signal, a server it launched, is gone before the next command
+# after the part starts; without the trap the shell died at once, and a cut-off FP8 server
+# still held 38 GB of an H100 when the next benchmark built its model (5faf414).
+trap 'exit 143' TERM INT
 
 step() {
   local name=$1

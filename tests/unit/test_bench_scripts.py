@@ -232,3 +232,30 @@ def test_serving_ratio_of_one_token_outputs_has_no_tpot(tmp_path, capsys):
     assert main([str(base), str(run), "--min", "1.45", "--names", "bf16,fp8"]) == 0
     out = capsys.readouterr().out
     assert "TPOT p50 - / - ms; TTFT mean 20800.0 / 9900.0 ms (2.10x lower)" in out, out
+
+
+SLOW_TO_STOP = """#!/usr/bin/env bash
+# a step that takes a second to clean up after a TERM, as bench-serving stops its server
+if [[ "$*" == *"$FAKE_SLOW"* ]]; then
+  trap 'sleep 1; echo stopped > "$FAKE_DONE"; exit 143' TERM
+  sleep 30 & wait
+fi
+exit 0
+"""
+
+
+def test_a_time_limit_stops_a_part_only_after_its_running_step_has_stopped(tmp_path):
+    """`timeout` TERMs the part's whole process group; the part's shell exits once the step
+    running then has finished stopping (its launched server gone), not at once."""
+    bin_dir, done = tmp_path / "bin", tmp_path / "done"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(SLOW_TO_STOP)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "FAKE_SLOW": "cpmoe.bench.dispatch", "FAKE_DONE": str(done)}
+    proc = subprocess.run(["timeout", "4", "bash", str(REPO_ROOT / "bench" / "h200_suite.sh"),
+                           "dispatch", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 124  # timed out
+    assert done.exists(), "the part exited before its step had stopped"
