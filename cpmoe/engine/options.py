@@ -85,13 +85,13 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
     cached-prefix path; each shorter than the chunk, while the cache and the model's context
     length hold the sequence), on a sequence freed again, before the first request: the
     kernels a prefill launches are compiled and tuned here, not in the first requests' time
-    to first token (SGLang warms up its server the same way). The
-    experts' tile variants change where the slots per expert double (`fused_moe._block_m`)
-    or over wider ranges (`grouped_fp8_config`), so the ladder meets each variant that a
-    step of up to a chunk launches at Qwen3-30B-A3B's shape. Without it, served FP8 steps
-    compiled on the way: a 466-token step took 1.1 s (the few-slot experts' 64-row tiles),
-    and the first 1K prompt 1.38 s on an H200 (the grouped FP8 GEMMs' 64-row tiles; bf16's
-    first: 88 ms, bench/results/fp8-serving-h200-1d2b62c.log)."""
+    to first token (SGLang warms up its server the same way). The experts' tile variants
+    change where the slots per expert double (`fused_moe._block_m`) or over wider ranges
+    (`grouped_fp8_config`), so the ladder meets each variant that a step of up to a chunk
+    launches at Qwen3-30B-A3B's shape. Without it, served FP8 steps compiled on the way: a
+    466-token step took 1.1 s (the few-slot experts' 64-row tiles), and the first 1K prompt
+    1.38 s on an H200 (the grouped FP8 GEMMs' 64-row tiles; bf16's first: 88 ms,
+    bench/results/fp8-serving-h200-1d2b62c.log)."""
     kv = runner.kv
     n = min(chunk if chunk > 0 else DEFAULT_CHUNKED_PREFILL, kv.capacity // 2)
     if n < 32:

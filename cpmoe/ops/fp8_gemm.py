@@ -221,10 +221,9 @@ if triton is not None:
         tl.store(map_ptr + t, e, mask=t < slots)
         tl.store(map_ptr + slots + t, row, mask=t < slots)
 
-    # P: the slots, which change every step (no variant per residue mod 16)
-    # P and as_s1 (the row scales' column stride: the rows, `quantize_act`'s layout) change
-    # every step: no specialization on them (a served step of 8,191 tokens after steps of
-    # 8,192 compiled a new variant, 1.3 s, on an H200 at 1d2b62c)
+    # P (the slots) and as_s1 (the row scales' column stride: the rows, `quantize_act`'s
+    # layout) change every step: no variant per residue mod 16 (a served step of 8,191
+    # tokens after steps of 8,192 compiled a new variant, 1.3 s, on an H200 at 1d2b62c)
     @triton.jit(do_not_specialize=["P", "as_s1"])
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr,
                             rows_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, limit,
