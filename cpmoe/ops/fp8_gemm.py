@@ -436,22 +436,32 @@ if triton is not None:
         groups = K // 128
         per = tl.cdiv(groups, SPLIT_K)
         g0 = tl.program_id(1) * per
+        g_end = tl.minimum(g0 + per, groups)
+        # a group's scales are loaded during the group before (the first before the loop):
+        # Triton's pipeline prefetches only the tiles, and a load issued next to its dot
+        # left its latency after every MMA's wait, with about one program an SM to hide it
+        xs_at = xs_ptr + rows * stride_xs_m
+        ws_at = ws_ptr + (cols // 128) * stride_ws_n
+        g_first = tl.minimum(g0, groups - 1)  # an empty range reads a scale it never uses
+        a_s = tl.load(xs_at + g_first * stride_xs_g, mask=row_ok, other=0.0)
+        w_s = tl.load(ws_at + g_first * stride_ws_k, mask=col_ok, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(g0, tl.minimum(g0 + per, groups)):
+        for g in range(g0, g_end):
+            nxt = tl.minimum(g + 1, g_end - 1)
+            a_s_next = tl.load(xs_at + nxt * stride_xs_g, mask=row_ok, other=0.0)
+            w_s_next = tl.load(ws_at + nxt * stride_ws_k, mask=col_ok, other=0.0)
             k = g * 128 + ks
             a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None],
                         other=0.0)
-            a_s = tl.load(xs_ptr + rows * stride_xs_m + g * stride_xs_g, mask=row_ok,
-                          other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None],
                         mask=col_ok[None, :], other=0.0)  # [128, BLOCK_N]
-            w_s = tl.load(ws_ptr + (cols // 128) * stride_ws_n + g * stride_ws_k, mask=col_ok,
-                          other=0.0)
             if UPCAST:  # the interpreter has no FP8 dot
                 part = tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
                 part = tl.dot(a, w)
             acc += part * a_s[:, None] * w_s[None, :]
+            a_s = a_s_next
+            w_s = w_s_next
         mask = row_ok[:, None] & col_ok[None, :]
         at = rows[:, None] * N + cols[None, :]
         last = True
