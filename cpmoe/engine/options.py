@@ -97,16 +97,16 @@ def warm_up_prefill(runner: ModelRunner, chunk: int) -> None:
     if n < 32:
         return
     ids = [(i * 7919) % runner.config.vocab_size for i in range(n)]
+    room = min(kv.capacity, runner.config.max_position_embeddings)  # a sequence's longest
     if runner.fp8_attention:  # FP8 attention's cuDNN graphs, one per length bucket
         from cpmoe.cp.fp8_attention import warm_up
         attn = runner.model.model.layers[0].self_attn
         # a prefix on a rank is at most a sequence's: the context length, if the cache holds it
         warm_up(runner.device, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, n,
-                min(kv.capacity, runner.config.max_position_embeddings))
+                room)
     runner.extend([Segment(WARM_UP_KEY, ids)])
-    end = min(kv.capacity, runner.config.max_position_embeddings)  # the sequence's room
     start, size = n, 16
-    while size < n and start + size <= end:
+    while size < n and start + size <= room:
         runner.extend([Segment(WARM_UP_KEY, ids[:size], start)])
         start, size = start + size, 2 * size
     kv.free(WARM_UP_KEY)
