@@ -341,6 +341,14 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def _v_tile(v_ptr, bt_row, t, end, kvh, v_sp, v_ss, v_sh, d, d_ok, PAGE: tl.constexpr):
+        """The [BLOCK_N, D] V tile of keys t (those past `end` read as 0)."""
+        t_ok = t < end
+        page = _pages(bt_row, t, t_ok, PAGE)
+        return tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
+                       + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+
+    @triton.jit
     def _pages(bt_row, t, t_ok, PAGE: tl.constexpr):
         return tl.load(bt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
 
@@ -499,6 +507,10 @@ if triton is not None:
             if WORDS and not PV8:
                 dv = dk
                 dv_ok = dk_ok
+            if PV8:  # V a tile ahead in registers: a load feeding the transposing copy to
+                # shared memory is not one Triton's pipeline prefetches
+                v_next = _v_tile(v_ptr, bt_row, start + n, end, kvh, v_sp, v_ss, v_sh, dv,
+                                 dv_ok, PAGE)
             for t0 in range(start, end, BLOCK_N):
                 t = t0 + n
                 t_ok = t < end
@@ -506,9 +518,12 @@ if triton is not None:
                 k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss
                             + kvh * k_sh + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
                             other=0.0)
-                v = tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss
-                            + kvh * v_sh + dv[None, :], mask=t_ok[:, None] & dv_ok[None, :],
-                            other=0.0)
+                if PV8:
+                    v = v_next
+                    v_next = _v_tile(v_ptr, bt_row, t + BLOCK_N, end, kvh, v_sp, v_ss, v_sh,
+                                     dv, dv_ok, PAGE)
+                else:
+                    v = _v_tile(v_ptr, bt_row, t, end, kvh, v_sp, v_ss, v_sh, dv, dv_ok, PAGE)
                 mt, total, acc_t = _attend_tile_t(q8, k, v, t_ok, mt, total, acc_t, qk_scale,
                                                   UPCAST, PV8, WORDS and not PV8, E5M2)
             if PV8:
