@@ -62,10 +62,7 @@ def main() -> None:
                     help="rows x keys a row, comma-separated")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
-    ap.add_argument("--tiles", default=GRID,
-                    help="BLOCK_N:warps:stages[:mma], comma-separated; mma (fp8 pools only) 1: "
-                         "QK8 (q in e4m3, the K codes in an FP8 MMA), 2: QK8 and PV8 (p in "
-                         "e4m3 against the V codes too), 0 or left out: the codes widened")
+    ap.add_argument("--tiles", default=GRID, help="BLOCK_N:warps:stages, comma-separated")
     args = ap.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -73,7 +70,7 @@ def main() -> None:
     except ValueError:
         sys.exit(f"--shapes / --splits: expected e.g. 64x1088 / 1,2,4, got {args.shapes!r} / "
                  f"{args.splits!r}")
-    grid = parse_tiles(args.tiles, "BLOCK_N:warps:stages:mma", optional=1)
+    grid = parse_tiles(args.tiles, "BLOCK_N:warps:stages")
     rate = copy_rate()
     print(f"device-to-device copy: {rate / 1e12:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
@@ -109,11 +106,8 @@ def main() -> None:
             results.append({"dtype": name, "rows": B, "keys": keys, "default": True,
                             "splits": default_s, "us": table_us["default"][default_s],
                             "floor_us": floor, **pa.stage1_config(fp8, D)})
-            for bn, warps, stages, mma in grid:
-                if mma and not fp8:
-                    continue
-                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-                       "QK8": mma >= 1, "PV8": mma == 2}
+            for bn, warps, stages in grid:
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
                 try:
                     err = (run(cfg, 2)(0).float() - want).abs().max().item()
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile: skip it
@@ -124,7 +118,7 @@ def main() -> None:
                     continue
                 for s in splits:
                     t = time_us(run(cfg, s))
-                    table_us.setdefault((bn, warps, stages, mma), {})[s] = t
+                    table_us.setdefault((bn, warps, stages), {})[s] = t
                     results.append({"dtype": name, "rows": B, "keys": keys, "splits": s,
                                     "us": t, "max_err": err, **cfg})
             print_table(f"{name} pools, {B} rows x {keys} keys (K/V floor {floor:.1f} us at "
@@ -138,13 +132,13 @@ def main() -> None:
 def print_table(title: str, table: dict, splits: list[int]) -> None:
     best = min(t for row in table.values() for t in row.values())
     print(f"{title}, us per call:")
-    print(f"{'BLOCK_N warps stages mma':>27s}" + "".join(f"{s:>9d}" for s in splits))
+    print(f"{'BLOCK_N warps stages':>22s}" + "".join(f"{s:>9d}" for s in splits))
     for tile, row in table.items():
         if tile == "default":
             (s, t), = row.items()
-            print(f"{'default':>27s} {t:8.1f}{'*' if t == best else ' '} at {s} splits")
+            print(f"{'default':>22s} {t:8.1f}{'*' if t == best else ' '} at {s} splits")
             continue
-        print(" ".join(f"{v:>{w}d}" for v, w in zip(tile, (14, 5, 6, 3))) + "".join(
+        print(" ".join(f"{v:>{w}d}" for v, w in zip(tile, (14, 5, 6))) + "".join(
             f"{row[s]:8.1f}{'*' if row[s] == best else ' '}" if s in row else f"{'':>9s}"
             for s in splits), flush=True)
 

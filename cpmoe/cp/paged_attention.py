@@ -248,20 +248,12 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # unless q is float32 (then widened to float32 times the scales, exactly)
     cfg = dict(config or stage1_config(kv_fp8, D))
     cfg["KV_F16"] = kv_fp8 and q_BHD.dtype != torch.float32 and cfg.get("KV_F16", True)
-    qk8, pv8 = cfg.setdefault("QK8", False), cfg.setdefault("PV8", False)
-    if (qk8 or pv8) and not (qk8 and cfg["KV_F16"] and k_cache.dtype == torch.float8_e4m3fn
-                             and D == d_pad and D >= 32 and cfg["BLOCK_N"] >= 16):
-        raise ValueError(f"paged_decode_attention: config QK8 / PV8 (FP8 MMAs; PV8 only with "
-                         f"QK8) needs e4m3 pools, a 16-bit q and a power-of-two head dim >= "
-                         f"32, got QK8={qk8} PV8={pv8}, {k_cache.dtype} pools, q "
-                         f"{q_BHD.dtype}, head dim {D}")
     k_in, v_in = k_cache, v_cache
     cfg["WORDS"] = cfg["KV_F16"] and q_BHD.is_cuda and D % 4 == 0 and all(
         st % 4 == 0 for st in (*k_cache.stride()[:3], *v_cache.stride()[:3],
                                k_cache.storage_offset(), v_cache.storage_offset()))
-    if cfg["WORDS"]:  # four codes an int32 word (strides below in words), where widened
-        k_in = k_cache if qk8 else k_cache.view(torch.int32)
-        v_in = v_cache if pv8 else v_cache.view(torch.int32)
+    if cfg["WORDS"]:  # four codes an int32 word (strides below in words)
+        k_in, v_in = k_cache.view(torch.int32), v_cache.view(torch.int32)
     _paged_decode_stage1[(B, Hkv, num_splits)](
         q_BHD, k_in, v_in, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
@@ -270,8 +262,7 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
-        IEEE=q_BHD.dtype == torch.float32,
-        UPCAST=_interpreter_bf16(q_BHD.dtype) or (qk8 and _interpreter_bf16(torch.bfloat16)),
+        IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
         KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, **cfg, **pdl_args(q_BHD))
     if num_splits > 1:
         q8 = s_t = o_BHD  # any pointer when not quantizing
@@ -341,14 +332,6 @@ if triton is not None:
         return k, v
 
     @triton.jit
-    def _v_tile(v_ptr, bt_row, t, end, kvh, v_sp, v_ss, v_sh, d, d_ok, PAGE: tl.constexpr):
-        """The [BLOCK_N, D] V tile of keys t (those past `end` read as 0)."""
-        t_ok = t < end
-        page = _pages(bt_row, t, t_ok, PAGE)
-        return tl.load(v_ptr + page[:, None] * v_sp + (t % PAGE)[:, None] * v_ss + kvh * v_sh
-                       + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-
-    @triton.jit
     def _pages(bt_row, t, t_ok, PAGE: tl.constexpr):
         return tl.load(bt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
 
@@ -409,41 +392,6 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v)  # 16-bit tensor cores, fp32 accumulate
         return m_new, total, acc * alpha[:, None] + pv
 
-    @triton.jit
-    def _attend_tile_t(q8, k, v, t_ok, m, total, acc, qk_scale, UPCAST: tl.constexpr,
-                       PV8: tl.constexpr, V_WORDS: tl.constexpr, E5M2: tl.constexpr):
-        """`_attend_tile` transposed, for QK8: scores^T [BLOCK_N, G] = K codes x q8^T in one
-        FP8 MMA (the keys are its 64 rows), qk_scale [G] per head; acc^T [D, G] += V^T p^T,
-        with PV8 the V codes times p in e4m3 (p x 448, taken out by the caller), else V
-        widened to float16 times p in float16."""
-        if UPCAST:  # the interpreter: exact products of the e4m3 values
-            s = tl.dot(k.to(tl.float32), tl.trans(q8.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(k, tl.trans(q8))
-        s = tl.where(t_ok[:, None], s * qk_scale[None, :], float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))  # finite: the tile has a valid key
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        total = total * alpha + tl.sum(p, axis=0)
-        if PV8:
-            p8 = (p * 448.0).to(tl.float8e4nv)
-            if UPCAST:
-                pv = tl.dot(tl.trans(v.to(tl.float32)), p8.to(tl.float32),
-                            input_precision="ieee")
-            else:
-                pv = tl.dot(tl.trans(v), p8)
-        else:
-            if V_WORDS:
-                v = _words_to_f16(v, E5M2)
-            else:
-                v = v.to(tl.float16)
-            if UPCAST:
-                pv = tl.dot(tl.trans(v.to(tl.float32)), p.to(tl.float16).to(tl.float32),
-                            input_precision="ieee")
-            else:
-                pv = tl.dot(tl.trans(v), p.to(tl.float16))
-        return m_new, total, acc * alpha[None, :] + pv
-
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
@@ -455,8 +403,7 @@ if triton is not None:
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                              KV_FP8: tl.constexpr = False, KV_F16: tl.constexpr = False,
-                             WORDS: tl.constexpr = False, E5M2: tl.constexpr = False,
-                             QK8: tl.constexpr = False, PV8: tl.constexpr = False):
+                             WORDS: tl.constexpr = False, E5M2: tl.constexpr = False):
         """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
         captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
         widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
@@ -493,59 +440,20 @@ if triton is not None:
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         k_scale = tl.load(kvs_ptr)  # used by FP8 pools only
         v_scale = tl.load(kvs_ptr + 1)
-        if QK8:
-            # q in e4m3, one scale a head (`quantize_rows`: amax / 448), the K codes straight
-            # into an FP8 MMA; V as words widened to float16, or with PV8 its codes straight
-            # into a second FP8 MMA
-            q8, q_s = quantize_rows(q.to(tl.float32))
-            qk_scale = scale_log2 * k_scale * q_s
-            mt = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-            total = tl.zeros([G_PAD], dtype=tl.float32)
-            acc_t = tl.zeros([D_PAD, G_PAD], dtype=tl.float32)
-            dv = d
-            dv_ok = d_ok
-            if WORDS and not PV8:
-                dv = dk
-                dv_ok = dk_ok
-            if PV8:  # V a tile ahead in registers: a load feeding the transposing copy to
-                # shared memory is not one Triton's pipeline prefetches
-                v_next = _v_tile(v_ptr, bt_row, start + n, end, kvh, v_sp, v_ss, v_sh, dv,
-                                 dv_ok, PAGE)
-            for t0 in range(start, end, BLOCK_N):
-                t = t0 + n
-                t_ok = t < end
-                page = _pages(bt_row, t, t_ok, PAGE)
-                k = tl.load(k_ptr + page[:, None] * k_sp + (t % PAGE)[:, None] * k_ss
-                            + kvh * k_sh + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                            other=0.0)
-                if PV8:
-                    v = v_next
-                    v_next = _v_tile(v_ptr, bt_row, t + BLOCK_N, end, kvh, v_sp, v_ss, v_sh,
-                                     dv, dv_ok, PAGE)
-                else:
-                    v = _v_tile(v_ptr, bt_row, t, end, kvh, v_sp, v_ss, v_sh, dv, dv_ok, PAGE)
-                mt, total, acc_t = _attend_tile_t(q8, k, v, t_ok, mt, total, acc_t, qk_scale,
-                                                  UPCAST, PV8, WORDS and not PV8, E5M2)
-            if PV8:
-                acc_t = acc_t * (1.0 / 448.0)
-            m = mt
-            acc = tl.trans(acc_t)
-        else:
-            qk_scale = scale_log2
-            if KV_F16:  # q in float16 (|q| past its range saturates), k_scale outside the dot
-                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-                qk_scale = scale_log2 * k_scale
-            m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-            total = tl.zeros([G_PAD], dtype=tl.float32)
-            acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-            for t0 in range(start, end, BLOCK_N):
-                t = t0 + n
-                t_ok = t < end
-                k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok, kvh,
-                                k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
-                m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
-                                             qk_scale, IEEE, UPCAST, KV_FP8, KV_F16, WORDS,
-                                             E5M2)
+        qk_scale = scale_log2
+        if KV_F16:  # q in float16 (|q| past its range saturates), k_scale outside the dot
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            qk_scale = scale_log2 * k_scale
+        m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + n
+            t_ok = t < end
+            k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok, kvh,
+                            k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
+            m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
+                                         qk_scale, IEEE, UPCAST, KV_FP8, KV_F16, WORDS, E5M2)
         empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
         total = tl.where(empty, 1.0, total)
         o = acc / total[:, None]

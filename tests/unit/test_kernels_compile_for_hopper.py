@@ -199,22 +199,6 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64, "PDL": True,
          "KV_MAX": 448.0 if name == "e4m3x2" else 57344.0}, ("kv_heads",), {"num_warps": 4})
     assert re.search(r"cvt\.rn\.satfinite\." + name, waits_first(ptx, ("store", fmt))), fmt
-# a sweep's QK8 / PV8 (e4m3 pools): the keys against q in e4m3 on Hopper's warp-group FP8 MMA
-# (64 keys its rows); PV8 also p against the V codes, nothing widened
-for pv8 in (False, True):
-    cfg = dict(paged_attention.stage1_config(True, 128), QK8=True, PV8=pv8)
-    options = launch_options(cfg)
-    ptx = compile_sm90(
-        paged_attention._paged_decode_stage1,
-        {"q_ptr": bf16, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv" if pv8 else "*i32",
-         "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-         "kvs_ptr": "*fp32"},
-        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
-             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=False),
-        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
-    waits_first(ptx, ("stage 1 QK8", pv8))
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx, pv8
-    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (not pv8), pv8
 # a served chunk's q in e4m3 for FP8 prefill attention (ops.qkv_norm_rope_store_fp8), over
 # e4m3 pools: the scale an IEEE division
 ptx = compile_sm90(
