@@ -15,6 +15,11 @@
 #                                               # attention; FP8_LONG_LEN sets the length)
 #   bash bench/h200_engine.sh structured OUT_DIR  # 64 JSON-schema streams vs the same without
 #                                               # (needs the xgrammar + apache-tvm-ffi wheels)
+#   bash bench/h200_engine.sh issue45 OUT_DIR   # issue 45's four figures in one call (~7 min
+#                                               # on an H200; 128K needs its memory): decode
+#                                               # at 64 / 128 rows, prefill 16K and 128K,
+#                                               # bf16 vs FP8 weights + FP8 K/V and attention,
+#                                               # each against its target, then fp8-serving
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
 #   bash bench/h200_engine.sh fp8-prefill OUT_DIR  # FP8 vs bf16 prefill at 16K and 64K
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
@@ -42,12 +47,39 @@ failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
-  smoke|decode|serving|prefix|fp8-serving|fp8-long|structured|fp8|fp8-prefill|v4|v4-serving)
+  smoke|decode|serving|prefix|fp8-serving|fp8-long|issue45|structured|fp8|fp8-prefill|v4|\
+  v4-serving)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
   *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving | fp8-long |" \
-          "structured | fp8 | fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
+          "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
 esac
+if [ "$part" = issue45 ]; then
+  # the same commands in bf16 and with FP8 weights + FP8 K/V and attention, each pair's
+  # ratio against the issue's target; the served load follows (the fp8-serving branch below)
+  f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
+  names=(--names "bf16,FP8 weights + FP8 K/V")
+  for v in bf16 fp8; do
+    q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
+    step "issue45-decode-$v" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
+      --batch-size 64,128 --input-len 1024 --output-len 32 "${q[@]}" \
+      --out "$out/issue45-decode-$v.json"
+  done
+  step issue45-decode-compare python3 -m bench.speed_ratio "$out/issue45-decode-bf16.json" \
+    "$out/issue45-decode-fp8.json" --min 1.6 --at 64 "${names[@]}"
+  for len_iters_min in 16384:3:1.4 131072:2:1.45; do
+    IFS=: read -r len iters target <<< "$len_iters_min"
+    for v in bf16 fp8; do
+      q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
+      step "issue45-prefill-$len-$v" python3 -m cpmoe.cli bench --shape qwen3-30b-a3b \
+        --layouts tp=1 --lengths "$len" --iters "$iters" "${q[@]}" \
+        --out "$out/issue45-prefill-$len-$v.json"
+    done
+    step "issue45-prefill-$len-compare" python3 -m bench.speed_ratio \
+      "$out/issue45-prefill-$len-bf16.json" "$out/issue45-prefill-$len-fp8.json" \
+      --min "$target" "${names[@]}"
+  done
+fi
 case "$part" in
   smoke)
     step gpu-tests python3 -m pytest tests/gpu
@@ -66,7 +98,7 @@ case "$part" in
     step one-batch-32k python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 16 \
       --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
-  serving|prefix|fp8-serving|fp8-long)
+  serving|prefix|fp8-serving|fp8-long|issue45)
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
 import json, pathlib, sys
@@ -84,7 +116,7 @@ tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(dst)
 PY
     serve=(--model "$model" --load-format dummy --routing uniform)
-    if [ "$part" = fp8-serving ] || [ "$part" = fp8-long ]; then
+    if [ "$part" = fp8-serving ] || [ "$part" = fp8-long ] || [ "$part" = issue45 ]; then
       # issue 45, the same load in bf16 and with FP8 weights + FP8 K/V, the output tok/s
       # ratio against its target. fp8-serving: random 1,024 / 256 at 128 in flight (FP8
       # prefill attention; FP8_SERVING_PROMPTS sets its size), target 1.3x. fp8-long: one
@@ -93,7 +125,9 @@ PY
       # prefix in FP8; the target is the issue's for a 128K prefill, 1.45x
       read -r -a more <<< "${FP8_SERVE:-}"
       serve+=("${more[@]}")
-      if [ "$part" = fp8-serving ]; then
+      name=$part
+      [ "$part" = issue45 ] && name=issue45-serving
+      if [ "$part" != fp8-long ]; then
         load=(--dataset random --random-input-len 1024 --random-output-len 256
               --num-prompts "${FP8_SERVING_PROMPTS:-512}" --max-concurrency 128)
         target=1.3
@@ -102,13 +136,13 @@ PY
               --random-output-len 1 --num-prompts 2 --max-concurrency 1)
         target=1.45
       fi
-      step "$part-bf16" python3 -m cpmoe.cli bench-serving "${load[@]}" \
-        --out "$out/$part-bf16.json" --launch "${serve[@]}"
-      step "$part-fp8" python3 -m cpmoe.cli bench-serving "${load[@]}" \
-        --out "$out/$part-fp8.json" --launch "${serve[@]}" --quantization fp8 \
+      step "$name-bf16" python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/$name-bf16.json" --launch "${serve[@]}"
+      step "$name-fp8" python3 -m cpmoe.cli bench-serving "${load[@]}" \
+        --out "$out/$name-fp8.json" --launch "${serve[@]}" --quantization fp8 \
         --kv-cache-dtype fp8_e4m3
-      step "$part-compare" python3 -m bench.serving_ratio "$out/$part-bf16.json" \
-        "$out/$part-fp8.json" --min "$target" --names "bf16,FP8 weights + FP8 K/V"
+      step "$name-compare" python3 -m bench.serving_ratio "$out/$name-bf16.json" \
+        "$out/$name-fp8.json" --min "$target" --names "bf16,FP8 weights + FP8 K/V"
       finish
     fi
     if [ "$part" = prefix ]; then

@@ -259,3 +259,55 @@ def test_a_time_limit_stops_a_part_only_after_its_running_step_has_stopped(tmp_p
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 124  # timed out
     assert done.exists(), "the part exited before its step had stopped"
+
+
+def test_issue45_part_takes_the_four_figures_in_one_call_each_against_its_target(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "issue45")
+    assert rc == 0, _failed_lines(out)
+    decode = [c for c in calls if "bench-one-batch" in c]
+    prefill = [c for c in calls if "cpmoe.cli bench " in c]
+    serving = [c for c in calls if "bench-serving" in c]
+    compares = [c for c in calls if "bench.speed_ratio" in c or "bench.serving_ratio" in c]
+    assert len(decode) == 2 and len(prefill) == 4 and len(serving) == 2
+    for pair in (decode, prefill[:2], prefill[2:], serving):  # bf16, then the same with FP8
+        assert "--quantization" not in pair[0]
+        assert "--quantization fp8 --kv-cache-dtype fp8_e4m3" in pair[1]
+        assert pair[0].split("--out")[0] in pair[1]
+    assert "--batch-size 64,128 --input-len 1024" in decode[0]
+    assert "--lengths 16384 --iters 3" in prefill[0] and "--lengths 131072" in prefill[2]
+    targets = [c.split("--min ")[1].split()[0] for c in compares]
+    assert targets == ["1.6", "1.4", "1.45", "1.3"] and "--at 64" in compares[0]
+    # one GPU user at a time: each pair's comparison after it, the served load last
+    assert calls.index(compares[0]) < calls.index(prefill[0])
+    assert calls.index(prefill[3]) < calls.index(serving[0])
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", "issue45", fail="issue45-prefill-16384-fp8")
+    assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == [
+        "issue45-prefill-16384-fp8", "issue45-prefill-16384-compare"]
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    import json
+    path.write_text(json.dumps({"header": {}, "rows": rows}))
+    return str(path)
+
+
+def test_speed_ratio_holds_the_named_rows_to_the_target(tmp_path, capsys):
+    from bench.speed_ratio import main
+    bf16 = _write(tmp_path / "a.json", [{"engine": "cpmoe", "batch": 64, "decode_ms": 17.2},
+                                        {"engine": "cpmoe", "batch": 128, "decode_ms": 19.4},
+                                        {"engine": "hf", "batch": 64, "decode_ms": 99.0}])
+    fp8 = _write(tmp_path / "b.json", [{"engine": "cpmoe", "batch": 64, "decode_ms": 10.0},
+                                       {"engine": "cpmoe", "batch": 128, "decode_ms": 13.9}])
+    assert main([bf16, fp8, "--min", "1.6", "--at", "64"]) == 0  # 1.72x; 128's 1.40x unheld
+    out = capsys.readouterr().out
+    assert "batch 64: base 17.2 ms a step, other 10 ms a step: 1.720x, target >= 1.6" in out
+    assert "batch 128" in out and "1.396x\n" in out
+    assert main([bf16, fp8, "--min", "1.6"]) == 1  # every common row held: 128 misses
+    assert main([bf16, fp8, "--min", "1.6", "--at", "64,256"]) == 1  # a held row missing
+    prefill_a = _write(tmp_path / "c.json", [{"tokens": 16384, "seconds": 0.369}])
+    prefill_b = _write(tmp_path / "d.json", [{"tokens": 16384, "seconds": 0.265}])
+    assert main([prefill_a, prefill_b, "--min", "1.4"]) == 1  # 1.392x: short of 1.4
+    assert "length 16384: base 0.369 s, other 0.265 s: 1.392x" in capsys.readouterr().out
+    assert main([prefill_a, prefill_b, "--min", "1.39", "--at", "16384"]) == 0
+    with pytest.raises(SystemExit, match="holds decode rows, .* prefill rows"):
+        main([bf16, prefill_b, "--min", "1.4"])
