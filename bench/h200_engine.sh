@@ -122,7 +122,8 @@ PY
       # prefill attention; FP8_SERVING_PROMPTS sets its size), target 1.3x. fp8-long: one
       # long prompt at a time, chunked in (the default --chunked-prefill-size 8192), one
       # output token, so the ratio is the TTFT ratio; FP8's later chunks attend their cached
-      # prefix in FP8; the target is the issue's for a 128K prefill, 1.45x
+      # prefix in FP8; the target is the issue's for a 128K prefill, 1.45x. issue45: the
+      # fp8-serving load, after the part's own steps above
       read -r -a more <<< "${FP8_SERVE:-}"
       serve+=("${more[@]}")
       name=$part
