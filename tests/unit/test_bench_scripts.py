@@ -280,6 +280,11 @@ def test_issue45_part_takes_the_four_figures_in_one_call_each_against_its_target
     # one GPU user at a time: each pair's comparison after it, the served load last
     assert calls.index(compares[0]) < calls.index(prefill[0])
     assert calls.index(prefill[3]) < calls.index(serving[0])
+    (tmp_path / "h100").mkdir()
+    rc, out, calls = _run(tmp_path / "h100", "h200_engine.sh", "issue45",
+                          ISSUE45_PREFILL="16384:3:1.4")  # an 80 GB card: no 128K pair
+    assert rc == 0 and sum("cpmoe.cli bench " in c for c in calls) == 2
+    assert not any("131072" in c for c in calls)
     rc, out, _ = _run(tmp_path, "h200_engine.sh", "issue45", fail="issue45-prefill-16384-fp8")
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == [
         "issue45-prefill-16384-fp8", "issue45-prefill-16384-compare"]
