@@ -1,6 +1,7 @@
 """Two `cpmoe bench` or two `cpmoe bench-one-batch` results of the same rows side by side: the
 first's time over the second's for each row both hold (prefill seconds by length, decode ms a
-step by batch and input length); exit 1 where a row named by --at is under --min, or missing.
+step by batch; a file must hold one row of each: one layout, one input length); exit 1 where
+a row named by --at is under --min, or missing.
 
     python3 -m bench.speed_ratio BF16.json FP8.json --min 1.6 --at 64 --names "bf16,FP8"
 """
@@ -21,9 +22,15 @@ def rows(path: Path) -> tuple[str, dict[int, float]]:
         sys.exit(f"{path}: expected a cpmoe bench or bench-one-batch JSON with 'rows', found "
                  f"none")
     if "decode_ms" in found[0]:
-        return "decode", {r["batch"]: r["decode_ms"] for r in found
-                          if r.get("engine", "cpmoe") == "cpmoe"}
-    return "prefill", {r["tokens"]: r["seconds"] for r in found}
+        kind, key, time = "decode", "batch", "decode_ms"
+        found = [r for r in found if r.get("engine", "cpmoe") == "cpmoe"]
+    else:
+        kind, key, time = "prefill", "tokens", "seconds"
+    times = {r[key]: r[time] for r in found}
+    if len(times) != len(found):
+        sys.exit(f"{path}: {len(found)} rows for {len(times)} {key} values; expected one row "
+                 f"a {key} (one layout, one input length a file)")
+    return kind, times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in sorted(base.keys() | other.keys() | set(held)):
         if k not in base or k not in other:
             print(f"{key} {k}: in {a.base.name if k in base else a.other.name} only")
-            code = code or int(k in held)
+            if k in held:
+                code = 1
             continue
         ratio = base[k] / other[k]
         target = f", target >= {a.min}" if k in held else ""

@@ -316,3 +316,7 @@ def test_speed_ratio_holds_the_named_rows_to_the_target(tmp_path, capsys):
     assert main([prefill_a, prefill_b, "--min", "1.39", "--at", "16384"]) == 0
     with pytest.raises(SystemExit, match="holds decode rows, .* prefill rows"):
         main([bf16, prefill_b, "--min", "1.4"])
+    two_inputs = _write(tmp_path / "e.json", [  # --input-len 1024,4096: two rows a batch
+        {"engine": "cpmoe", "batch": 64, "input_len": n, "decode_ms": 12.0} for n in (1024, 4096)])
+    with pytest.raises(SystemExit, match="2 rows for 1 batch values"):
+        main([bf16, two_inputs, "--min", "1.6"])
