@@ -87,9 +87,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128 x 128 scales")
     ap.add_argument("--tiles", help="the grid instead of the built-in one: BLOCK_N:BLOCK_K:"
-                    "warps:stages[:tma], comma-separated (e.g. 64:128:4:5,128:128:4:4:1); "
-                    "tma 1: the weight tiles by TMA descriptor (TMA_W), 0 or left out: by "
-                    "address")
+                    "warps:stages[:tma[:tiles[:quant_out]]], comma-separated (e.g. "
+                    "64:128:4:5,128:128:4:4:1:2); tma 1: the weight tiles by TMA descriptor "
+                    "(TMA_W), 0 or left out: by address; tiles: column tiles a program "
+                    "(TILES, left out: 1); quant_out 1: gate/up writes FP8 rows and their "
+                    "scales (QUANT_OUT, BLOCK_N 128; down's time still quantizes its rows)")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -111,11 +113,13 @@ def main() -> None:
     if args.fp8:
         grid = [(bn, bk, w, s, 0) for bk, (bn, w, s) in itertools.product(
             (128, 256), ((16, 4, 3), (32, 4, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)))]
+        grid = [t + (1, 0) for t in grid]
     else:
-        grid = [(bn, bk, w, s, 0) for bn, bk, (w, s) in itertools.product(
+        grid = [(bn, bk, w, s, 0, 1, 0) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]
     if args.tiles:
-        grid = parse_tiles(args.tiles, "BLOCK_N:BLOCK_K:warps:stages:tma", optional=1)
+        grid = [t[:5] + (t[5] or 1, t[6]) for t in parse_tiles(
+            args.tiles, "BLOCK_N:BLOCK_K:warps:stages:tma:tiles:quant_out", optional=3)]
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         ids = routed(rows, gen)
@@ -128,13 +132,17 @@ def main() -> None:
         act = torch.randn(P, I, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(P, H, device="cuda", dtype=torch.bfloat16)
         out_act = torch.empty(P, I, device="cuda", dtype=torch.bfloat16)
+        out_act8 = torch.empty(P, I, device="cuda", dtype=torch.float8_e4m3fn)
+        out_act8_s = torch.empty(I // 128, P, device="cuda")
         for name, a, ws, ss, out, gated, N, k_dim in (
                 ("gate_up", x, gate_up, gate_up_s, out_act, True, I, H),
                 ("down", act, down, down_s, y, False, H, I)):
             def run(cfg):
-                return lambda i: fused_moe._gemm(a, ws[i % LAYERS], slots, counts, out, TOP_K,
-                                                 row_of_slot=gated, gated=gated, config=cfg,
-                                                 scale=ss[i % LAYERS])
+                q = cfg.get("QUANT_OUT")
+                return lambda i: fused_moe._gemm(
+                    a, ws[i % LAYERS], slots, counts, out_act8 if q else out, TOP_K,
+                    row_of_slot=gated, gated=gated, config=cfg, scale=ss[i % LAYERS],
+                    out_scale=out_act8_s if q else None)
             table = {}  # (tile, or "default") -> {mode: us}
             for mode in modes:
                 default = fused_moe.gemm_config(P, E, k_dim, fp8=args.fp8, fp8_act=mode,
@@ -143,17 +151,19 @@ def main() -> None:
                 results.append({"gemm": name, "rows": rows, "mode": mode, "default": True,
                                 "us": table["default"][mode], **default})
                 for tile in grid:
-                    bn, bk, warps, stages, tma = tile
-                    if bk > k_dim:
+                    bn, bk, warps, stages, tma, tiles, quant_out = tile
+                    if bk > k_dim or (quant_out and not gated):
                         continue
                     cfg = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                               num_stages=stages, TMA_W=bool(tma))
+                               num_stages=stages, TMA_W=bool(tma), TILES=tiles,
+                               QUANT_OUT=bool(quant_out))
                     try:
                         t = time_us(run(cfg))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit: skip it
                         print(f"{name} rows {rows} {mode} {cfg}: {type(e).__name__}")
                         continue
                     table.setdefault(tile, {})[mode] = t
+                    print(f"  {name} {mode} {':'.join(map(str, tile))}: {t:.1f} us", flush=True)
                     results.append({"gemm": name, "rows": rows, "mode": mode, "us": t, **cfg})
             floor = (len(torch.unique(ids)) * N * (2 if gated else 1) * k_dim
                      * wdtype.itemsize / hbm_bytes_per_s(torch.cuda.get_device_name()) * 1e6)
@@ -165,16 +175,16 @@ def main() -> None:
 
 
 def print_table(title: str, table: dict, modes: list[str]) -> None:
-    """One line per tile (BLOCK_N, BLOCK_K, warps, stages, tma), a column per mode;
-    * marks each mode's fastest, `gemm_config`'s choice last."""
+    """One line per tile (BLOCK_N, BLOCK_K, warps, stages, tma, tiles, quant_out), a column
+    per mode; * marks each mode's fastest, `gemm_config`'s choice last."""
     best = {m: min((us[m] for us in table.values() if m in us), default=None) for m in modes}
     print(f"{title}, us per call:")
-    print(f"{'BLOCK_N BLOCK_K warps stages tma':>40s}"
+    print(f"{'BLOCK_N BLOCK_K warps stages tma tiles qout':>51s}"
           + "".join(f"{m:>12s} " for m in modes))
     for tile, us in sorted(table.items(), key=lambda kv: kv[0] == "default"):
         label = "default" if tile == "default" else " ".join(
-            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6, 3)))
-        print(f"{label:>40s}" + "".join(
+            f"{v:>{w}d}" for v, w in zip(tile, (7, 7, 5, 6, 3, 5, 4)))
+        print(f"{label:>51s}" + "".join(
             f"{us[m]:12.1f}{'*' if us[m] == best[m] else ' '}" if m in us else f"{'-':>12s} "
             for m in modes), flush=True)
 

@@ -28,12 +28,14 @@ Legend: M rows, K top-k slots, P = M*K slots, E local experts, H hidden, I local
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import torch
 
 from cpmoe._triton import import_triton
-from cpmoe.ops.fp8 import quantize_act
+from cpmoe.ops.fp8 import FP8, quantize_act
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -79,14 +81,19 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)),
                         **pdl_args(x_MH))
-    act = torch.empty(P, I, dtype=x_MH.dtype, device=dev)
     gate_up_s, down_s = scales or (None, None)
     fp8 = scales is not None
+    cfg = gemm_config(P, E, H, fp8, fp8_act)
+    # QUANT_OUT: gate/up writes the gated rows in FP8 with their scales, as down reads them
+    act_s = (torch.empty(I // 128, P, dtype=torch.float32, device=dev)
+             if cfg.get("QUANT_OUT") else None)
+    act = torch.empty(P, I, dtype=x_MH.dtype if act_s is None else FP8, device=dev)
     _gemm(x_MH, gate_up_EnH, slots, counts, act, K, row_of_slot=True, gated=True,
-          config=gemm_config(P, E, H, fp8, fp8_act), scale=gate_up_s, limit=swiglu_limit)
+          config=cfg, scale=gate_up_s, limit=swiglu_limit, out_scale=act_s)
     y = torch.empty(P, H, dtype=x_MH.dtype, device=dev)
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
-          config=gemm_config(P, E, I, fp8, fp8_act, gated=False), scale=down_s)
+          config=gemm_config(P, E, I, fp8, fp8_act, gated=False), scale=down_s,
+          a_scale=None if act_s is None else act_s.t())
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
     _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
@@ -153,19 +160,55 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
     wide = mode == "w8a8" and not compact
     block_n = 32 if fp8 and not wide else 64
     block_k = 256 if wide and k_dim % 256 == 0 else 128
-    return {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
-            "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
-            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
-            "TMA_W": wide and not gated, "num_warps": 4,
-            "num_stages": 5 if compact and not fp8 else 3}
+    cfg = {"BLOCK_M": _block_m(slots, experts), "BLOCK_N": block_n,
+           "BLOCK_K": block_k if k_dim >= 128 else _pow2(max(16, k_dim)), "COMPACT": compact,
+           "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
+           "TMA_W": wide and not gated, "TILES": 1, "QUANT_OUT": False, "num_warps": 4,
+           "num_stages": 5 if compact and not fp8 else 3}
+    if wide:
+        cfg.update(_tuned()["gate_up" if gated else "down"])
+    return cfg
+
+
+TUNED_ENV = "CPMOE_DECODE_EXPERTS_CONFIG"
+_TUNABLE = {"BLOCK_N": int, "BLOCK_K": int, "TMA_W": bool, "TILES": int, "QUANT_OUT": bool,
+            "num_warps": int, "num_stages": int}
+
+
+@functools.cache
+def _tuned() -> dict[str, dict]:
+    """$CPMOE_DECODE_EXPERTS_CONFIG: a JSON file {"gate_up": {...}, "down": {...}} of
+    _TUNABLE fields that replace `gemm_config`'s W8A8 tiles (at least as many slots as
+    experts), as SGLang's and vLLM's tuned fused-MoE config files do; for tile sweeps of
+    whole decode steps. Read once; a bad file or field exits in one line."""
+    path = os.environ.get(TUNED_ENV)
+    if not path:
+        return {"gate_up": {}, "down": {}}
+    try:
+        spec = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{TUNED_ENV}={path}: expected a JSON file, {type(e).__name__}: {e}")
+    if not isinstance(spec, dict) or set(spec) - {"gate_up", "down"}:
+        raise SystemExit(f"{TUNED_ENV}={path}: expected an object with keys gate_up and/or "
+                         f"down, got {spec if not isinstance(spec, dict) else sorted(spec)}")
+    for gemm, fields in spec.items():
+        bad = {k: v for k, v in fields.items()
+               if k not in _TUNABLE or type(v) is not _TUNABLE[k]}
+        if bad:
+            raise SystemExit(f"{TUNED_ENV}={path}: {gemm}: expected fields of "
+                             f"{ {k: t.__name__ for k, t in _TUNABLE.items()} }, got {bad}")
+    return {"gate_up": spec.get("gate_up", {}), "down": spec.get("down", {})}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
           out: torch.Tensor, top_k: int, row_of_slot: bool, gated: bool,
           config: dict | None = None, scale: torch.Tensor | None = None,
-          limit: float | None = None) -> None:
+          limit: float | None = None, a_scale: torch.Tensor | None = None,
+          out_scale: torch.Tensor | None = None) -> None:
     """One expert GEMM (`_expert_gemm_kernel`) of `config` (default `gemm_config`'s); with
-    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it."""
+    ACT_FP8 and not QUANT_A, a's quantization (`quantize_act`) is part of it, unless `a`
+    comes quantized with its `a_scale` ([rows, K / 128]). QUANT_OUT: `out` is FP8 and
+    `out_scale` [N / 128, slots] gets its scales."""
     E, n_rows, k_dim = w.shape
     N = n_rows // 2 if gated else n_rows
     P = slots.shape[1]
@@ -175,9 +218,17 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
         assert 128 % cfg["BLOCK_N"] == 0 and N % 128 == 0 and k_dim % 128 == 0
         assert 128 % cfg["BLOCK_K"] == 0 or k_dim % cfg["BLOCK_K"] == 0  # whole pieces
     assert scaled or not cfg["ACT_FP8"], "FP8 activations need FP8 weights"
-    a_scale = a  # any pointer when the kernel reads no activation scales
-    if cfg["ACT_FP8"] and not cfg["QUANT_A"]:
+    a_dtype = a.dtype  # QUANT_OUT rounds to it: the dtype of out's unquantized rows
+    if cfg["ACT_FP8"] and not cfg["QUANT_A"] and a_scale is None:
         a, a_scale = quantize_act(a, 128)
+    a_scale = a if a_scale is None else a_scale  # any pointer when the kernel reads none
+    quant_out = cfg.get("QUANT_OUT", False)
+    if quant_out and not (gated and cfg["BLOCK_N"] == 128 and out.dtype == FP8
+                          and out_scale is not None):
+        raise ValueError(f"fused experts: QUANT_OUT takes the gated GEMM's 128-column tiles "
+                         f"into FP8 rows with their scales, got gated={gated}, BLOCK_N "
+                         f"{cfg['BLOCK_N']}, out {out.dtype}")
+    out_s = out_scale if quant_out else out  # any pointer when the kernel writes none
     assert not cfg["QUANT_A"] or cfg["BLOCK_K"] >= 128, "in-kernel groups are 128 inputs"
     pieces = max(1, cfg["BLOCK_K"] // 128) if scaled else 1
     rows = min(E, P) if cfg["COMPACT"] else E
@@ -188,13 +239,14 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.T
     # TMA_W: the weight tiles copied by the TMA unit, boxes of BLOCK_N rows x one piece of K
     w_in = tma_descriptor(w.view(E * n_rows, k_dim), cfg["BLOCK_N"],
                        cfg["BLOCK_K"] // pieces) if cfg.get("TMA_W") else w
-    _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"]))](
-        a, a_scale, w_in, s, slots, counts, out, N, k_dim, P, top_k if row_of_slot else 1,
-        a.stride(0), a_scale.stride(0), a_scale.stride(-1), w.stride(0), w.stride(1),
-        out.stride(0), E, s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
+    _expert_gemm_kernel[(rows, triton.cdiv(N, cfg["BLOCK_N"] * cfg.get("TILES", 1)))](
+        a, a_scale, w_in, s, slots, counts, out, out_s, N, k_dim, P,
+        top_k if row_of_slot else 1, a.stride(0), a_scale.stride(0), a_scale.stride(-1),
+        w.stride(0), w.stride(1), out.stride(0), out_s.stride(0) if quant_out else 0, E,
+        s.stride(0) if scaled else 0, s.stride(1) if scaled else 0,
         0.0 if limit is None else float(limit), GATED=gated, E_POW2=_pow2(E),
         SCALED=scaled, UPCAST=not a.is_cuda, CLAMP=limit is not None, K_PIECES=pieces,
-        **cfg, **pdl_args(a))
+        ROUND=_TL_DTYPES[a_dtype] if quant_out else None, **cfg, **pdl_args(a))
 
 
 if triton is not None:
@@ -203,6 +255,9 @@ if triton is not None:
     from cpmoe.ops.fp8 import quantize_rows
     from cpmoe.ops.fp8_gemm import tma_descriptor
     from cpmoe.ops.launch import wait_for_producer
+
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                  torch.float32: tl.float32}
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
@@ -240,15 +295,18 @@ if triton is not None:
     # likewise: no specialization on the sizes that change every step (stride_as_k: the row
     # scales' column stride, their rows, `quantize_act`'s layout)
     @triton.jit(do_not_specialize=["cap", "stride_as_k"])
-    def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr, N,
-                            K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
-                            stride_we, stride_wn, stride_out, E, stride_se, stride_sn, limit,
+    def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr,
+                            os_ptr, N, K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
+                            stride_we, stride_wn, stride_out, stride_os_k, E, stride_se,
+                            stride_sn, limit,
                             GATED: tl.constexpr, E_POW2: tl.constexpr, SCALED: tl.constexpr,
                             ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
                             CLAMP: tl.constexpr, COMPACT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr,
-                            TMA_W: tl.constexpr = False, PDL: tl.constexpr = False):
+                            TMA_W: tl.constexpr = False, TILES: tl.constexpr = 1,
+                            QUANT_OUT: tl.constexpr = False, ROUND: tl.constexpr = None,
+                            PDL: tl.constexpr = False):
         """Rows of `a` (slot p reads row p // rows_per_a) routed to expert e, times expert e's
         rows n-block of w ([E, N or 2N, K_DIM]) -> out[p, n-block]; GATED: w holds gate rows
         then up rows, and out gets SiLU(gate) * up. Program row t serves expert t, or with
@@ -263,7 +321,11 @@ if triton is not None:
         float32 (the interpreter has none). CLAMP: the gate is clamped to <= limit and up to
         [-limit, limit] before SiLU(gate) * up. TMA_W: w_ptr is a TMA descriptor of the
         weights as one [E rows, K_DIM] matrix in [BLOCK_N, PIECE] boxes (a box past an
-        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros)."""
+        expert's rows holds the next expert's, which the store masks; past K_DIM, zeros).
+        TILES: program column t writes TILES n-blocks in a row, t * TILES onwards, in one
+        loop over their K steps. QUANT_OUT (BLOCK_N 128, one activation group): out gets the
+        FP8 rows of `quantize_act` of the result rounded to ROUND (the dtype the rows would
+        have had) and os [N / 128, cap] (stride_os_k) their scales."""
         wait_for_producer(PDL)
         PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
@@ -277,14 +339,11 @@ if triton is not None:
         else:
             e = tl.program_id(0)
             count = tl.load(counts_ptr + e)
-        n0 = tl.program_id(1) * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
         W_ROWS: tl.constexpr = 2 if GATED else 1  # weight rows an output column: gate, up
         w_e = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * stride_we
-        s_gate = s_ptr + e.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // 128) * \
-            stride_sn
-        s_up = s_gate + (N // 128) * stride_sn
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        n_first = tl.program_id(1) * (TILES * BLOCK_N)
+        steps = tl.cdiv(K_DIM, BLOCK_K)
         for m0 in range(0, count, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < count
@@ -293,7 +352,17 @@ if triton is not None:
             as_rows = as_ptr + (p // rows_per_a) * stride_as
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K_DIM, BLOCK_K):
+            offs_n = n_first + tl.arange(0, BLOCK_N)
+            # one loop over the program's TILES column tiles x their K steps, so the weight
+            # copies of the next tile are in flight while this one ends (a loop per tile
+            # would drain the pipeline at each tile's end)
+            for it in range(0, TILES * steps):
+                k0 = (it % steps) * BLOCK_K
+                n0 = n_first + (it // steps) * BLOCK_N
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < N
+                s_gate = s_e + (n0 // 128) * stride_sn
+                s_up = s_gate + (N // 128) * stride_sn
                 for j in tl.static_range(K_PIECES):
                     offs_k = k0 + j * PIECE + tl.arange(0, PIECE)
                     k_ok = offs_k < K_DIM
@@ -338,10 +407,33 @@ if triton is not None:
                         acc = tl.dot(a, w, acc)
                         if GATED:
                             acc_up = tl.dot(a, u, acc_up)
-            if GATED:
-                if CLAMP:
-                    acc = tl.minimum(acc, limit)
-                    acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                if TILES > 1:
+                    if it % steps == steps - 1:  # the tile's last K step: write it
+                        _store_tile(acc, acc_up, out_ptr, os_ptr, p, offs_n, m_ok, N,
+                                    stride_out, stride_os_k, limit, GATED, CLAMP, QUANT_OUT,
+                                    ROUND)
+                        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if TILES == 1:
+                _store_tile(acc, acc_up, out_ptr, os_ptr, p, offs_n, m_ok, N, stride_out,
+                            stride_os_k, limit, GATED, CLAMP, QUANT_OUT, ROUND)
+
+    @triton.jit
+    def _store_tile(acc, acc_up, out_ptr, os_ptr, p, offs_n, m_ok, N, stride_out, stride_os_k,
+                    limit, GATED: tl.constexpr, CLAMP: tl.constexpr, QUANT_OUT: tl.constexpr,
+                    ROUND: tl.constexpr):
+        """One output tile: the float32 sums (GATED: SiLU(gate) * up of them, CLAMP first)
+        into out's rows p, columns offs_n, in out's dtype; QUANT_OUT: rounded to ROUND, then
+        quantized per row as `quantize_act` does, the scales into os (the kernel's doc)."""
+        if GATED:
+            if CLAMP:
+                acc = tl.minimum(acc, limit)
+                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        mask = m_ok[:, None] & (offs_n < N)[None, :]
+        if QUANT_OUT:
+            acc, scale = quantize_rows(acc.to(ROUND).to(tl.float32))
+            tl.store(os_ptr + p + (tl.min(offs_n, axis=0) // 128) * stride_os_k, scale,
+                     mask=m_ok)
+        tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)

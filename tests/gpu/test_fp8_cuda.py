@@ -444,6 +444,36 @@ def test_fused_fp8_experts_weight_tiles_by_tma_give_the_same_bits(rows, monkeypa
         assert torch.equal(got[True], got[False]), (rows, tile, rel(got[True], got[False]))
 
 
+@cuda
+@pytest.mark.parametrize("rows", [16, 64, 128])
+def test_fused_fp8_experts_tiles_in_a_row_and_quantized_gated_rows_give_the_same_bits(
+        rows, monkeypatch):
+    """The W8A8 decode experts with several column tiles a program (TILES, by address and
+    by TMA, a count that leaves the last program's tiles masked) and with gate/up writing
+    its gated rows in FP8 with their scales (QUANT_OUT, 128-column tiles) instead of a
+    quantize_act launch: the same products in the same order, so the same bits."""
+    from cpmoe.moe import fused_moe
+    torch.manual_seed(5)
+    E, H, inter, K = 128, 2048, 768, 8
+    q_gu, s_gu, _ = fp8_weight(2 * inter, H, E)
+    q_d, s_d, _ = fp8_weight(H, inter, E)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(rows)])
+    ids[0, 0] = -1  # another rank's expert
+    w = torch.rand(rows, K, device="cuda", dtype=torch.bfloat16)
+    base = fused_moe.gemm_config
+    got = []
+    for tiles, tma, block_n, quant_out in ((1, False, 64, False), (4, True, 64, False),
+                                           (5, False, 64, False), (1, False, 128, True),
+                                           (2, True, 128, True)):
+        def tile(slots, experts, k_dim, *a, gated=True, **kw):
+            return dict(base(slots, experts, k_dim, *a, gated=gated, **kw), TILES=tiles,
+                        TMA_W=tma, BLOCK_N=block_n, QUANT_OUT=quant_out and gated)
+        monkeypatch.setattr(fused_moe, "gemm_config", tile)
+        got.append(fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="w8a8"))
+        assert torch.equal(got[0], got[-1]), (rows, tiles, tma, block_n, quant_out)
+
+
 def _fp8_qwen3_checkpoint(tmp_path):
     """A Qwen3-MoE of 128-multiple widths written as a [128, 128] FP8 hub checkpoint."""
     from tests.conftest import make_hf_model

@@ -200,6 +200,47 @@ for block_k in (128, 256):
     assert torch.equal(*got), block_k
 fused_moe.gemm_config = base
 
+# A program's column tiles in one loop (TILES, N not a multiple of the tiles a program: the
+# last program's extra tiles are masked) and gate/up quantizing its gated rows as it writes
+# them (QUANT_OUT): the same products in the same order, so the same bits as one tile a
+# program and a quantize_act launch, with the weight tiles by address and by TMA (both
+# quantizations the Triton one here: the interpreter's cast is not the GPU's, see
+# exact_rows, but it is the same on both sides)
+from cpmoe.ops.fp8 import quantize_act
+fused_moe.quantize_act = quantize_act
+got = []
+for tiles, tma, block_n, quant_out in ((1, False, 64, False), (3, False, 64, False),
+                                       (3, True, 64, False), (1, False, 128, True),
+                                       (2, True, 128, True)):
+    def tile(slots, experts, k_dim, *a, gated=True, **kw):
+        return dict(base(slots, experts, k_dim, *a, gated=gated, **kw), TILES=tiles,
+                    TMA_W=tma, BLOCK_N=block_n, QUANT_OUT=quant_out and gated)
+    fused_moe.gemm_config = tile
+    got.append(fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), 0.5,
+                                       fp8_act="w8a8"))
+    assert torch.equal(got[0], got[-1]), (tiles, tma, block_n, quant_out)
+fused_moe.gemm_config = base
+# QUANT_OUT's rows and scales are quantize_act's of the gated rows gate/up writes without it
+P = M * K
+slots, counts = torch.empty(E, P, dtype=torch.int32), torch.empty(E, dtype=torch.int32)
+fused_moe._align_kernel[(E,)](ids.reshape(P), slots, counts, P, P, BLOCK_P=64)
+cfg = base(P, E, H, True, "w8a8")
+plain = torch.empty(P, I)
+fused_moe._gemm(x, q_gu, slots, counts, plain, K, True, True, config=cfg, scale=s_gu)
+q8, s8 = torch.empty(P, I, dtype=FP8), torch.empty(I // 128, P)
+fused_moe._gemm(x, q_gu, slots, counts, q8, K, True, True, scale=s_gu, out_scale=s8,
+                config=dict(cfg, BLOCK_N=128, QUANT_OUT=True))
+want_q, want_s = quantize_act(plain, 128)
+assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+assert torch.equal(s8.t(), want_s)
+try:  # a 64-column tile holds half an activation group: refused in one line
+    fused_moe._gemm(x, q_gu, slots, counts, q8, K, True, True, scale=s_gu, out_scale=s8,
+                    config=dict(cfg, BLOCK_N=64, QUANT_OUT=True))
+except ValueError as e:
+    assert "QUANT_OUT takes the gated GEMM's 128-column tiles" in str(e), e
+else:
+    raise AssertionError("QUANT_OUT took 64-column tiles")
+
 # TMA_W reads the weights through one descriptor over [E * N, K]: non-contiguous ones are
 # refused in one line naming the option, before any launch
 try:

@@ -88,7 +88,8 @@ for slots, tma in ((512, None), (8, None), (512, True), (512, False)):
         ptx = compile_sm90(
             fused_moe._expert_gemm_kernel,
             {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": w_type if by_tma else "*fp8e4nv",
-             "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16"},
+             "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16",
+             "os_ptr": "*fp32"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
                  K_PIECES=pieces, PDL=True),
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
