@@ -91,7 +91,8 @@ def main() -> None:
                     "64:128:4:5,128:128:4:4:1:2); tma 1: the weight tiles by TMA descriptor "
                     "(TMA_W), 0 or left out: by address; tiles: column tiles a program "
                     "(TILES, left out: 1); quant_out 1: gate/up writes FP8 rows and their "
-                    "scales (QUANT_OUT, BLOCK_N 128; down's time still quantizes its rows)")
+                    "scales (QUANT_OUT, BLOCK_N 128; down's time still quantizes its rows: "
+                    "the quantize_act line is what that saves)")
     ap.add_argument("--modes", default=",".join(fused_moe.FP8_ACT_MODES),
                     help="with --fp8: the activation modes swept")
     args = ap.parse_args()
@@ -169,6 +170,10 @@ def main() -> None:
                      * wdtype.itemsize / hbm_bytes_per_s(torch.cuda.get_device_name()) * 1e6)
             print_table(f"{name}, {rows} rows (HBM floor {floor:.1f} us)", table, modes)
             results.append({"gemm": name, "rows": rows, "hbm_floor_us": floor})
+        if args.fp8:  # what a gate/up writing FP8 rows (QUANT_OUT) saves down: this launch
+            q_us = time_us(lambda i: fused_moe.quantize_act(act, 128))
+            print(f"quantize_act of down's {P} x {I} rows, {rows} rows: {q_us:.1f} us")
+            results.append({"gemm": "quantize_act", "rows": rows, "us": q_us})
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "fp8": args.fp8, "results": results}, f,
                   indent=1)
