@@ -293,8 +293,9 @@ if triton is not None:
         tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # likewise: no specialization on the sizes that change every step (stride_as_k: the row
-    # scales' column stride, their rows, `quantize_act`'s layout)
-    @triton.jit(do_not_specialize=["cap", "stride_as_k"])
+    # scales' column stride, their rows, `quantize_act`'s layout; stride_os_k: likewise the
+    # QUANT_OUT scales')
+    @triton.jit(do_not_specialize=["cap", "stride_as_k", "stride_os_k"])
     def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, counts_ptr, out_ptr,
                             os_ptr, N, K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
                             stride_we, stride_wn, stride_out, stride_os_k, E, stride_se,

@@ -115,7 +115,18 @@ for rows in (40, 41, 48, 63):
     fused_moe.fused_experts(torch.randn(rows, H, dtype=torch.bfloat16), ids,
                             torch.rand(rows, TOP_K), w_up, w_down, (s_up, s_down),
                             fp8_act="w8a8")
+# again with gate/up writing FP8 rows and their scales (QUANT_OUT), down reading them
+base = fused_moe.gemm_config
+fused_moe.gemm_config = lambda *a, gated=True, **kw: dict(
+    base(*a, gated=gated, **kw), **({"BLOCK_N": 128, "QUANT_OUT": True} if gated else {}))
+for rows in (40, 41, 48, 63):
+    ids = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(rows)])
+    fused_moe.fused_experts(torch.randn(rows, H, dtype=torch.bfloat16), ids,
+                            torch.rand(rows, TOP_K), w_up, w_down, (s_up, s_down),
+                            fp8_act="w8a8")
+fused_moe.gemm_config = base
 assert len({c["BLOCK_M"] for c in experts.calls}) == 1
+assert {c["stride_os_k"] > 0 for c in experts.calls[::2]} == {False, True}  # QUANT_OUT ran
 bad["experts gate/up"] = experts.specialized_and_varying(2, 0)
 bad["experts down"] = experts.specialized_and_varying(2, 1)
 
