@@ -6,7 +6,8 @@ At Qwen3-30B-A3B's attention shape (32 query / 4 KV heads, head 128, pages of 16
 each row's pages scattered over the pool) for each --shapes entry (rows x keys a row) and
 each pool dtype (--dtypes: bf16 pools, or e4m3 pools with the layer's k/v scales as
 `--kv-cache-dtype fp8_e4m3` serves them): every stage-1 tile of the grid (BLOCK_N keys a
-tile, warps, pipeline stages; `--tiles` replaces it) under every split count of --splits,
+tile, warps, pipeline stages, and PAGE_IDS: block-table entries read at a time, 0 or left
+out: a tile's own; `--tiles` replaces it) under every split count of --splits,
 against the defaults (`stage1_config`, `default_num_splits`). A time is all of the decode
 attention's work in a step: stage 1, stage 2 where splits > 1, and with e4m3 pools the o_proj
 rows' FP8 quantization that stage 2 does inside itself (`quant_group`) and a split-less launch
@@ -62,7 +63,8 @@ def main() -> None:
                     help="rows x keys a row, comma-separated")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
-    ap.add_argument("--tiles", default=GRID, help="BLOCK_N:warps:stages, comma-separated")
+    ap.add_argument("--tiles", default=GRID,
+                    help="BLOCK_N:warps:stages[:page_ids], comma-separated")
     args = ap.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -70,7 +72,7 @@ def main() -> None:
     except ValueError:
         sys.exit(f"--shapes / --splits: expected e.g. 64x1088 / 1,2,4, got {args.shapes!r} / "
                  f"{args.splits!r}")
-    grid = parse_tiles(args.tiles, "BLOCK_N:warps:stages")
+    grid = parse_tiles(args.tiles, "BLOCK_N:warps:stages:page_ids", optional=1)
     rate = copy_rate()
     print(f"device-to-device copy: {rate / 1e12:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
@@ -106,8 +108,9 @@ def main() -> None:
             results.append({"dtype": name, "rows": B, "keys": keys, "default": True,
                             "splits": default_s, "us": table_us["default"][default_s],
                             "floor_us": floor, **pa.stage1_config(fp8, D)})
-            for bn, warps, stages in grid:
-                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            for bn, warps, stages, page_ids in grid:
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+                       "PAGE_IDS": page_ids}
                 try:
                     err = (run(cfg, 2)(0).float() - want).abs().max().item()
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile: skip it
@@ -118,7 +121,7 @@ def main() -> None:
                     continue
                 for s in splits:
                     t = time_us(run(cfg, s))
-                    table_us.setdefault((bn, warps, stages), {})[s] = t
+                    table_us.setdefault((bn, warps, stages, page_ids), {})[s] = t
                     results.append({"dtype": name, "rows": B, "keys": keys, "splits": s,
                                     "us": t, "max_err": err, **cfg})
             print_table(f"{name} pools, {B} rows x {keys} keys (K/V floor {floor:.1f} us at "
@@ -132,13 +135,13 @@ def main() -> None:
 def print_table(title: str, table: dict, splits: list[int]) -> None:
     best = min(t for row in table.values() for t in row.values())
     print(f"{title}, us per call:")
-    print(f"{'BLOCK_N warps stages':>22s}" + "".join(f"{s:>9d}" for s in splits))
+    print(f"{'BLOCK_N warps stages ids':>26s}" + "".join(f"{s:>9d}" for s in splits))
     for tile, row in table.items():
         if tile == "default":
             (s, t), = row.items()
-            print(f"{'default':>22s} {t:8.1f}{'*' if t == best else ' '} at {s} splits")
+            print(f"{'default':>26s} {t:8.1f}{'*' if t == best else ' '} at {s} splits")
             continue
-        print(" ".join(f"{v:>{w}d}" for v, w in zip(tile, (14, 5, 6))) + "".join(
+        print(" ".join(f"{v:>{w}d}" for v, w in zip(tile, (14, 5, 6, 3))) + "".join(
             f"{row[s]:8.1f}{'*' if row[s] == best else ' '}" if s in row else f"{'':>9s}"
             for s in splits), flush=True)
 

@@ -66,6 +66,7 @@ import torch
 from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
 from cpmoe.ops import pdl_args, triton, unit_kv_scale, use_triton
 from cpmoe.ops.fp8 import offer_quantized
+from cpmoe.ops.launch import tuned
 
 if triton is not None:
     import triton.language as tl
@@ -247,6 +248,10 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # FP8 codes widened to float16 as they are, their scales outside the dots (KV_F16),
     # unless q is float32 (then widened to float32 times the scales, exactly)
     cfg = dict(config or stage1_config(kv_fp8, D))
+    ids = cfg.get("PAGE_IDS", 0)
+    if ids and not (ids & (ids - 1) == 0 and cfg["BLOCK_N"] % page == 0
+                    and ids * page % cfg["BLOCK_N"] == 0):
+        cfg["PAGE_IDS"] = 0  # a tile would straddle two reads of the table: per tile
     cfg["KV_F16"] = kv_fp8 and q_BHD.dtype != torch.float32 and cfg.get("KV_F16", True)
     k_in, v_in = k_cache, v_cache
     cfg["WORDS"] = cfg["KV_F16"] and q_BHD.is_cuda and D % 4 == 0 and all(
@@ -291,8 +296,10 @@ def stage1_config(kv_fp8: bool, head_dim: int) -> dict:
     was 8% faster alone and moved the decode step by 0.6% (23.38 against 23.53 ms), so
     neither it nor that loop (318ad0c; Triton's two-stage pipeline waits for a tile's
     copies at the top of the iteration that uses it) was kept."""
-    return {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
-            "num_stages": 2 if kv_fp8 else 3}
+    cfg = {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
+           "num_stages": 2 if kv_fp8 else 3, "PAGE_IDS": 0}
+    # $CPMOE_DECODE_KERNELS_CONFIG's tiles (cpmoe.ops.launch.tuned)
+    return cfg | tuned("attention_fp8" if kv_fp8 else "attention_16bit")
 
 
 def _interpreter_bf16(dtype: torch.dtype) -> bool:
@@ -403,7 +410,8 @@ if triton is not None:
                              D_PAD: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                              KV_FP8: tl.constexpr = False, KV_F16: tl.constexpr = False,
-                             WORDS: tl.constexpr = False, E5M2: tl.constexpr = False):
+                             WORDS: tl.constexpr = False, E5M2: tl.constexpr = False,
+                             PAGE_IDS: tl.constexpr = 0):
         """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
         captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
         widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
@@ -411,7 +419,13 @@ if triton is not None:
         words and widened by `_words_to_f16`, because Triton moves 8-bit tiles a byte at a
         time (a plain cast staged the codes in shared memory and read them one by one into
         the MMA layout: 51 against 41 us on the H200 at batch 64 x 1K). Not KV_F16 (float32
-        q): widened to q's dtype times the scales.
+        q): widened to q's dtype times the scales. PAGE_IDS > 0 (a power of two, BLOCK_N a
+        multiple of PAGE): the block table is read PAGE_IDS entries at a time, before the
+        loop over their keys, and each tile's pages are gathered from those registers;
+        with 0 each tile reads its own entries, a load the tile's K/V addresses wait on,
+        which keeps Triton's pipeline from copying a tile ahead of the one in use (its
+        buffers stay single: the copies of tile i + 1 are issued after tile i's dots and
+        waited for at the top of the next iteration).
         """
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -447,13 +461,32 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            t = t0 + n
-            t_ok = t < end
-            k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok, kvh,
-                            k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
-            m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale, v_scale,
-                                         qk_scale, IEEE, UPCAST, KV_FP8, KV_F16, WORDS, E5M2)
+        if PAGE_IDS == 0:
+            for t0 in range(start, end, BLOCK_N):
+                t = t0 + n
+                t_ok = t < end
+                k, v = _kv_tile(k_ptr, v_ptr, _pages(bt_row, t, t_ok, PAGE), t, t_ok, kvh,
+                                k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, dk, dk_ok, PAGE)
+                m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale,
+                                             v_scale, qk_scale, IEEE, UPCAST, KV_FP8, KV_F16,
+                                             WORDS, E5M2)
+        else:
+            ids = tl.arange(0, PAGE_IDS)
+            # start and every s0: whole pages and tiles (the launcher's condition)
+            for s0 in range(start, end, PAGE_IDS * PAGE):
+                s_end = tl.minimum(s0 + PAGE_IDS * PAGE, end)
+                col = s0 // PAGE + ids
+                block = tl.load(bt_row + col, mask=col * PAGE < s_end, other=0)
+                for t0 in range(s0, s_end, BLOCK_N):
+                    t = t0 + n
+                    t_ok = t < s_end
+                    at = tl.minimum((t - s0) // PAGE, PAGE_IDS - 1)
+                    page = tl.gather(block, at, 0).to(tl.int64)
+                    k, v = _kv_tile(k_ptr, v_ptr, page, t, t_ok, kvh, k_sp, k_ss, k_sh, v_sp,
+                                    v_ss, v_sh, dk, dk_ok, PAGE)
+                    m, total, acc = _attend_tile(q, k, v, t_ok, m, total, acc, k_scale,
+                                                 v_scale, qk_scale, IEEE, UPCAST, KV_FP8,
+                                                 KV_F16, WORDS, E5M2)
         empty = total == 0.0  # an empty split: o = 0, lse = -inf (weighs zero in stage 2)
         total = tl.where(empty, 1.0, total)
         o = acc / total[:, None]

@@ -28,14 +28,13 @@ Legend: M rows, K top-k slots, P = M*K slots, E local experts, H hidden, I local
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 
 import torch
 
 from cpmoe._triton import import_triton
 from cpmoe.ops.fp8 import FP8, quantize_act
+from cpmoe.ops.launch import tuned
 
 triton, tl = import_triton()  # None on CPU-only torch without the interpreter
 
@@ -165,39 +164,9 @@ def gemm_config(slots: int, experts: int, k_dim: int, fp8: bool = False,
            "ACT_FP8": mode != "weights", "QUANT_A": mode == "w8a8-fused",
            "TMA_W": wide and not gated, "TILES": 1, "QUANT_OUT": False, "num_warps": 4,
            "num_stages": 5 if compact and not fp8 else 3}
-    if wide:
-        cfg.update(_tuned()["gate_up" if gated else "down"])
+    if wide:  # $CPMOE_DECODE_KERNELS_CONFIG's tiles (cpmoe.ops.launch.tuned)
+        cfg.update(tuned("gate_up" if gated else "down"))
     return cfg
-
-
-TUNED_ENV = "CPMOE_DECODE_EXPERTS_CONFIG"
-_TUNABLE = {"BLOCK_N": int, "BLOCK_K": int, "TMA_W": bool, "TILES": int, "QUANT_OUT": bool,
-            "num_warps": int, "num_stages": int}
-
-
-@functools.cache
-def _tuned() -> dict[str, dict]:
-    """$CPMOE_DECODE_EXPERTS_CONFIG: a JSON file {"gate_up": {...}, "down": {...}} of
-    _TUNABLE fields that replace `gemm_config`'s W8A8 tiles (at least as many slots as
-    experts), as SGLang's and vLLM's tuned fused-MoE config files do; for tile sweeps of
-    whole decode steps. Read once; a bad file or field exits in one line."""
-    path = os.environ.get(TUNED_ENV)
-    if not path:
-        return {"gate_up": {}, "down": {}}
-    try:
-        spec = json.loads(open(path).read())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{TUNED_ENV}={path}: expected a JSON file, {type(e).__name__}: {e}")
-    if not isinstance(spec, dict) or set(spec) - {"gate_up", "down"}:
-        raise SystemExit(f"{TUNED_ENV}={path}: expected an object with keys gate_up and/or "
-                         f"down, got {spec if not isinstance(spec, dict) else sorted(spec)}")
-    for gemm, fields in spec.items():
-        bad = {k: v for k, v in fields.items()
-               if k not in _TUNABLE or type(v) is not _TUNABLE[k]}
-        if bad:
-            raise SystemExit(f"{TUNED_ENV}={path}: {gemm}: expected fields of "
-                             f"{ {k: t.__name__ for k, t in _TUNABLE.items()} }, got {bad}")
-    return {"gate_up": spec.get("gate_up", {}), "down": spec.get("down", {})}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,

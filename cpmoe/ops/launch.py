@@ -4,11 +4,13 @@
   TRITON_INTERPRET=1); else every op runs its torch reference.
 - `pdl_args(x)` and `wait_for_producer(PDL)`: programmatic dependent launch, for the
   kernels of a decode step (see `pdl_args`).
+- `tuned(kernel)`: a decode kernel's tiles from $CPMOE_DECODE_KERNELS_CONFIG, if set.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -71,3 +73,47 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+
+# ---- tuned tiles -----------------------------------------------------------------------------
+
+TUNED_ENV = "CPMOE_DECODE_KERNELS_CONFIG"
+# the kernels a tuned file may set, and their fields: the decode experts' W8A8 GEMMs
+# (fused_moe.gemm_config) and decode attention's stage 1 on FP8 and on 16-bit pools
+# (paged_attention.stage1_config)
+_EXPERTS = {"BLOCK_N": int, "BLOCK_K": int, "TMA_W": bool, "TILES": int, "QUANT_OUT": bool,
+            "num_warps": int, "num_stages": int}
+_ATTENTION = {"BLOCK_N": int, "PAGE_IDS": int, "num_warps": int, "num_stages": int}
+TUNABLE = {"gate_up": _EXPERTS, "down": _EXPERTS, "attention_fp8": _ATTENTION,
+           "attention_16bit": _ATTENTION}
+
+
+def tuned(kernel: str) -> dict:
+    """The fields $CPMOE_DECODE_KERNELS_CONFIG sets for `kernel` (a TUNABLE key; {} when
+    unset): a JSON file {kernel: {field: value}} whose values replace the built-in choice, as
+    SGLang's and vLLM's tuned fused-MoE config files do; for tile sweeps of whole decode
+    steps. Read once; a bad file, kernel or field exits in one line."""
+    return _tuned_file().get(kernel, {})
+
+
+@functools.cache
+def _tuned_file() -> dict[str, dict]:
+    path = os.environ.get(TUNED_ENV)
+    if not path:
+        return {}
+    try:
+        spec = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{TUNED_ENV}={path}: expected a JSON file, {type(e).__name__}: {e}")
+    if not isinstance(spec, dict) or set(spec) - set(TUNABLE):
+        raise SystemExit(f"{TUNED_ENV}={path}: expected an object with keys among "
+                         f"{sorted(TUNABLE)}, got "
+                         f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}")
+    for kernel, fields in spec.items():
+        types = TUNABLE[kernel]
+        bad = ({k: v for k, v in fields.items() if k not in types or type(v) is not types[k]}
+               if isinstance(fields, dict) else fields)
+        if bad:
+            raise SystemExit(f"{TUNED_ENV}={path}: {kernel}: expected fields of "
+                             f"{ {k: t.__name__ for k, t in types.items()} }, got {bad}")
+    return spec

@@ -117,6 +117,32 @@ def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits
 
 
 @cuda
+@pytest.mark.parametrize("pool", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_attention_block_table_read_ahead_gives_the_same_bits(pool):
+    """Stage 1 reading the block table PAGE_IDS entries at a time (each tile's pages
+    gathered from registers, so Triton can copy the next tile while this one is used)
+    against each tile reading its own entries: the same keys in the same order, the same
+    bits; scattered pages, rows of every length up to 1,024 keys, 1 to 4 splits."""
+    from cpmoe.cp.paged_attention import paged_decode_attention
+    from cpmoe.ops import fill_kv_scale
+    torch.manual_seed(2)
+    B, H, Hkv, D, page, pages = 64, 32, 4, 128, 16, 64
+    kc, vc = torch.randn(2, B * pages, page, Hkv, D, device="cuda").to(pool).unbind(0)
+    table = torch.randperm(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+    lens = torch.randint(0, pages * page + 1, (B,), device="cuda", dtype=torch.int32)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    kv_scale = torch.empty(4, device="cuda")
+    fill_kv_scale(kv_scale, 0.5, 0.25)
+    for splits in (1, 2, 4):
+        got = [paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits,
+                                      kv_scale=kv_scale, config=dict(
+                                          BLOCK_N=64, num_warps=4, num_stages=3, PAGE_IDS=ids))
+               for ids in (0, 64, 8)]
+        for o, lse in got[1:]:
+            assert torch.equal(o, got[0][0]) and torch.equal(lse, got[0][1]), splits
+
+
+@cuda
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_attention_reads_fp8_pools_times_the_layer_scales(splits):
     """FP8 pools with a checkpoint's k_scale / v_scale at Qwen3-30B-A3B's heads: the kernel

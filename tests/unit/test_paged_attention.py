@@ -260,6 +260,22 @@ check([130, 2], 16, 8, 2, 256, torch.bfloat16, 2)
 # a stage-1 tile other than stage1_config's (a sweep's `config`): 16-key tiles, 3 stages
 check([0, 1, 16, 17, 150], 16, 8, 2, 32, torch.float32, 3,
       config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 3})
+# the block table read PAGE_IDS entries at a time: 2 (several reads a split, 16-key tiles on
+# 16-key pages: a tile a read), 4 (two 32-key tiles on 16-key pages a read) and 64 (one
+# read); a page size the tile is not a multiple of (per tile instead); FP8 pools; against
+# the same rows read per tile, bit for bit
+for lens, page, cfg in (([0, 1, 16, 17, 150, 300], 16, {"BLOCK_N": 16, "PAGE_IDS": 2}),
+                        ([0, 33, 150, 300], 16, {"BLOCK_N": 32, "PAGE_IDS": 4}),
+                        ([5, 150, 300], 16, {"BLOCK_N": 64, "PAGE_IDS": 64}),
+                        ([5, 150], 64, {"BLOCK_N": 32, "PAGE_IDS": 4})):
+    for pool, splits in ((None, 1), (None, 3), (torch.float8_e4m3fn, 2)):
+        torch.manual_seed(7)
+        *_, o_ids, lse_ids = check(lens, page, 8, 2, 32, torch.bfloat16, splits, pool=pool,
+                                   config=dict(cfg, num_warps=4, num_stages=3))
+        torch.manual_seed(7)
+        *_, o_tile, lse_tile = check(lens, page, 8, 2, 32, torch.bfloat16, splits, pool=pool,
+                                     config=dict(cfg, PAGE_IDS=0, num_warps=4, num_stages=3))
+        assert torch.equal(o_ids, o_tile) and torch.equal(lse_ids, lse_tile), (lens, cfg)
 for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and three splits
     check([0, 1, 16, 150], 16, 8, 2, 32, torch.bfloat16, 1, pool=pool)
     check([70, 5], 16, 8, 2, 32, torch.float32, 3, pool=pool)
