@@ -444,11 +444,13 @@ def test_fused_fp8_experts_match_dequantized_float32(rows, block_k, monkeypatch,
 
 @cuda
 @pytest.mark.parametrize("rows", [16, 64, 128])
-def test_fused_fp8_experts_weight_tiles_by_tma_give_the_same_bits(rows, monkeypatch):
-    """The W8A8 decode experts with their weight tiles copied by the TMA unit (TMA_W, the
-    down GEMM's default) sum the same products in the same order as with per-element loads:
-    the same bits, for several tiles (a box of the next expert's rows is never multiplied
-    in)."""
+def test_fused_fp8_experts_tile_variants_give_the_same_bits(rows, monkeypatch):
+    """The W8A8 decode experts sum the same products in the same order, so give the same
+    bits, with their weight tiles copied by the TMA unit (TMA_W, the down GEMM's default; a
+    box of the next expert's rows is never multiplied in) or by per-element loads, for
+    several tiles; with several column tiles a program (TILES, a count that leaves the last
+    program's tiles masked); and with gate/up writing its gated rows in FP8 with their
+    scales (QUANT_OUT, 128-column tiles) instead of a quantize_act launch."""
     from cpmoe.moe import fused_moe
     torch.manual_seed(4)
     E, H, inter, K = 128, 2048, 768, 8
@@ -459,45 +461,22 @@ def test_fused_fp8_experts_weight_tiles_by_tma_give_the_same_bits(rows, monkeypa
     ids[0, 0] = -1  # another rank's expert
     w = torch.rand(rows, K, device="cuda", dtype=torch.bfloat16)
     base = fused_moe.gemm_config
+
+    def run(gate_up: dict, down: dict) -> torch.Tensor:
+        monkeypatch.setattr(fused_moe, "gemm_config", lambda *a, gated=True, **kw: dict(
+            base(*a, gated=gated, **kw), **(gate_up if gated else down)))
+        return fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="w8a8")
+
     for tile in ({}, {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 8},
                  {"BLOCK_N": 32, "num_stages": 4}):
-        got = {}
-        for tma in (False, True):
-            monkeypatch.setattr(fused_moe, "gemm_config", lambda *a, **kw: dict(
-                base(*a, **kw), **tile, TMA_W=tma))
-            got[tma] = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d),
-                                               fp8_act="w8a8")
-        assert torch.equal(got[True], got[False]), (rows, tile, rel(got[True], got[False]))
-
-
-@cuda
-@pytest.mark.parametrize("rows", [16, 64, 128])
-def test_fused_fp8_experts_tiles_in_a_row_and_quantized_gated_rows_give_the_same_bits(
-        rows, monkeypatch):
-    """The W8A8 decode experts with several column tiles a program (TILES, by address and
-    by TMA, a count that leaves the last program's tiles masked) and with gate/up writing
-    its gated rows in FP8 with their scales (QUANT_OUT, 128-column tiles) instead of a
-    quantize_act launch: the same products in the same order, so the same bits."""
-    from cpmoe.moe import fused_moe
-    torch.manual_seed(5)
-    E, H, inter, K = 128, 2048, 768, 8
-    q_gu, s_gu, _ = fp8_weight(2 * inter, H, E)
-    q_d, s_d, _ = fp8_weight(H, inter, E)
-    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(rows)])
-    ids[0, 0] = -1  # another rank's expert
-    w = torch.rand(rows, K, device="cuda", dtype=torch.bfloat16)
-    base = fused_moe.gemm_config
-    got = []
-    for tiles, tma, block_n, quant_out in ((1, False, 64, False), (4, True, 64, False),
-                                           (5, False, 64, False), (1, False, 128, True),
-                                           (2, True, 128, True)):
-        def tile(slots, experts, k_dim, *a, gated=True, **kw):
-            return dict(base(slots, experts, k_dim, *a, gated=gated, **kw), TILES=tiles,
-                        TMA_W=tma, BLOCK_N=block_n, QUANT_OUT=quant_out and gated)
-        monkeypatch.setattr(fused_moe, "gemm_config", tile)
-        got.append(fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), fp8_act="w8a8"))
-        assert torch.equal(got[0], got[-1]), (rows, tiles, tma, block_n, quant_out)
+        by_tma, by_address = (run(dict(tile, TMA_W=t), dict(tile, TMA_W=t)) for t in (True, False))
+        assert torch.equal(by_tma, by_address), (rows, tile, rel(by_tma, by_address))
+    want = run({"TMA_W": False}, {"TMA_W": False})
+    for tiles, tma, block_n, quant_out in ((4, True, 64, False), (5, False, 64, False),
+                                           (1, False, 128, True), (2, True, 128, True)):
+        tile = {"TILES": tiles, "TMA_W": tma, "BLOCK_N": block_n}
+        got = run(dict(tile, QUANT_OUT=quant_out), tile)
+        assert torch.equal(got, want), (rows, tiles, tma, block_n, quant_out)
 
 
 def _fp8_qwen3_checkpoint(tmp_path):
