@@ -20,6 +20,13 @@
 #                                               # at 64 / 128 rows, prefill 16K and 128K,
 #                                               # bf16 vs FP8 weights + FP8 K/V and attention,
 #                                               # each against its target, then fp8-serving
+#   bash bench/h200_engine.sh decode-tune OUT_DIR  # decode attention's and the FP8 experts'
+#                                               # tile sweeps at batch 64, their winners as
+#                                               # OUT_DIR/tuned.json (bench.tuned_tiles),
+#                                               # then decode at 64 / 128 rows: bf16, FP8,
+#                                               # FP8 under the file (~3 min on an H100);
+#                                               # CPMOE_DECODE_KERNELS_CONFIG=OUT_DIR/tuned.json
+#                                               # before a part runs it under those tiles
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
 #   bash bench/h200_engine.sh fp8-prefill OUT_DIR  # FP8 vs bf16 prefill at 16K and 64K
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
@@ -48,11 +55,12 @@ source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
 case "$part" in
   smoke|decode|serving|prefix|fp8-serving|fp8-long|issue45|structured|fp8|fp8-prefill|v4|\
-  v4-serving)
+  v4-serving|decode-tune)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
   *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving | fp8-long |" \
-          "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving)" >&2; exit 2 ;;
+          "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving | decode-tune)" >&2
+     exit 2 ;;
 esac
 if [ "$part" = issue45 ]; then
   # the same commands in bf16 and with FP8 weights + FP8 K/V and attention, each pair's
@@ -261,6 +269,28 @@ PY
     wait "$server"
     step structured-compare python3 -m bench.serving_ratio "$out/structured-plain.json" \
       "$out/structured-json.json" --min 0.8 --names "no grammar,JSON schema"
+    ;;
+  decode-tune)
+    # the variants of cpmoe.ops.launch.TUNABLE beside the built-in tiles (BENCHMARKS, FP8)
+    step tune-attention python3 -m bench.decode_attention --shapes 64x1056 --dtypes fp8,bf16 \
+      --splits 2 --tiles "${TUNE_ATTENTION_TILES:-64:4:2:0,64:4:3:0,64:4:3:64,64:2:3:64}" \
+      --out "$out/tune-attention.json"
+    experts="64:256:4:3:1:2,64:256:4:3:1:4,64:256:4:3:1:1,128:256:4:2:1:1:1"
+    step tune-experts python3 -m bench.decode_kernels --fp8 --modes w8a8 --rows 64 \
+      --tiles "${TUNE_EXPERT_TILES:-$experts}" --out "$out/tune-experts.json"
+    step tune-pick python3 -m bench.tuned_tiles "$out/tune-experts.json" \
+      "$out/tune-attention.json" --out "$out/tuned.json"
+    f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
+    for v in bf16 fp8 fp8-tuned; do
+      q=(); [ "$v" != bf16 ] && q=("${f8[@]}")
+      run=(python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64,128
+           --input-len 1024 --output-len 32 "${q[@]}" --out "$out/tune-decode-$v.json")
+      [ "$v" = fp8-tuned ] && run=(env "CPMOE_DECODE_KERNELS_CONFIG=$out/tuned.json" "${run[@]}")
+      step "tune-decode-$v" "${run[@]}"
+    done
+    # the file's tiles against the built-in ones, whole steps (no target: a report)
+    step tune-compare python3 -m bench.speed_ratio "$out/tune-decode-fp8.json" \
+      "$out/tune-decode-fp8-tuned.json" --min 0 --names "FP8 built-in,FP8 tuned"
     ;;
   fp8)
     step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py

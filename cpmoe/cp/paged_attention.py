@@ -249,8 +249,10 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # unless q is float32 (then widened to float32 times the scales, exactly)
     cfg = dict(config or stage1_config(kv_fp8, D))
     ids = cfg.get("PAGE_IDS", 0)
-    if ids and not (ids & (ids - 1) == 0 and cfg["BLOCK_N"] % page == 0
-                    and ids * page % cfg["BLOCK_N"] == 0):
+    if ids < 0 or ids & (ids - 1):
+        raise ValueError(f"paged_decode_attention: PAGE_IDS (block-table entries read at a "
+                         f"time) must be 0 or a power of two, got {ids}")
+    if ids and (cfg["BLOCK_N"] % page or ids * page % cfg["BLOCK_N"]):
         cfg["PAGE_IDS"] = 0  # a tile would straddle two reads of the table: per tile
     cfg["KV_F16"] = kv_fp8 and q_BHD.dtype != torch.float32 and cfg.get("KV_F16", True)
     k_in, v_in = k_cache, v_cache

@@ -8,6 +8,7 @@ no torch are involved.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -19,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("h200_suite.sh", "h200_engine.sh")
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$*" >> "$FAKE_LOG"
+echo "${CPMOE_DECODE_KERNELS_CONFIG:+[tuned $CPMOE_DECODE_KERNELS_CONFIG] }$*" >> "$FAKE_LOG"
 [ "${1:-}" = "-" ] && cat > /dev/null
 echo "fake output of: $*"
 # a server says where it serves on stderr, as `cpmoe serve` does
@@ -288,6 +289,60 @@ def test_issue45_part_takes_the_four_figures_in_one_call_each_against_its_target
     rc, out, _ = _run(tmp_path, "h200_engine.sh", "issue45", fail="issue45-prefill-16384-fp8")
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == [
         "issue45-prefill-16384-fp8", "issue45-prefill-16384-compare"]
+
+
+def test_decode_tune_part_sweeps_picks_and_times_whole_steps_under_the_picked_tiles(tmp_path):
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "decode-tune")
+    assert rc == 0, _failed_lines(out)
+    kinds = ["bench.decode_attention", "bench.decode_kernels", "bench.tuned_tiles",
+             "bench-one-batch", "bench-one-batch", "bench-one-batch", "bench.speed_ratio"]
+    steps = [c for c in calls if "cpmoe.bench.provenance" not in c]
+    assert [next(k for k in kinds if k in c) for c in steps] == kinds
+    tuned = f"[tuned {out}/tuned.json] "
+    bf16, fp8, fp8_tuned = steps[3:6]
+    assert "--quantization" not in bf16 and "--kv-cache-dtype fp8_e4m3" in fp8
+    assert not fp8.startswith("[tuned") and fp8_tuned.startswith(tuned)  # only the third
+    assert fp8_tuned[len(tuned):].split("--out")[0] == fp8.split("--out")[0]
+    assert f"--out {out}/tuned.json" in steps[2]
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", "decode-tune", fail="bench.decode_kernels")
+    assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == ["tune-experts"]
+
+
+def _sweep_row(**kw) -> dict:
+    return {"BLOCK_N": 64, "BLOCK_K": 256, "TMA_W": True, "TILES": 1, "QUANT_OUT": False,
+            "num_warps": 4, "num_stages": 3} | kw
+
+
+def test_tuned_tiles_keeps_the_built_in_tiles_unless_a_sweep_beats_them(tmp_path, capsys):
+    from bench.tuned_tiles import main
+    experts = [
+        _sweep_row(gemm="gate_up", default=True, us=100.0, TMA_W=False),
+        _sweep_row(gemm="gate_up", us=99.0),  # 1% faster: under the margin, kept
+        _sweep_row(gemm="gate_up", us=101.0, BLOCK_N=128, QUANT_OUT=True, num_stages=2),
+        _sweep_row(gemm="down", default=True, us=57.0),
+        _sweep_row(gemm="down", us=55.0, TILES=2),  # 3.5% faster: tuned
+        {"gemm": "quantize_act", "rows": 64, "us": 3.0}]
+    attention = [
+        {"dtype": "fp8", "default": True, "splits": 2, "us": 32.0, "BLOCK_N": 64,
+         "num_warps": 4, "num_stages": 2, "PAGE_IDS": 0},
+        {"dtype": "fp8", "splits": 1, "us": 20.0, "BLOCK_N": 64, "num_warps": 4,
+         "num_stages": 3, "PAGE_IDS": 64},  # another split count: not compared
+        {"dtype": "fp8", "splits": 2, "us": 33.0, "BLOCK_N": 64, "num_warps": 2,
+         "num_stages": 3, "PAGE_IDS": 64}]
+    for name, rows in (("e.json", experts), ("a.json", attention)):
+        (tmp_path / name).write_text(json.dumps({"header": {}, "results": rows}))
+    args = [str(tmp_path / "e.json"), str(tmp_path / "a.json"), "--out",
+            str(tmp_path / "t.json")]
+    assert main(args) == 0
+    # gate/up: 128-column QUANT_OUT at 101 - 3.0 (the launch it saves) = 98.0, 2% faster
+    assert json.loads((tmp_path / "t.json").read_text()) == {
+        "gate_up": _sweep_row(BLOCK_N=128, QUANT_OUT=True, num_stages=2),
+        "down": _sweep_row(TILES=2)}
+    out = capsys.readouterr().out
+    assert "attention_fp8: built-in 32.0 us, best 33.0 us" in out and ": kept" in out
+    assert main(args + ["--margin", "0.05"]) == 0  # nothing 5% faster: an empty file
+    assert json.loads((tmp_path / "t.json").read_text()) == {}
+    assert "no kernel tuned" in capsys.readouterr().out
 
 
 def _write(path: Path, rows: list[dict]) -> str:

@@ -276,6 +276,12 @@ for lens, page, cfg in (([0, 1, 16, 17, 150, 300], 16, {"BLOCK_N": 16, "PAGE_IDS
         *_, o_tile, lse_tile = check(lens, page, 8, 2, 32, torch.bfloat16, splits, pool=pool,
                                      config=dict(cfg, PAGE_IDS=0, num_warps=4, num_stages=3))
         assert torch.equal(o_ids, o_tile) and torch.equal(lse_ids, lse_tile), (lens, cfg)
+try:  # a count that is not a power of two: refused in one line
+    check([5], 16, 8, 2, 32, torch.bfloat16, 1, config={"BLOCK_N": 64, "PAGE_IDS": 48})
+except ValueError as e:
+    assert "PAGE_IDS (block-table entries read at a time) must be 0 or a power of two" in str(e)
+else:
+    raise AssertionError("PAGE_IDS 48 taken")
 for pool in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 pools, one and three splits
     check([0, 1, 16, 150], 16, 8, 2, 32, torch.bfloat16, 1, pool=pool)
     check([70, 5], 16, 8, 2, 32, torch.float32, 3, pool=pool)

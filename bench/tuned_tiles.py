@@ -1,0 +1,86 @@
+"""The decode kernel sweeps' winners as a $CPMOE_DECODE_KERNELS_CONFIG file.
+
+    python3 -m bench.tuned_tiles EXPERTS.json ATTENTION.json --out tuned.json [--margin 0.015]
+
+EXPERTS.json: `bench.decode_kernels --fp8` at one row count; ATTENTION.json:
+`bench.decode_attention` at one shape (either may be missing: its kernels keep their tiles).
+For each kernel of `cpmoe.ops.launch.TUNABLE` the sweep timed, the fastest tile replaces the
+built-in one when it is more than --margin faster: gate/up with QUANT_OUT is credited the
+`quantize_act` launch it saves down (the sweep's quantize_act line), and attention tiles
+are compared at the built-in split count. Writes the file, {} where every kernel keeps its
+tiles (the engine reads it with `CPMOE_DECODE_KERNELS_CONFIG=FILE`); prints one line a
+kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cpmoe.ops.launch import TUNABLE
+
+
+def _results(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        sys.exit(f"{path}: expected a bench.decode_kernels or bench.decode_attention JSON "
+                 f"with 'results'")
+    return data["results"]
+
+
+def winners(experts: list[dict], attention: list[dict], margin: float
+            ) -> tuple[dict[str, dict], list[str]]:
+    """-> ({kernel: its TUNABLE fields from the winning row}, one line a kernel timed)."""
+    choice, lines = {}, []
+    saved = [r["us"] for r in experts if r.get("gemm") == "quantize_act"]
+    groups = [(g, [r for r in experts if r.get("gemm") == g and "us" in r])
+              for g in ("gate_up", "down")]
+    for dtype, kernel in (("fp8", "attention_fp8"), ("bf16", "attention_16bit")):
+        rows = [r for r in attention if r.get("dtype") == dtype]
+        default = [r for r in rows if r.get("default")]
+        if default:
+            rows = [r for r in rows if r["splits"] == default[0]["splits"]]
+        groups.append((kernel, rows))
+    for kernel, rows in groups:
+        default = [r for r in rows if r.get("default")]
+        # QUANT_OUT rows count only where the launch they save was timed
+        tiles = [r for r in rows if not r.get("default")
+                 and (saved or not r.get("QUANT_OUT"))]
+        if not default or not tiles:
+            continue
+
+        def cost(r: dict) -> float:
+            return r["us"] - (saved[0] if r.get("QUANT_OUT") else 0.0)
+
+        best = min(tiles, key=cost)
+        fields = {k: best[k] for k in TUNABLE[kernel] if k in best}
+        won = cost(best) < (1.0 - margin) * default[0]["us"]
+        lines.append(f"{kernel}: built-in {default[0]['us']:.1f} us, best {cost(best):.1f} us "
+                     f"{fields}: {'tuned' if won else 'kept'}")
+        if won:
+            choice[kernel] = fields
+    return choice, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("experts", type=Path)
+    p.add_argument("attention", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--margin", type=float, default=0.015,
+                   help="how much faster a tile must be to replace the built-in one")
+    args = p.parse_args(argv)
+    choice, lines = winners(_results(args.experts), _results(args.attention), args.margin)
+    print("\n".join(lines) if lines else "no sweep results: every kernel keeps its tiles")
+    args.out.write_text(json.dumps(choice, indent=1) + "\n")
+    print(f"wrote {args.out} ({', '.join(choice) or 'no kernel tuned'}): "
+          f"CPMOE_DECODE_KERNELS_CONFIG={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
