@@ -5,8 +5,11 @@ which refuses programs the interpreter runs (a jit function returning differentl
 values from two constexpr branches did, in the SWAP_AB change tried at bec18aa on
 2026-12-03). Here Triton compiles ahead of time, for an sm_90 target (ptxas ships with
 Triton), the variants the engine launches: the decode experts' W8A8 GEMM (gate/up and down,
-the grid of one program row per expert and the compact one of batch 1), the skinny dense
-GEMM with and without a split K, and the prefill's grouped GEMM. Arguments carry the
+the grid of one program row per expert and the compact one of batch 1, and the variants
+$CPMOE_DECODE_KERNELS_CONFIG may pick: two column tiles a program, gate/up's rows written in
+FP8), the skinny dense GEMM with and without a split K, and the prefill's grouped GEMM;
+decode attention's stage 1 keeps one tile's copies in flight only with its block table read
+ahead (PAGE_IDS). Arguments carry the
 16-byte alignment real launches specialize on, so the compiled program is the one a launch
 gets: the tests check that its weight tiles are loaded through the asynchronous pipeline
 (cp.async), and that the prefill GEMM uses Hopper's warp-group MMA, its tiles loaded by the
@@ -73,10 +76,13 @@ def waits_first(ptx, name):
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B's experts
 # batch 64 (down's weight tiles by TMA: gemm_config's choice), batch 1 (COMPACT); gate/up
-# by TMA too, down by address
-for slots, tma in ((512, None), (8, None), (512, True), (512, False)):
+# by TMA too, down by address; two column tiles a program, gate/up's rows written in FP8
+# (the variants $CPMOE_DECODE_KERNELS_CONFIG may pick)
+for slots, tma, more in ((512, None, {}), (8, None, {}), (512, True, {}), (512, False, {}),
+                         (512, True, {"TILES": 2, "QUANT_OUT": True, "BLOCK_N": 128})):
     for gated, k_dim in ((True, H), (False, I)):
         cfg = fused_moe.gemm_config(slots, E, k_dim, True, "w8a8", gated=gated)
+        cfg.update({k: v for k, v in more.items() if gated or k == "TILES"})
         if tma is None:
             assert cfg["TMA_W"] == (slots >= E and not gated), (slots, gated)
         else:
@@ -88,10 +94,11 @@ for slots, tma in ((512, None), (8, None), (512, True), (512, False)):
         ptx = compile_sm90(
             fused_moe._expert_gemm_kernel,
             {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": w_type if by_tma else "*fp8e4nv",
-             "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16",
-             "os_ptr": "*fp32"},
+             "s_ptr": "*fp32", "slots_ptr": "*i32", "counts_ptr": "*i32",
+             "out_ptr": "*fp8e4nv" if cfg["QUANT_OUT"] else "*bf16", "os_ptr": "*fp32"},
             dict(cfg, GATED=gated, E_POW2=E, SCALED=True, UPCAST=False, CLAMP=False,
-                 K_PIECES=pieces, PDL=True),
+                 K_PIECES=pieces, PDL=True,
+                 ROUND=triton.language.bfloat16 if cfg["QUANT_OUT"] else None),
             ("cap", "limit", "rows_per_a", "stride_as_k"), options)
         # rows by address (cp.async); weights by address or, TMA_W, by the TMA unit
         assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == by_tma, (slots, gated)
@@ -192,6 +199,19 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     # four codes a word widened by cvt.rn.f16x2 (two a word), never read a byte at a time
     assert len(re.findall(r"cvt\.rn\.f16x2\." + name, waits_first(ptx, ("stage 1", fmt)))) >= 64
     assert not re.search(r"ld\.shared\.(u8|b8|s8)|ld\.global\.(u8|b8|s8)", ptx), fmt
+    # each tile's block-table entries read inside the loop: every wait is for all copies
+    # (no tile copied ahead of the one in use); read PAGE_IDS at a time before it, 3 stages
+    # keep one tile's copies in flight while the one before is used
+    for ids, stages in ((0, 3), (64, 3)):
+        ptx = compile_sm90(
+            paged_attention._paged_decode_stage1,
+            {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32",
+             "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
+            dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
+                 KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", PAGE_IDS=ids),
+            ("bt_sb", "NUM_SPLITS", "GROUP"), {"num_warps": 4, "num_stages": stages})
+        ahead = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)} - {0}
+        assert bool(ahead) == (ids > 0), (ids, ahead)
     ptx = compile_sm90(
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,
