@@ -112,9 +112,8 @@ def main() -> None:
     gate_up, down = weights(2 * I, H), weights(H, I)
     gate_up_s, down_s = scales(2 * I, H), scales(H, I)
     if args.fp8:
-        grid = [(bn, bk, w, s, 0) for bk, (bn, w, s) in itertools.product(
+        grid = [(bn, bk, w, s, 0, 1, 0) for bk, (bn, w, s) in itertools.product(
             (128, 256), ((16, 4, 3), (32, 4, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)))]
-        grid = [t + (1, 0) for t in grid]
     else:
         grid = [(bn, bk, w, s, 0, 1, 0) for bn, bk, (w, s) in itertools.product(
             (16, 32, 64), (64, 128, 256), ((4, 3), (4, 5), (8, 4)))]

@@ -53,6 +53,7 @@ export PYTHONUNBUFFERED=1
 failed_file="$out/failed-engine-$part.txt"
 source "$(dirname "$0")/steps.sh"
 shape=(--shape qwen3-30b-a3b --routing uniform)
+f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)  # FP8 weights + FP8 K/V and attention
 case "$part" in
   smoke|decode|serving|prefix|fp8-serving|fp8-long|issue45|structured|fp8|fp8-prefill|v4|\
   v4-serving|decode-tune)
@@ -65,7 +66,6 @@ esac
 if [ "$part" = issue45 ]; then
   # the same commands in bf16 and with FP8 weights + FP8 K/V and attention, each pair's
   # ratio against the issue's target; the served load follows (the fp8-serving branch below)
-  f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
   names=(--names "bf16,FP8 weights + FP8 K/V")
   for v in bf16 fp8; do
     q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
@@ -151,8 +151,7 @@ PY
       step "$name-bf16" python3 -m cpmoe.cli bench-serving "${load[@]}" \
         --out "$out/$name-bf16.json" --launch "${serve[@]}"
       step "$name-fp8" python3 -m cpmoe.cli bench-serving "${load[@]}" \
-        --out "$out/$name-fp8.json" --launch "${serve[@]}" --quantization fp8 \
-        --kv-cache-dtype fp8_e4m3
+        --out "$out/$name-fp8.json" --launch "${serve[@]}" "${f8[@]}"
       step "$name-compare" python3 -m bench.serving_ratio "$out/$name-bf16.json" \
         "$out/$name-fp8.json" --min "$target" --names "bf16,FP8 weights + FP8 K/V"
       finish
@@ -280,7 +279,6 @@ PY
       --tiles "${TUNE_EXPERT_TILES:-$experts}" --out "$out/tune-experts.json"
     step tune-pick python3 -m bench.tuned_tiles "$out/tune-experts.json" \
       "$out/tune-attention.json" --out "$out/tuned.json"
-    f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
     for v in bf16 fp8 fp8-tuned; do
       q=(); [ "$v" != bf16 ] && q=("${f8[@]}")
       run=(python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64,128
