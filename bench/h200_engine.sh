@@ -27,6 +27,10 @@
 #                                               # FP8 under the file (~3 min on an H100);
 #                                               # CPMOE_DECODE_KERNELS_CONFIG=OUT_DIR/tuned.json
 #                                               # before a part runs it under those tiles
+#   bash bench/h200_engine.sh decode-ncu OUT_DIR  # Nsight Compute's counters (stall reasons,
+#                                               # DRAM throughput, per-SASS-line samples) of
+#                                               # the FP8 decode step's bandwidth-bound
+#                                               # kernels at batch 64, input 1,024 (eager)
 #   bash bench/h200_engine.sh fp8     OUT_DIR   # FP8 CUDA tests and kernels, FP8 vs bf16 decode
 #   bash bench/h200_engine.sh fp8-prefill OUT_DIR  # FP8 vs bf16 prefill at 16K and 64K
 #   bash bench/h200_engine.sh v4      OUT_DIR   # V4 CUDA tests, sparse attention kernel vs
@@ -56,11 +60,12 @@ shape=(--shape qwen3-30b-a3b --routing uniform)
 f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)  # FP8 weights + FP8 K/V and attention
 case "$part" in
   smoke|decode|serving|prefix|fp8-serving|fp8-long|issue45|structured|fp8|fp8-prefill|v4|\
-  v4-serving|decode-tune)
+  v4-serving|decode-tune|decode-ncu)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
   *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving | fp8-long |" \
-          "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving | decode-tune)" >&2
+          "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving | decode-tune |" \
+          "decode-ncu)" >&2
      exit 2 ;;
 esac
 if [ "$part" = issue45 ]; then
@@ -289,6 +294,30 @@ PY
     # the file's tiles against the built-in ones, whole steps (no target: a report)
     step tune-compare python3 -m bench.speed_ratio "$out/tune-decode-fp8.json" \
       "$out/tune-decode-fp8-tuned.json" --min 0 --names "FP8 built-in,FP8 tuned"
+    ;;
+  decode-ncu)
+    # one eager FP8 decode step's kernels, each launched by itself (no graph): stage 1 of
+    # decode attention, the skinny q/k/v and o GEMMs and the experts' two GEMMs of three
+    # layers past the warm-up, the prefill and the first decode step; clocks left as they are
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+    kernels="regex:_paged_decode_stage1|_skinny_fp8_kernel|_expert_gemm_kernel"
+    sections=()
+    for s in SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables WarpStateStats \
+             SchedulerStats Occupancy LaunchStats SourceCounters; do
+      sections+=(--section "$s")
+    done
+    step ncu-decode "${ncu:-ncu}" --clock-control none --target-processes all \
+      --kernel-name "$kernels" --launch-skip "${NCU_SKIP:-700}" --launch-count 15 \
+      "${sections[@]}" --import-source no -f -o "$out/ncu-decode" \
+      env CPMOE_PDL=0 python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64 \
+      --input-len 1024 --output-len 8 "${f8[@]}" --disable-cuda-graph \
+      --out "$out/ncu-decode-run.json"
+    step ncu-details "${ncu:-ncu}" --import "$out/ncu-decode.ncu-rep" --page details
+    # where each kernel's warps wait, by SASS line (the first launch of each)
+    for k in _paged_decode_stage1 _skinny_fp8_kernel _expert_gemm_kernel; do
+      step "ncu-source-$k" "${ncu:-ncu}" --import "$out/ncu-decode.ncu-rep" --page source \
+        --print-source sass --csv --kernel-name "$k" --launch-count 1
+    done
     ;;
   fp8)
     step fp8-tests python3 -m pytest -s tests/gpu/test_fp8_cuda.py

@@ -308,6 +308,29 @@ def test_decode_tune_part_sweeps_picks_and_times_whole_steps_under_the_picked_ti
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == ["tune-experts"]
 
 
+def test_decode_ncu_part_profiles_one_eager_fp8_decode_step_and_prints_its_pages(tmp_path):
+    fake_ncu = tmp_path / "bin" / "ncu"
+    fake_ncu.parent.mkdir(exist_ok=True)
+    fake_ncu.write_text('#!/usr/bin/env bash\necho "ncu $*" >> "$FAKE_LOG"\n'
+                        '[ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]] && exit 3\n'
+                        'exit 0\n')
+    fake_ncu.chmod(0o755)
+    rc, out, calls = _run(tmp_path, "h200_engine.sh", "decode-ncu")
+    assert rc == 0, _failed_lines(out)
+    profile, details, *sources = [c for c in calls if c.startswith("ncu ")]
+    assert "--clock-control none" in profile and f"-o {out}/ncu-decode " in profile
+    run = profile.split(" env ", 1)[1]
+    assert run.startswith("CPMOE_PDL=0 python3 -m cpmoe.cli bench-one-batch")
+    for flag in ("--batch-size 64", "--disable-cuda-graph", "--kv-cache-dtype fp8_e4m3",
+                 "--quantization fp8"):
+        assert flag in run
+    assert f"--import {out}/ncu-decode.ncu-rep --page details" in details
+    assert [c.split("--kernel-name ")[1].split()[0] for c in sources] == [
+        "_paged_decode_stage1", "_skinny_fp8_kernel", "_expert_gemm_kernel"]
+    rc, out, _ = _run(tmp_path, "h200_engine.sh", "decode-ncu", fail="--page details")
+    assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == ["ncu-details"]
+
+
 def _sweep_row(**kw) -> dict:
     return {"BLOCK_N": 64, "BLOCK_K": 256, "TMA_W": True, "TILES": 1, "QUANT_OUT": False,
             "num_warps": 4, "num_stages": 3} | kw
