@@ -145,7 +145,8 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
                       scale: float, runs: list[tuple[int, int, int, int]] | None = None,
                       packed: PackedRuns | None = None, fp8: bool = False,
                       o_quant_group: int | None = None,
-                      q_descale: torch.Tensor | None = None) -> torch.Tensor:
+                      q_descale: torch.Tensor | None = None,
+                      k_descale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], its rows' positions and sequences [T] (q_pos; q_seq, the batch's
     `token_to_seq`) against k/v_flat [sum L, Hkv, D] in flat order. On CUDA, given `packed`
     (`PackedRuns.wanted`), one varlen launch for all runs; given the query runs, fused kernels
@@ -155,12 +156,14 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, q_seq: torch.Tensor,
     every run at the start of its sequence, o stays e4m3: its codes and their scales are
     offered to that GEMM (`ops.fp8.offer_quantized`) and the returned tensor is left
     unwritten (`_runs_fp8`). `q_descale`: q came in e4m3 (`ops.norm_rope_fp8`, where the
-    caller found `fp8_runs_apply` true for its 16-bit rows) -> o in v's dtype."""
+    caller found `fp8_runs_apply` true for its 16-bit rows) -> o in v's dtype; `k_descale`:
+    k_flat likewise (with q_descale only)."""
     fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # cuDNN/flash dtypes
     if q_descale is not None or fp8_runs_apply(q, runs, fp8):
         assert runs, "FP8 attention takes query runs"
         return _runs_fp8(q, k_flat, v_flat, cu_seqlens, scale, runs,
-                         o_quant_group=o_quant_group, q_descale=q_descale)[0]
+                         o_quant_group=o_quant_group, q_descale=q_descale,
+                         k_descale=k_descale)[0]
     if fused and packed is not None:
         return _varlen_runs(q, k_flat, v_flat, packed, scale)[0]
     if fused and runs is not None and len(runs) <= 4 * (len(cu_seqlens) - 1):
@@ -234,20 +237,21 @@ def _prefill_runs_cuda(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tens
 def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
               cu_seqlens: list[int], scale: float, runs: list[tuple[int, int, int, int]],
               with_lse: bool = False, o_quant_group: int | None = None,
-              q_descale: torch.Tensor | None = None
+              q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_prefill_runs_cuda` in FP8 (`fp8_attention`) -> (o in q's dtype, lse [T, H] fp32
     when `with_lse`): a run at the start of its sequence (or chunk) in one square causal
     call; a later one as its own keys causally and the keys before it in full, merged by
     log-sum-exp (the FP8 kernel's causal mask is top-left aligned on Hopper, as cuDNN's is
     in torch). Every row lies in a run (`query_runs`). `o_quant_group`: see
-    `prefill_attention` (`_runs_fp8_offered`); `q_descale`: q in e4m3 (`prefill_attention`)."""
+    `prefill_attention` (`_runs_fp8_offered`); `q_descale`, `k_descale`: q, k_flat in e4m3
+    (`prefill_attention`)."""
     from cpmoe.cp.fp8_attention import fp8_attention, o_dtype
 
     if (o_quant_group and not with_lse and all(p0 == 0 for _, _, _, p0 in runs)
             and (q.shape[1] * q.shape[2]) % o_quant_group == 0 and launch.use_triton(q)):
         return _runs_fp8_offered(q, k_flat, v_flat, cu_seqlens, scale, runs,
-                                 o_quant_group, q_descale), None
+                                 o_quant_group, q_descale, k_descale), None
     out = torch.empty(q.shape, dtype=o_dtype(q, v_flat), device=q.device)
     lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse
            else None)
@@ -256,14 +260,16 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         own = slice(base + p0, base + p0 + n)
         if p0 == 0:
             _, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True,
-                                  lse=with_lse, out=out[row0:row1], q_descale=q_descale)
+                                  lse=with_lse, out=out[row0:row1], q_descale=q_descale,
+                                  k_descale=k_descale)
             if lse is not None:
                 lse[row0:row1] = l1
             continue
         o1, l1 = fp8_attention(q[row0:row1], k_flat[own], v_flat[own], scale, True, lse=True,
-                               q_descale=q_descale)
+                               q_descale=q_descale, k_descale=k_descale)
         o2, l2 = fp8_attention(q[row0:row1], k_flat[base:base + p0], v_flat[base:base + p0],
-                               scale, False, lse=True, q_descale=q_descale)
+                               scale, False, lse=True, q_descale=q_descale,
+                               k_descale=k_descale)
         ops.merge_two_attention(o1, l1, o2, l2, out[row0:row1])
         if lse is not None:
             lse[row0:row1] = torch.logaddexp(l1, l2)
@@ -273,7 +279,8 @@ def _runs_fp8(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                       cu_seqlens: list[int], scale: float,
                       runs: list[tuple[int, int, int, int]], group: int,
-                      q_descale: torch.Tensor | None = None) -> torch.Tensor:
+                      q_descale: torch.Tensor | None = None,
+                      k_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Every run at the start of its sequence, each one square causal FP8 call whose O stays
     e4m3 (`fp8_attention_e4m3`) -> o [T, H, D] in q's dtype, UNWRITTEN: its rows [T, H * D]
     are offered to the FP8 GEMM that reads them next (`offer_quantized`) as the e4m3 codes
@@ -290,7 +297,7 @@ def _runs_fp8_offered(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
         n, base = row1 - row0, cu_seqlens[s]
         own = slice(base, base + n)
         o8, descale, _ = fp8_attention_e4m3(q[row0:row1], k_flat[own], v_flat[own], scale,
-                                            True, q_descale=q_descale)
+                                            True, q_descale=q_descale, k_descale=k_descale)
         if n == T:
             codes = o8.view(T, H * D)
         else:

@@ -65,8 +65,8 @@ def exact(q, k, v, causal):
     return torch.einsum("hnm,mhd->nhd", p, v.float().repeat_interleave(H // G, 1))
 
 
-def emulate(q, k, v, causal, q_scale=None):
-    s = _scores(_q8(q, q_scale), _q8(k), causal)
+def emulate(q, k, v, causal, q_scale=None, k_scale=None):
+    s = _scores(_q8(q, q_scale), _q8(k, k_scale), causal)
     p = torch.exp(s - s.amax(-1, keepdim=True))
     p8 = (p * fa.E4M3_MAX).to(torch.float8_e4m3fn).float() / fa.E4M3_MAX
     o = torch.einsum("hnm,mhd->nhd", p8, _q8(v).repeat_interleave(H // G, 1))
@@ -208,6 +208,54 @@ def test_prefill_attention_takes_q_in_e4m3_from_norm_rope_fp8():
     o16 = prefill_attention(q8[:n], pos[:n], seq[:n], k[:n], v[:n], [0, n], SCALE, runs[:1],
                             fp8=True, q_descale=dq)
     # the same codes: dequantized once, or offered with their descale in every group
+    assert torch.equal((codes.float() * scales[:, :1]).bfloat16(), o16.view(n, H * D))
+
+
+def test_prefill_attention_takes_k_in_e4m3_from_norm_rope_fp8():
+    """Qwen3's k as its q (the model at CP 1): both from `ops.norm_rope_fp8`, each at its
+    norm weight's bound, so FP8 attention quantizes neither. On a rank's two zigzag runs of
+    a 4,096-token sequence (the second attends the keys before it in full) within 1.5x the
+    emulated FP8 error of exact attention over the 16-bit normed q and k, the emulation
+    quantizing both at those scales; and O offered to an FP8 o_proj in e4m3 equals, once
+    dequantized, the 16-bit O of the same codes."""
+    from cpmoe import ops
+    from cpmoe.ops.fp8 import offered
+    g = torch.Generator(device="cuda").manual_seed(17)
+    L, n = 4096, 1024
+    pos_all = torch.arange(L, device="cuda")
+    rows = (3 * torch.randn(L, H + G, D, device="cuda", generator=g)).bfloat16()
+    v = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
+    wq = (0.5 + 1.5 * torch.rand(D, device="cuda", generator=g)).bfloat16()
+    wk = (0.2 + 3.0 * torch.rand(D, device="cuda", generator=g)).bfloat16()
+    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda").float() / D)
+    angle = pos_all[:, None].float() * inv[None, :]
+    cos, sin = angle.cos().repeat(1, 2).bfloat16(), angle.sin().repeat(1, 2).bfloat16()
+    k8, dk = ops.norm_rope_fp8(rows[:, H:], wk, 1e-6, cos, sin)  # k's columns: strided
+    k16 = ops.norm_rope(rows[:, H:], wk, 1e-6, cos, sin)
+    assert float(dk) == float(ops.norm_rope_fp8_ref(rows[:, H:], wk, 1e-6, cos, sin)[1])
+    pos = torch.cat([torch.arange(0, n), torch.arange(L - n, L)]).cuda()
+    q8, dq = ops.norm_rope_fp8(rows[pos, :H], wq, 1e-6, cos[pos], sin[pos])
+    q16 = ops.norm_rope(rows[pos, :H], wq, 1e-6, cos[pos], sin[pos])
+    seq = torch.zeros_like(pos)
+    runs = [(0, n, 0, 0), (n, 2 * n, 0, L - n)]
+    got = prefill_attention(q8, pos, seq, k8, v, [0, L], SCALE, runs, fp8=True,
+                            q_descale=dq, k_descale=dk)
+    amax_k = prefill_attention(q8, pos, seq, k16, v, [0, L], SCALE, runs, fp8=True,
+                               q_descale=dq)
+    assert got.dtype == torch.bfloat16 and got.shape == q16.shape
+    for (r0, r1, _, p0) in runs:
+        ref = exact(q16[r0:r1], k16[:p0 + n], v[:p0 + n], True)
+        emul = emulate(q16[r0:r1], k16[:p0 + n], v[:p0 + n], True, q_scale=1 / dq,
+                       k_scale=1 / dk)
+        err = _rel(got[r0:r1], ref)
+        print(f"run at {p0}: k from norm_rope_fp8 {err:.4f}, k quantized at its amax "
+              f"{_rel(amax_k[r0:r1], ref):.4f}, emulated {_rel(emul, ref):.4f}")
+        assert err <= 1.5 * _rel(emul, ref), (p0, err)
+    o = prefill_attention(q8[:n], pos[:n], seq[:n], k8[:n], v[:n], [0, n], SCALE, runs[:1],
+                          fp8=True, o_quant_group=128, q_descale=dq, k_descale=dk)
+    codes, scales = offered(o.view(n, H * D), 128)
+    o16 = prefill_attention(q8[:n], pos[:n], seq[:n], k8[:n], v[:n], [0, n], SCALE, runs[:1],
+                            fp8=True, q_descale=dq, k_descale=dk)
     assert torch.equal((codes.float() * scales[:, :1]).bfloat16(), o16.view(n, H * D))
 
 

@@ -93,16 +93,22 @@ class QwenMoeAttention(nn.Module):
                                  self.num_kv_heads * D], dim=-1)
             q, k = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D)
             v = v.reshape(T, self.num_kv_heads, D)  # FP8 attention quantizes it where it lies
-            q_descale = None
+            q_descale = k_descale = None
             if fp8_q:
                 q, q_descale = norm_rope_fp8(q, self.q_norm.weight, self.q_norm.eps, *rope)
-                k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+                if self.groups.attn_cp.size == 1:  # k likewise (over CP it is all-gathered
+                    # with v in one 16-bit tensor): no amax and cast passes over it
+                    k, k_descale = norm_rope_fp8(k, self.k_norm.weight, self.k_norm.eps,
+                                                 *rope)
+                else:
+                    k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
             elif self.q_norm is not None:  # per-head RMSNorm, fused with the rotary embedding
                 q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
                 k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
             else:
                 q, k = norm_rope(q, None, 0.0, *rope), norm_rope(k, None, 0.0, *rope)
-            o = self._extend(q, k, v if fp8_q else v.contiguous(), batch, layer, q_descale)
+            o = self._extend(q, k, v if fp8_q else v.contiguous(), batch, layer, q_descale,
+                             k_descale)
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
     def _store(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -121,10 +127,11 @@ class QwenMoeAttention(nn.Module):
         return qkv_norm_rope_store(*args), None
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                layer: int, q_descale: torch.Tensor | None = None) -> torch.Tensor:
+                layer: int, q_descale: torch.Tensor | None = None,
+                k_descale: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's chunk rows attend their own sequence's new tokens (K/V gathered over
-        CP) causally and, for sequences with cached tokens, the cached prefix. q_descale:
-        q in e4m3 (`ops.norm_rope_fp8`; no cached prefix)."""
+        CP) causally and, for sequences with cached tokens, the cached prefix. q_descale,
+        k_descale: q, k in e4m3 (`ops.norm_rope_fp8`; no cached prefix)."""
         kv = batch.kv
         assert batch.split is not None
         k_flat, v_flat = communicator.gather_kv(k, v, batch, self.groups)
@@ -133,7 +140,8 @@ class QwenMoeAttention(nn.Module):
             # FP8 attention may leave o in e4m3 for an FP8 o_proj (offered, o unwritten)
             return prefill_attention(q, batch.rel_positions, batch.token_to_seq, k_flat, v_flat,
                                      cu, self.scale, batch.q_runs, batch.packed_runs,
-                                     batch.fp8_attention, self.o_quant_group, q_descale)
+                                     batch.fp8_attention, self.o_quant_group, q_descale,
+                                     k_descale)
         fp8 = fp8_runs_apply(q, batch.q_runs, batch.fp8_attention)  # the chunk and prefix
         o, lse = chunk_attention_with_lse(q, batch.rel_positions, batch.token_to_seq, k_flat,
                                           v_flat, cu, self.scale, batch.packed_runs,
