@@ -297,8 +297,10 @@ PY
     ;;
   decode-ncu)
     # one eager FP8 decode step's kernels, each launched by itself (no graph): stage 1 of
-    # decode attention, the skinny q/k/v and o GEMMs and the experts' two GEMMs of three
-    # layers past the warm-up, the prefill and the first decode step; clocks left as they are
+    # decode attention, the skinny q/k/v and o GEMMs and the experts' two GEMMs of the first
+    # three layers of the timed steps (bench-one-batch marks them as the CUDA profiler's
+    # range: the warm-up, whose expert GEMMs of other tile sizes came first in an earlier
+    # version of this part, and the prefill are not profiled); clocks left as they are
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
     kernels="regex:_paged_decode_stage1|_skinny_fp8_kernel|_expert_gemm_kernel"
     sections=()
@@ -307,7 +309,7 @@ PY
       sections+=(--section "$s")
     done
     step ncu-decode "${ncu:-ncu}" --clock-control none --target-processes all \
-      --kernel-name "$kernels" --launch-skip "${NCU_SKIP:-700}" --launch-count 15 \
+      --profile-from-start off --kernel-name "$kernels" --launch-count 15 \
       "${sections[@]}" --import-source no -f -o "$out/ncu-decode" \
       env CPMOE_PDL=0 python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64 \
       --input-len 1024 --output-len 8 "${f8[@]}" --disable-cuda-graph \

@@ -25,6 +25,7 @@ static cache under `torch.compile(mode="reduce-overhead")` (its fastest set-up).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,8 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
     tokens = _broadcast_tokens(runner, first)
     prefill_s = time.perf_counter() - t0
     decode = _decode_synced if spec.engine.disable_overlap_schedule else _decode_overlapped
-    generated, steps = decode(runner, keys, first, tokens, spec.output_len - 1)
+    with cuda_profiler_range(device):
+        generated, steps = decode(runner, keys, first, tokens, spec.output_len - 1)
     tokens = generated[-1]
     peak = peak_bytes(device)
     if spec.profile_dir is not None:
@@ -146,6 +148,22 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
             "busiest_expert_vs_mean": routing["busiest"],
             "tokens": [list(t) for t in zip(*generated)],
             "cuda_graphs": runner.graphs is not None and runner.graphs.fits(batch)}
+
+
+@contextlib.contextmanager
+def cuda_profiler_range(device: torch.device):
+    """The CUDA profiler's capture range around the timed decode steps (cudaProfilerStart /
+    Stop, no-ops when no profiler is attached): `ncu --profile-from-start off` and `nsys
+    --capture-range=cudaProfilerApi` then see these steps only, not the warm-up, the graph
+    capture or the prefill (`bash bench/h200_engine.sh decode-ncu`)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.profiler.start()
+    try:
+        yield
+    finally:
+        torch.cuda.profiler.stop()
 
 
 def _decode_synced(runner: ModelRunner, keys: list[int], first: torch.Tensor,

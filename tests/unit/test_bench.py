@@ -526,3 +526,21 @@ def test_kernel_sweeps_parse_their_tiles_and_refuse_a_wrong_count_in_one_line():
         with pytest.raises(SystemExit) as e:
             parse_tiles(text, fields, optional)
         assert str(e.value) == f"--tiles: expected {fields}[,...], got {text!r}"
+
+
+def test_one_batch_marks_its_timed_decode_steps_as_the_cuda_profilers_range(monkeypatch):
+    """`ncu --profile-from-start off` (the decode-ncu part) profiles what lies between
+    cudaProfilerStart and Stop: the timed steps, stopped even when a step raises; nothing is
+    called on CPU."""
+    from cpmoe.bench import one_batch
+    calls = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+    with one_batch.cuda_profiler_range(torch.device("cpu")):
+        calls.append("cpu step")
+    with one_batch.cuda_profiler_range(torch.device("cuda", 0)):
+        calls.append("step")
+    with pytest.raises(RuntimeError), one_batch.cuda_profiler_range(torch.device("cuda", 0)):
+        calls.append("failing step")
+        raise RuntimeError("a step failed")
+    assert calls == ["cpu step", "start", "step", "stop", "start", "failing step", "stop"]

@@ -319,6 +319,7 @@ def test_decode_ncu_part_profiles_one_eager_fp8_decode_step_and_prints_its_pages
     assert rc == 0, _failed_lines(out)
     profile, details, *sources = [c for c in calls if c.startswith("ncu ")]
     assert "--clock-control none" in profile and f"-o {out}/ncu-decode " in profile
+    assert "--profile-from-start off" in profile  # the timed steps only (cuda_profiler_range)
     run = profile.split(" env ", 1)[1]
     assert run.startswith("CPMOE_PDL=0 python3 -m cpmoe.cli bench-one-batch")
     for flag in ("--batch-size 64", "--disable-cuda-graph", "--kv-cache-dtype fp8_e4m3",
