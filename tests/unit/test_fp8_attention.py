@@ -1,6 +1,7 @@
 """What `--kv-cache-dtype fp8_e4m3` decides before any GPU work (the CUDA kernel itself:
 tests/gpu/test_fp8_attention_cuda.py): when prefill attention runs in FP8, the one line a
-machine without cuDNN's frontend gets, the graph buckets, and the device-side quantization:
+machine without cuDNN's frontend gets, the graph buckets, the e4m3 q and k a Qwen3 prefill
+without a cache hands its FP8 attention, and the device-side quantization:
 its torch path on CPU, and its Triton kernels (the amax, the scale-and-cast with the
 bucket's padding, on contiguous and on strided rows, O's dequantization, q's norm + RoPE in
 e4m3 at its weight-bound scale, alone and in the K/V store kernel) in Triton's CPU
@@ -124,6 +125,53 @@ def test_warm_up_builds_the_chunk_graphs_and_its_prefix_graphs(monkeypatch):
                      (512, 128, False, True), (512, 256, False, True),
                      (512, 512, False, True), (512, 1024, False, True)]
     assert fa.warm_up(cpu, 4, 2, 16, 0.25, 300, 1000) == 0
+
+
+def test_qwen3_prefill_without_a_cache_hands_fp8_attention_q_and_k_in_e4m3(monkeypatch):
+    """A prefill without a KV cache at CP 1, its attention in FP8 (as `cpmoe bench` runs it;
+    the CUDA decision and cuDNN's call replaced by stand-ins): q and k reach
+    `prefill_attention` in e4m3, each with the descale of its own norm weight's bound, max |w|
+    sqrt(D) / 448, v in 16 bits; with FP8 attention off all three stay 16-bit, no descale."""
+    import math
+
+    from cpmoe.bench.spec import SHAPES
+    from cpmoe.engine import runner as runner_mod
+    from cpmoe.engine.runner import ModelRunner, Segment
+    from cpmoe.models.qwen_moe import model as qwen
+    from cpmoe.parallel.groups import ProcessGroups
+
+    seen = []
+
+    def attend(q, pos, seq, k, v, cu, scale, runs=None, packed=None, fp8=False,
+               group=None, q_descale=None, k_descale=None):
+        seen.append((q.dtype, k.dtype, v.dtype, q_descale, k_descale))
+        return torch.zeros(q.shape, dtype=v.dtype)
+
+    monkeypatch.setattr(qwen, "prefill_attention", attend)
+    monkeypatch.setattr(qwen, "fp8_runs_apply", lambda q, runs, fp8: fp8 and bool(runs))
+    monkeypatch.setattr(runner_mod, "fp8_worth", lambda runs, starts: True)
+    r = ModelRunner.from_config(SHAPES["tiny"], ProcessGroups.single("cpu"), torch.bfloat16,
+                                seed=5)
+    layers = r.model.model.layers
+    D = SHAPES["tiny"]["head_dim"]
+    for layer in layers:  # norm weights of different bounds for q and k
+        layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
+        layer.self_attn.k_norm.weight.data.uniform_(0.2, 3.0)
+    prompt = torch.randint(2, 500, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    for fp8 in (True, False):
+        seen.clear()
+        r.fp8_attention = fp8
+        r.extend([Segment(0, prompt)])
+        assert len(seen) == len(layers)
+        for layer, (q_dt, k_dt, v_dt, dq, dk) in zip(layers, seen):
+            if not fp8:
+                assert (q_dt, k_dt, v_dt, dq, dk) == (torch.bfloat16,) * 3 + (None, None)
+                continue
+            assert (q_dt, k_dt, v_dt) == (torch.float8_e4m3fn,) * 2 + (torch.bfloat16,)
+            for norm, descale in ((layer.self_attn.q_norm, dq), (layer.self_attn.k_norm, dk)):
+                bound = float(norm.weight.float().abs().max()) * math.sqrt(D)
+                assert float(descale) == pytest.approx(bound / 448, rel=1e-6)
+            assert float(dk) != pytest.approx(float(dq), rel=1e-3)
 
 
 def test_pool_codes_go_in_as_they_are_padded_with_zeros():
