@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -102,7 +103,7 @@ def _tuned_file() -> dict[str, dict]:
     if not path:
         return {}
     try:
-        spec = json.loads(open(path).read())
+        spec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"{TUNED_ENV}={path}: expected a JSON file, {type(e).__name__}: {e}")
     if not isinstance(spec, dict) or set(spec) - set(TUNABLE):
