@@ -73,6 +73,13 @@ def emulate(q, k, v, causal, q_scale=None, k_scale=None):
     return _q8(o / p.sum(-1).transpose(0, 1)[..., None])
 
 
+def _rope(pos):
+    """Qwen3's rotary tables (theta 1e6, rotate-half layout) at positions pos, in bf16."""
+    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda").float() / D)
+    angle = pos[:, None].float() * inv[None, :]
+    return angle.cos().repeat(1, 2).bfloat16(), angle.sin().repeat(1, 2).bfloat16()
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -165,9 +172,7 @@ def test_prefill_attention_takes_q_in_e4m3_from_norm_rope_fp8():
     rows = (3 * torch.randn(2 * n, H + 8, D, device="cuda", generator=g)).bfloat16()
     raw = rows[:, :H]  # q's columns of the QKV rows: strided
     w = (0.5 + 1.5 * torch.rand(D, device="cuda", generator=g)).bfloat16()
-    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda").float() / D)
-    angle = pos[:, None].float() * inv[None, :]
-    cos, sin = angle.cos().repeat(1, 2).bfloat16(), angle.sin().repeat(1, 2).bfloat16()
+    cos, sin = _rope(pos)
     q8, dq = ops.norm_rope_fp8(raw, w, 1e-6, cos, sin)
     want8, want_dq = ops.norm_rope_fp8_ref(raw, w, 1e-6, cos, sin)
     assert float(dq) == float(want_dq)
@@ -227,9 +232,7 @@ def test_prefill_attention_takes_k_in_e4m3_from_norm_rope_fp8():
     v = torch.randn(L, G, D, device="cuda", generator=g).bfloat16()
     wq = (0.5 + 1.5 * torch.rand(D, device="cuda", generator=g)).bfloat16()
     wk = (0.2 + 3.0 * torch.rand(D, device="cuda", generator=g)).bfloat16()
-    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda").float() / D)
-    angle = pos_all[:, None].float() * inv[None, :]
-    cos, sin = angle.cos().repeat(1, 2).bfloat16(), angle.sin().repeat(1, 2).bfloat16()
+    cos, sin = _rope(pos_all)
     k8, dk = ops.norm_rope_fp8(rows[:, H:], wk, 1e-6, cos, sin)  # k's columns: strided
     k16 = ops.norm_rope(rows[:, H:], wk, 1e-6, cos, sin)
     assert float(dk) == float(ops.norm_rope_fp8_ref(rows[:, H:], wk, 1e-6, cos, sin)[1])
