@@ -298,7 +298,8 @@ PY
   one-launch)
     # the FP8 decode experts' two GEMMs in one launch (CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1)
     # against two: its CUDA tests, the experts alone at 64 and 128 rows, whole decode steps
-    step one-launch-tests python3 -m pytest -q -s tests/gpu/test_fp8_cuda.py \
+    # (a wait that never ends would be a hang: the tests get 4 minutes)
+    step one-launch-tests timeout 240 python3 -m pytest -q -s tests/gpu/test_fp8_cuda.py \
       -k "one_launch or tile_variants"
     step one-launch-experts python3 -m bench.decode_kernels --fp8 --modes w8a8 --rows 64,128 \
       --tiles 64:256:4:3 --out "$out/one-launch-experts.json"
