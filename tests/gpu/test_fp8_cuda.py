@@ -354,7 +354,8 @@ def test_grouped_fp8_gemm_swiglu_equals_the_gemm_then_swiglu_quantize(limit):
     SwiGLU, plain or clamped), its [P, I] activation quantized by quantize_act: the codes
     and scales of the unfused GEMM's [P, 2I] gate and up rows through swiglu_quantize, bit
     for bit at the same column tile (the same K blocks summed in the same order, gate and up
-    rounded alike); rows of other ranks' experts (id E) zero."""
+    rounded alike); rows of other ranks' experts (id E) zero. And with quant_out, the codes
+    and scales from the GEMM itself, bit for bit."""
     torch.manual_seed(3)
     E, inter, K, top_k, tokens = 16, 768, 2048, 4, 3000
     q, s, _ = fp8_weight(2 * inter, K, E)
@@ -373,6 +374,13 @@ def test_grouped_fp8_gemm_swiglu_equals_the_gemm_then_swiglu_quantize(limit):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(got_s, want_s)
     assert not act[int(offs[-1]):].any()
+    # the same GEMM writing the activation's FP8 rows and scales itself (quant_out: 128-column
+    # tiles, one activation group each), as the FP8 experts run it from 128 rows an expert
+    assert cfg["BN"] == 128, cfg
+    q8, s8 = fp8_gemm.grouped_fp8_gemm(xq, xs, q, s, offs, BLOCK, config=cfg, a_rows=src,
+                                       swiglu=True, limit=limit, quant_out=True)
+    assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s8, want_s)
 
 
 @cuda

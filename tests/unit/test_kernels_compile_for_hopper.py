@@ -147,23 +147,28 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
 # the experts' gate/up (rows through a_rows, with its SwiGLU or without) and down GEMMs
 # (after the SwiGLU gate/up, as the FP8 experts run it, or after the unfused one)
+# (the SwiGLU gate/up's 128-column tiles write FP8 rows and their scales: quant_out)
 for a_rows, swiglu, after in ((True, True, False), (True, False, False), (False, False, True),
                               (False, False, False)):
     cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows, swiglu=swiglu,
                                       after_swiglu=after)
+    quant_out = swiglu and cfg["BN"] == 128
     tma = cfg.pop("TMA")
     fp8_tile = "tensordesc<fp8e4nv[{}, 128]>"
     ptx = compile_sm90(
         fp8_gemm._grouped_fp8_kernel,
         {"a_ptr": fp8_tile.format(cfg["BM"]) if "a" in tma else "*fp8e4nv", "as_ptr": "*fp32",
          "w_ptr": fp8_tile.format(cfg["BN"]) if "w" in tma else "*fp8e4nv", "ws_ptr": "*fp32",
-         "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
+         "out_ptr": "*fp8e4nv" if quant_out else "*bf16", "offs_ptr": "*i64",
+         "map_ptr": "*i32", "rows_ptr": "*i64", "os_ptr": "*fp32"},
         {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
-         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu},
+         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu,
+         "QUANT_OUT": quant_out},
         ("P", "as_s0", "as_s1", "ws_s2"), launch_options(cfg))
     # tiles by the TMA unit (cp.async.bulk.tensor) or by addresses (cp.async), into wgmma
     assert "wgmma" in ptx and ("cp.async.bulk.tensor" in ptx) == bool(tma), (a_rows, tma)
     assert "cp.async.ca" in ptx or "cp.async.cg" in ptx or "a" in tma, a_rows
+    assert ("e4m3x2" in ptx) == quant_out, (swiglu, after)
 compile_sm90(fp8_gemm._tile_map_kernel, {"offs_ptr": "*i64", "map_ptr": "*i32"},
              {"E": E, "E_POW2": E, "BM": cfg["BM"], "BLOCK": 64}, ("slots",),
              {"num_warps": 4})
