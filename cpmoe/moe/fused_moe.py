@@ -13,6 +13,10 @@ is a memory-bound read of the used experts' weights, so this path is built aroun
 3. the same kernel, not GATED, with the down projection -> one output row per slot.
 4. `_slot_sum_kernel`: each row's routing-weighted sum over its K slots (a slot of another
    EP rank's expert, id -1, is not read).
+With $CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1 (W8A8, at least as many slots as experts), 2 and 3
+are one launch, `_experts_one_launch_kernel`: each down program waits for its expert's
+gate/up programs through a count in global memory, not for the whole GEMM and a second
+launch, and quantizes its rows itself (no `quantize_act` launch between).
 Few kernels matter as much as few bytes: inside a CUDA graph each kernel still costs about a
 microsecond of issue, and a 48-layer step runs each of these 48 times.
 FP8 weights (128 x 128 block scales) are multiplied in one of FP8_ACT_MODES: weights-only
