@@ -81,7 +81,7 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     dev = x_MH.device
     ids_P = local_ids_MK.reshape(P)
     slots = torch.empty(E, P, dtype=torch.int32, device=dev)  # room for any routing
-    counts = torch.empty(2 * E, dtype=torch.int32, device=dev)  # and one_launch's done[E]
+    counts = torch.empty(2 * E + 1, dtype=torch.int32, device=dev)  # one_launch's done[E + 1]
     gate_up_s, down_s = scales or (None, None)
     fp8 = scales is not None
     cfg = gemm_config(P, E, H, fp8, fp8_act)
@@ -135,8 +135,8 @@ def _experts_one_launch(x_MH: torch.Tensor, gate_up: torch.Tensor, down: torch.T
                         counts_done: torch.Tensor, top_k: int, gu_cfg: dict, dn_cfg: dict,
                         limit: float | None) -> torch.Tensor:
     """Both W8A8 expert GEMMs in one `_experts_one_launch_kernel` -> y [slots, H] (x's
-    dtype); counts_done: the experts' slot counts, then their done counts (zeroed by the
-    `_align_kernel` before). Launch options (warps, stages) are gate/up's: down's tiles
+    dtype); counts_done: the experts' slot counts, then their done counts and the ticket
+    counter (zeroed by the `_align_kernel` before). Launch options (warps, stages) are gate/up's: down's tiles
     must agree with them."""
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -314,11 +314,14 @@ if triton is not None:
     def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, BLOCK_P: tl.constexpr,
                       ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
         """Expert e's slots, in slot order, into slots[e, :counts[e]]; ZERO_DONE: also
-        counts[E + e] = 0 (`_experts_one_launch_kernel`'s done count)."""
+        counts[E + e] = 0 and counts[2E] = 0 (`_experts_one_launch_kernel`'s done counts and
+        ticket)."""
         wait_for_producer(PDL)
         e = tl.program_id(0)
-        if ZERO_DONE:
+        if ZERO_DONE:  # and the ticket counter after them
             tl.store(counts_ptr + tl.num_programs(0) + e, 0)
+            if e == 0:
+                tl.store(counts_ptr + 2 * tl.num_programs(0), 0)
         base = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
@@ -528,14 +531,17 @@ if triton is not None:
         them are the down GEMM's, likewise expert-major, each waiting (acquire) until all
         GU_COLS gate/up programs of its expert are done, then quantizing the act rows it
         reads per 1 x 128 group itself (`quantize_rows`, as `quantize_act` would) into
-        y [slots, H]. No program waits on one placed after it (the GPU places a 1-D grid's
-        programs in order; the interpreter runs them so), so the wait cannot deadlock, and
-        the down programs of the first experts overlap the gate/up programs of the last
-        instead of waiting for the whole GEMM, its tail and a second launch. done [E] must
-        be zero at launch (`_align_kernel` with ZERO_DONE clears it). Per program, the same
-        work as `_expert_gemm_kernel`'s, so the same bits as the two launches."""
+        y [slots, H]. A program's work is the ticket it draws (done[E], counted up), not
+        its program id: the GPU need not place programs in id order, and a down program
+        placed early would hold its SM slot waiting on gate/up work not yet placed (at worst
+        forever). By tickets, every gate/up work item has a running program before any down
+        item is drawn, so a wait is only for work in progress, and the down programs of the
+        first experts overlap the gate/up programs of the last instead of waiting for the
+        whole GEMM, its tail and a second launch. done [E + 1] must be zero at launch
+        (`_align_kernel` with ZERO_DONE clears it). Per program, the same work as
+        `_expert_gemm_kernel`'s, so the same bits as the two launches."""
         wait_for_producer(PDL)
-        q = tl.program_id(0)
+        q = tl.atomic_add(done_ptr + E, 1, sem="relaxed", scope="gpu")
         if q < E * GU_COLS:
             e = q // GU_COLS
             count = tl.load(counts_ptr + e)
