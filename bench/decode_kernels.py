@@ -173,20 +173,6 @@ def main() -> None:
             q_us = time_us(lambda i: fused_moe.quantize_act(act, 128))
             print(f"quantize_act of down's {P} x {I} rows, {rows} rows: {q_us:.1f} us")
             results.append({"gemm": "quantize_act", "rows": rows, "us": q_us})
-        if args.fp8 and "w8a8" in modes:  # the whole W8A8 experts: two launches or one
-            w = torch.rand(rows, TOP_K, device="cuda", dtype=torch.bfloat16)
-            whole = {}
-            for one in (False, True):
-                fused_moe.ONE_LAUNCH = one
-                whole[one] = time_us(lambda i: fused_moe.fused_experts(
-                    x, ids, w, gate_up[i % LAYERS], down[i % LAYERS],
-                    (gate_up_s[i % LAYERS], down_s[i % LAYERS]), fp8_act="w8a8"))
-                results.append({"gemm": "experts", "rows": rows, "one_launch": one,
-                                "us": whole[one]})
-            fused_moe.ONE_LAUNCH = False
-            print(f"the W8A8 experts (align, gate/up, quantize_act, down, slot sum), {rows} "
-                  f"rows: {whole[False]:.1f} us in two GEMM launches, {whole[True]:.1f} us in "
-                  f"one ({whole[False] / whole[True]:.3f}x)", flush=True)
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "fp8": args.fp8, "results": results}, f,
                   indent=1)

@@ -17,8 +17,7 @@ per GEMM; writes JSON. --swiglu: gate/up as the experts run it since 568040c, wi
 SwiGLU in the kernel and each slot's token row read through `a_rows` (configs then need
 address loads, TMA ''; the default is `grouped_fp8_config(..., a_rows=True, swiglu=True)`);
 --gemms picks which of the two GEMMs are timed (the experts' two GEMMs share a tile map, so
-a pick for both needs one BM). With --swiglu and 128-column tiles, also the SwiGLU GEMM
-then `quantize_act` against the GEMM quantizing its own rows (`quant_out`).
+a pick for both needs one BM).
 """
 
 from __future__ import annotations
@@ -103,17 +102,6 @@ def main() -> None:
                                                         config=cfg)
             base = cuda_ms(fp8(default))
             best = (base, default)
-            if swiglu and default["BN"] == 128:  # its activation quantized by quantize_act
-                # after it, or by the GEMM itself (quant_out: the 16-bit rows never written)
-                unfused = cuda_ms(lambda: quantize_act(fp8(default)(), 128))
-                quant_out = cuda_ms(lambda: fp8_gemm.grouped_fp8_gemm(
-                    tok_q, tok_s, wq, ws, offs, (128, 128), config=dict(default),
-                    a_rows=src, swiglu=True, quant_out=True))
-                results.append({"gemm": name, "tokens": tokens, "then_quantize_act_ms": unfused,
-                                "quant_out_ms": quant_out, **default})
-                print(f"{name:8s} {tokens:6d} tokens: SwiGLU GEMM + quantize_act {unfused:6.3f}"
-                      f" ms, quantizing in the GEMM (quant_out) {quant_out:6.3f} ms "
-                      f"({unfused / quant_out:.3f}x)", flush=True)
             want = fp8(default)()
             for cfg in grid:
                 try:

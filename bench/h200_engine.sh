@@ -60,12 +60,12 @@ shape=(--shape qwen3-30b-a3b --routing uniform)
 f8=(--quantization fp8 --kv-cache-dtype fp8_e4m3)  # FP8 weights + FP8 K/V and attention
 case "$part" in
   smoke|decode|serving|prefix|fp8-serving|fp8-long|issue45|structured|fp8|fp8-prefill|v4|\
-  v4-serving|decode-tune|decode-ncu|one-launch)
+  v4-serving|decode-tune|decode-ncu)
     step "provenance-engine-$part" sh -c \
       "python3 -m cpmoe.bench.provenance > '$out/provenance-engine-$part.json'" ;;
   *) echo "unknown part $part (smoke | decode | serving | prefix | fp8-serving | fp8-long |" \
           "issue45 | structured | fp8 | fp8-prefill | v4 | v4-serving | decode-tune |" \
-          "decode-ncu | one-launch)" >&2
+          "decode-ncu)" >&2
      exit 2 ;;
 esac
 if [ "$part" = issue45 ]; then
@@ -294,27 +294,6 @@ PY
     # the file's tiles against the built-in ones, whole steps (no target: a report)
     step tune-compare python3 -m bench.speed_ratio "$out/tune-decode-fp8.json" \
       "$out/tune-decode-fp8-tuned.json" --min 0 --names "FP8 built-in,FP8 tuned"
-    ;;
-  one-launch)
-    # the FP8 decode experts' two GEMMs in one launch (CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1)
-    # against two: its CUDA tests, the experts alone at 64 and 128 rows, whole decode steps
-    # (a wait that never ends would be a hang: the tests get 4 minutes)
-    step one-launch-tests timeout 240 python3 -m pytest -q -s tests/gpu/test_fp8_cuda.py \
-      -k "one_launch or tile_variants"
-    step one-launch-experts python3 -m bench.decode_kernels --fp8 --modes w8a8 --rows 64,128 \
-      --tiles 64:256:4:3 --out "$out/one-launch-experts.json"
-    for v in bf16 fp8 fp8-one; do
-      q=(); [ "$v" != bf16 ] && q=("${f8[@]}")
-      run=(python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64,128
-           --input-len 1024 --output-len 32 "${q[@]}" --out "$out/one-launch-decode-$v.json")
-      [ "$v" = fp8-one ] && run=(env CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1 "${run[@]}")
-      step "one-launch-decode-$v" "${run[@]}"
-    done
-    step one-launch-compare python3 -m bench.speed_ratio "$out/one-launch-decode-fp8.json" \
-      "$out/one-launch-decode-fp8-one.json" --min 0 --names "FP8 two launches,FP8 one launch"
-    step one-launch-vs-bf16 python3 -m bench.speed_ratio "$out/one-launch-decode-bf16.json" \
-      "$out/one-launch-decode-fp8-one.json" --min 1.6 --at 64 \
-      --names "bf16,FP8 weights + FP8 K/V, experts in one launch"
     ;;
   decode-ncu)
     # one eager FP8 decode step's kernels, each launched by itself (no graph): stage 1 of

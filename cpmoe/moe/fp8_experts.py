@@ -7,9 +7,7 @@ token row where it loads it, no gathered copy), and two block-scaled grouped FP8
 GEMMs (`ops.fp8_gemm.grouped_fp8_gemm`) run gate/up and down with the experts' own activation in
 between (so DeepSeek-V4's clamped SwiGLU is kept): LocalExperts' own SwiGLU (plain or
 clamped) is computed by the gate/up GEMM itself (`fused_swiglu`: it writes the [P, I]
-activation, which quantize_act then reads, or, with tiles of one activation group of columns
-(128-row tiles, from 128 rows an expert), the activation's FP8 rows and scales themselves),
-or, where that does not fit, with the down
+activation, which quantize_act then reads), or, where that does not fit, with the down
 GEMM's quantization in one kernel (`ops.fp8.swiglu_quantize`); an overridden activation
 runs, then quantize_act.
 Each row's weighted sum of its slots' outputs follows (`ops.weighted_row_sum`). With EP and
@@ -45,15 +43,11 @@ def fp8_experts(experts, x_MH: torch.Tensor, local_ids_MK: torch.Tensor,
     down_cfg = grouped_fp8_config(n, E, after_swiglu=fused)
     assert up_cfg["BM"] == down_cfg["BM"]
     tiles = grouped_fp8_tiles(offs, n, E, up_cfg["BM"])
-    # gate/up reads each slot's row of xq through rows_n (no gathered copy); where a tile's
-    # columns are one of down's activation groups, it quantizes them itself (quant_out)
-    quant_out = fused and up_cfg["BN"] == block[1]
+    # gate/up reads each slot's row of xq through rows_n (no gathered copy)
     h = grouped_fp8_gemm(xq, xs, experts.gate_up_proj, experts.gate_up_scale_inv, offs, block,
                          out_dtype=x_MH.dtype, config=up_cfg, tiles=tiles, a_rows=rows_n,
-                         swiglu=fused, limit=experts.swiglu_limit, quant_out=quant_out)
-    if quant_out:  # h is the SwiGLU's FP8 rows and scales already
-        aq, a_s = h
-    elif fused:  # h is the SwiGLU
+                         swiglu=fused, limit=experts.swiglu_limit)
+    if fused:  # h is the SwiGLU already
         aq, a_s = quantize_act(h, block[1])
     else:
         aq, a_s = activate_and_quantize(experts, h, block[1])

@@ -13,10 +13,6 @@ is a memory-bound read of the used experts' weights, so this path is built aroun
 3. the same kernel, not GATED, with the down projection -> one output row per slot.
 4. `_slot_sum_kernel`: each row's routing-weighted sum over its K slots (a slot of another
    EP rank's expert, id -1, is not read).
-With $CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1 (W8A8, at least as many slots as experts), 2 and 3
-are one launch, `_experts_one_launch_kernel`: each down program waits for its expert's
-gate/up programs through a count in global memory, not for the whole GEMM and a second
-launch, and quantizes its rows itself (no `quantize_act` launch between).
 Few kernels matter as much as few bytes: inside a CUDA graph each kernel still costs about a
 microsecond of issue, and a 48-layer step runs each of these 48 times.
 FP8 weights (128 x 128 block scales) are multiplied in one of FP8_ACT_MODES: weights-only
@@ -81,18 +77,12 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     dev = x_MH.device
     ids_P = local_ids_MK.reshape(P)
     slots = torch.empty(E, P, dtype=torch.int32, device=dev)  # room for any routing
-    counts = torch.empty(2 * E + 1, dtype=torch.int32, device=dev)  # one_launch's done[E + 1]
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)),
+                        **pdl_args(x_MH))
     gate_up_s, down_s = scales or (None, None)
     fp8 = scales is not None
     cfg = gemm_config(P, E, H, fp8, fp8_act)
-    one = one_launch(cfg)
-    _align_kernel[(E,)](ids_P, slots, counts, P, P, BLOCK_P=min(1024, _pow2(P)),
-                        ZERO_DONE=one, **pdl_args(x_MH))
-    if one:
-        y = _experts_one_launch(x_MH, gate_up_EnH, down_EHI, gate_up_s, down_s, slots,
-                                counts, K, cfg, gemm_config(P, E, I, fp8, fp8_act, gated=False),
-                                swiglu_limit)
-        return _slot_sum(y, ids_P, weights_MK, x_MH)
     # QUANT_OUT: gate/up writes the gated rows in FP8 with their scales, as down reads them
     act_s = (torch.empty(I // 128, P, dtype=torch.float32, device=dev)
              if cfg.get("QUANT_OUT") else None)
@@ -103,81 +93,11 @@ def fused_experts(x_MH: torch.Tensor, local_ids_MK: torch.Tensor, weights_MK: to
     _gemm(act, down_EHI, slots, counts, y, K, row_of_slot=False, gated=False,
           config=gemm_config(P, E, I, fp8, fp8_act, gated=False), scale=down_s,
           a_scale=None if act_s is None else act_s.t())
-    return _slot_sum(y, ids_P, weights_MK, x_MH)
-
-
-def _slot_sum(y_PH: torch.Tensor, ids_P: torch.Tensor, weights_MK: torch.Tensor,
-              x_MH: torch.Tensor) -> torch.Tensor:
-    """Each row's routing-weighted sum of its slots' rows of y (`_slot_sum_kernel`)."""
-    (M, K), H = weights_MK.shape, y_PH.shape[1]
     out = torch.empty_like(x_MH)
     block = min(1024, _pow2(H))
-    _slot_sum_kernel[(M, triton.cdiv(H, block))](y_PH, ids_P, weights_MK.contiguous(), out, H,
+    _slot_sum_kernel[(M, triton.cdiv(H, block))](y, ids_P, weights_MK.contiguous(), out, H,
                                                   K=K, BLOCK=block, **pdl_args(x_MH))
     return out
-
-
-# $CPMOE_DECODE_EXPERTS_ONE_LAUNCH=1: the W8A8 GEMMs of a decode step with at least as many
-# slots as experts in one launch (`one_launch`); read at import, its ranks inherit it
-ONE_LAUNCH = os.environ.get("CPMOE_DECODE_EXPERTS_ONE_LAUNCH", "0") == "1"
-
-
-def one_launch(cfg: dict) -> bool:
-    """Whether the step's gate/up `cfg` runs both GEMMs in `_experts_one_launch_kernel`:
-    with ONE_LAUNCH, W8A8 from rows quantized before (not QUANT_A, not QUANT_OUT) on the
-    grid of one program row per expert (not COMPACT)."""
-    return (ONE_LAUNCH and cfg["ACT_FP8"] and not cfg["QUANT_A"] and not cfg["COMPACT"]
-            and not cfg.get("QUANT_OUT"))
-
-
-def _experts_one_launch(x_MH: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                        gate_up_s: torch.Tensor, down_s: torch.Tensor, slots: torch.Tensor,
-                        counts_done: torch.Tensor, top_k: int, gu_cfg: dict, dn_cfg: dict,
-                        limit: float | None) -> torch.Tensor:
-    """Both W8A8 expert GEMMs in one `_experts_one_launch_kernel` -> y [slots, H] (x's
-    dtype); counts_done: the experts' slot counts, then their done counts and the ticket
-    counter (zeroed by the `_align_kernel` before). Launch options (warps, stages) are gate/up's: down's tiles
-    must agree with them."""
-    E, two_i, H = gate_up.shape
-    I = two_i // 2
-    P = slots.shape[1]
-    for name, cfg, n, k_dim in (("gate/up", gu_cfg, I, H), ("down", dn_cfg, H, I)):
-        if n % (cfg["BLOCK_N"] * cfg["TILES"]) or k_dim % cfg["BLOCK_K"] or (
-                cfg["BLOCK_K"] % 128 and 128 % cfg["BLOCK_K"]):
-            raise ValueError(f"fused experts in one launch: {name} needs whole tiles, got "
-                             f"BLOCK_N {cfg['BLOCK_N']} x TILES {cfg['TILES']} over {n} "
-                             f"columns, BLOCK_K {cfg['BLOCK_K']} over {k_dim}")
-    if (dn_cfg["BLOCK_M"], dn_cfg["num_warps"], dn_cfg["num_stages"]) != (
-            gu_cfg["BLOCK_M"], gu_cfg["num_warps"], gu_cfg["num_stages"]):
-        raise ValueError(f"fused experts in one launch: gate/up and down must share BLOCK_M, "
-                         f"num_warps and num_stages, got {gu_cfg} and {dn_cfg}")
-    if dn_cfg.get("TMA_W") and not down.is_contiguous() or (
-            gu_cfg.get("TMA_W") and not gate_up.is_contiguous()):
-        raise ValueError("fused experts in one launch: TMA_W needs contiguous weights")
-    x, xs = quantize_act(x_MH, 128)  # the RMSNorm's offer, where it made one
-    act = torch.empty(P, I, dtype=x_MH.dtype, device=x_MH.device)
-    y = torch.empty(P, H, dtype=x_MH.dtype, device=x_MH.device)
-    gu_pieces = max(1, gu_cfg["BLOCK_K"] // 128)
-    dn_pieces = max(1, dn_cfg["BLOCK_K"] // 128)
-    w13 = (tma_descriptor(gate_up.view(E * two_i, H), gu_cfg["BLOCK_N"],
-                          gu_cfg["BLOCK_K"] // gu_pieces) if gu_cfg.get("TMA_W") else gate_up)
-    w2 = (tma_descriptor(down.view(E * H, I), dn_cfg["BLOCK_N"],
-                         dn_cfg["BLOCK_K"] // dn_pieces) if dn_cfg.get("TMA_W") else down)
-    gu_cols = I // (gu_cfg["BLOCK_N"] * gu_cfg["TILES"])
-    dn_cols = H // (dn_cfg["BLOCK_N"] * dn_cfg["TILES"])
-    _experts_one_launch_kernel[(E * (gu_cols + dn_cols),)](
-        x, xs, w13, gate_up_s, w2, down_s, slots, counts_done, counts_done[E:], act, y, H, I,
-        P, top_k, x.stride(0), xs.stride(0), xs.stride(-1), gate_up.stride(0),
-        gate_up.stride(1), down.stride(0), down.stride(1), act.stride(0), y.stride(0),
-        gate_up_s.stride(0), gate_up_s.stride(1), down_s.stride(0), down_s.stride(1),
-        0.0 if limit is None else float(limit), E, gu_cols, dn_cols,
-        UPCAST=not x.is_cuda, CLAMP=limit is not None, BLOCK_M=gu_cfg["BLOCK_M"],
-        GU_BLOCK_N=gu_cfg["BLOCK_N"], GU_BLOCK_K=gu_cfg["BLOCK_K"], GU_PIECES=gu_pieces,
-        GU_TILES=gu_cfg["TILES"], GU_TMA=bool(gu_cfg.get("TMA_W")),
-        DN_BLOCK_N=dn_cfg["BLOCK_N"], DN_BLOCK_K=dn_cfg["BLOCK_K"], DN_PIECES=dn_pieces,
-        DN_TILES=dn_cfg["TILES"], DN_TMA=bool(dn_cfg.get("TMA_W")),
-        num_warps=gu_cfg["num_warps"], num_stages=gu_cfg["num_stages"], **pdl_args(x_MH))
-    return y
 
 
 def _pow2(n: int) -> int:
@@ -312,16 +232,9 @@ if triton is not None:
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["P", "cap"])
     def _align_kernel(ids_ptr, slots_ptr, counts_ptr, P, cap, BLOCK_P: tl.constexpr,
-                      ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
-        """Expert e's slots, in slot order, into slots[e, :counts[e]]; ZERO_DONE: also
-        counts[E + e] = 0 and counts[2E] = 0 (`_experts_one_launch_kernel`'s done counts and
-        ticket)."""
+                      PDL: tl.constexpr = False):
         wait_for_producer(PDL)
         e = tl.program_id(0)
-        if ZERO_DONE:  # and the ticket counter after them
-            tl.store(counts_ptr + tl.num_programs(0) + e, 0)
-            if e == 0:
-                tl.store(counts_ptr + 2 * tl.num_programs(0), 0)
         base = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
@@ -384,6 +297,7 @@ if triton is not None:
         FP8 rows of `quantize_act` of the result rounded to ROUND (the dtype the rows would
         have had) and os [N / 128, cap] (stride_os_k) their scales."""
         wait_for_producer(PDL)
+        PIECE: tl.constexpr = BLOCK_K // K_PIECES
         if COMPACT:
             t = tl.program_id(0)
             ex = tl.arange(0, E_POW2)
@@ -395,28 +309,10 @@ if triton is not None:
         else:
             e = tl.program_id(0)
             count = tl.load(counts_ptr + e)
-        _expert_tiles(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, out_ptr, os_ptr, e, count,
-                      tl.program_id(1) * (TILES * BLOCK_N), N, K_DIM, cap, rows_per_a,
-                      stride_a, stride_as, stride_as_k, stride_we, stride_wn, stride_out,
-                      stride_os_k, stride_se, stride_sn, limit, GATED, SCALED, ACT_FP8,
-                      QUANT_A, UPCAST, CLAMP, BLOCK_M, BLOCK_N, BLOCK_K, K_PIECES, TMA_W,
-                      TILES, QUANT_OUT, ROUND)
-
-    @triton.jit
-    def _expert_tiles(a_ptr, as_ptr, w_ptr, s_ptr, slots_ptr, out_ptr, os_ptr, e, count,
-                      n_first, N, K_DIM, cap, rows_per_a, stride_a, stride_as, stride_as_k,
-                      stride_we, stride_wn, stride_out, stride_os_k, stride_se, stride_sn,
-                      limit, GATED: tl.constexpr, SCALED: tl.constexpr,
-                      ACT_FP8: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-                      CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, K_PIECES: tl.constexpr, TMA_W: tl.constexpr,
-                      TILES: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND: tl.constexpr):
-        """The work of one program of `_expert_gemm_kernel` (its doc): expert e's `count`
-        slots times its TILES column tiles from column n_first."""
-        PIECE: tl.constexpr = BLOCK_K // K_PIECES
         W_ROWS: tl.constexpr = 2 if GATED else 1  # weight rows an output column: gate, up
         w_e = w_ptr if TMA_W else w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
+        n_first = tl.program_id(1) * (TILES * BLOCK_N)
         steps = tl.cdiv(K_DIM, BLOCK_K)
         for m0 in range(0, count, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -511,59 +407,3 @@ if triton is not None:
                      mask=m_ok)
         tl.store(out_ptr + p[:, None] * stride_out + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    # likewise (stride_xs_k: x's scales' column stride, the rows)
-    @triton.jit(do_not_specialize=["cap", "stride_xs_k"])
-    def _experts_one_launch_kernel(
-            x_ptr, xs_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, slots_ptr, counts_ptr, done_ptr,
-            act_ptr, y_ptr, H, I, cap, top_k, stride_x, stride_xs, stride_xs_k, stride_w13e,
-            stride_w13n, stride_w2e, stride_w2n, stride_act, stride_y, stride_s13e,
-            stride_s13n, stride_s2e, stride_s2n, limit, E, GU_COLS, DN_COLS,
-            UPCAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
-            GU_BLOCK_N: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_PIECES: tl.constexpr,
-            GU_TILES: tl.constexpr, GU_TMA: tl.constexpr, DN_BLOCK_N: tl.constexpr,
-            DN_BLOCK_K: tl.constexpr, DN_PIECES: tl.constexpr, DN_TILES: tl.constexpr,
-            DN_TMA: tl.constexpr, PDL: tl.constexpr = False):
-        """A W8A8 decode step's two expert GEMMs in one launch (`one_launch`): programs
-        [0, E * GU_COLS) are the gate/up GEMM's (expert-major: program q serves expert
-        q // GU_COLS, its column tiles from (q % GU_COLS) * GU_TILES), each writing its gated
-        rows into act and then counting itself done in done[e] (release); the programs after
-        them are the down GEMM's, likewise expert-major, each waiting (acquire) until all
-        GU_COLS gate/up programs of its expert are done, then quantizing the act rows it
-        reads per 1 x 128 group itself (`quantize_rows`, as `quantize_act` would) into
-        y [slots, H]. A program's work is the ticket it draws (done[E], counted up), not
-        its program id: the GPU need not place programs in id order, and a down program
-        placed early would hold its SM slot waiting on gate/up work not yet placed (at worst
-        forever). By tickets, every gate/up work item has a running program before any down
-        item is drawn, so a wait is only for work in progress, and the down programs of the
-        first experts overlap the gate/up programs of the last instead of waiting for the
-        whole GEMM, its tail and a second launch. done [E + 1] must be zero at launch
-        (`_align_kernel` with ZERO_DONE clears it). Per program, the same work as
-        `_expert_gemm_kernel`'s, so the same bits as the two launches."""
-        wait_for_producer(PDL)
-        q = tl.atomic_add(done_ptr + E, 1, sem="relaxed", scope="gpu")
-        if q < E * GU_COLS:
-            e = q // GU_COLS
-            count = tl.load(counts_ptr + e)
-            _expert_tiles(x_ptr, xs_ptr, w13_ptr, s13_ptr, slots_ptr, act_ptr, act_ptr, e,
-                          count, (q % GU_COLS) * (GU_TILES * GU_BLOCK_N), I, H, cap, top_k,
-                          stride_x, stride_xs, stride_xs_k, stride_w13e, stride_w13n,
-                          stride_act, 0, stride_s13e, stride_s13n, limit, True, True, True,
-                          False, UPCAST, CLAMP, BLOCK_M, GU_BLOCK_N, GU_BLOCK_K, GU_PIECES,
-                          GU_TMA, GU_TILES, False, None)
-            if count > 0:
-                tl.debug_barrier()  # every thread's rows stored before the count releases them
-                tl.atomic_add(done_ptr + e, 1, sem="release", scope="gpu")
-        else:
-            q -= E * GU_COLS
-            e = q // DN_COLS
-            count = tl.load(counts_ptr + e)
-            if count > 0:
-                done = tl.atomic_add(done_ptr + e, 0, sem="acquire", scope="gpu")
-                while done < GU_COLS:
-                    done = tl.atomic_add(done_ptr + e, 0, sem="acquire", scope="gpu")
-            _expert_tiles(act_ptr, act_ptr, w2_ptr, s2_ptr, slots_ptr, y_ptr, y_ptr, e, count,
-                          (q % DN_COLS) * (DN_TILES * DN_BLOCK_N), H, I, cap, 1, stride_act,
-                          0, 0, stride_w2e, stride_w2n, stride_y, 0, stride_s2e, stride_s2n,
-                          limit, False, True, True, True, UPCAST, CLAMP, BLOCK_M, DN_BLOCK_N,
-                          DN_BLOCK_K, DN_PIECES, DN_TMA, DN_TILES, False, None)

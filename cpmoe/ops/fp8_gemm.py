@@ -125,8 +125,7 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, offs: torch.Tensor, block: tuple[int, int],
                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
                      tiles: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
-                     swiglu: bool = False, limit: float | None = None, quant_out: bool = False
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     swiglu: bool = False, limit: float | None = None) -> torch.Tensor:
     """config: `grouped_fp8_config`'s keys (bench/fp8_grouped.py sweeps them). tiles:
     `grouped_fp8_tiles(offs, P, E, config's BM)` made ahead (else made here). a_rows: the
     sorted rows are a's rows a_rows [P] (and a_scale's), read where the kernel loads them,
@@ -134,10 +133,7 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     then up rows [E, 2I, K] and the result is their SwiGLU [P, I] (with limit: the clamped
     one, `activation.swiglu_act`), each program multiplying a column tile of gate and the
     same of up: gate and up are rounded to out_dtype first, the SwiGLU after, as the
-    unfused GEMM and `fp8.swiglu_quantize` round them (address loads only). quant_out
-    (config's BN columns one group of `block[1]` inputs of the GEMM after): -> (e4m3 [P, N],
-    float32 scales [P, N / BN] with strides (1, P)), the same bits as `quantize_act` of the
-    out_dtype result, without writing and rereading it."""
+    unfused GEMM and `fp8.swiglu_quantize` round them (address loads only)."""
     P, K = a.shape if a_rows is None else (a_rows.shape[0], a.shape[1])
     E, N, _ = w.shape
     if swiglu:
@@ -148,16 +144,11 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                          f"power of two >= 16")
     # uninitialized: the kernel writes every row, the tail past offs[-1] as zeros (a
     # zero-filled [P, N] buffer cost ~0.5 GB of writes a layer at 16K tokens)
+    out = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    if P == 0:
+        return out
     cfg = config or grouped_fp8_config(P, E, swiglu=swiglu)
     BM, BN, BK = cfg["BM"], cfg["BN"], bk
-    if quant_out and (BN != block[1] or N % BN):
-        raise ValueError(f"grouped FP8 GEMM: quant_out needs column tiles of one activation "
-                         f"group ({block[1]} columns) over whole groups, got BN {BN}, N {N}")
-    out = torch.empty(P, N, dtype=FP8 if quant_out else out_dtype, device=a.device)
-    out_s = (torch.empty(N // BN, P, dtype=torch.float32, device=a.device) if quant_out
-             else out)  # any pointer when the kernel writes no scales
-    if P == 0:
-        return (out, out_s.t()) if quant_out else out
     if swiglu and (cfg.get("TMA", "") or N % bn or bn % BN):
         raise ValueError(f"grouped FP8 GEMM with SwiGLU: address loads (TMA '') and column "
                          f"tiles inside one scale block of {bn} rows of gate and of up "
@@ -184,14 +175,13 @@ def grouped_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     w_in = tma_descriptor(w.view(E * N, K), BN, BK) if "w" in tma else w
     rows = a_rows if a_rows is not None else offs  # any pointer when not GATHER
     _grouped_fp8_kernel[grid](
-        a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, out_s, P, N, K,
+        a_in, a_scale, w_in, w_scale, out, offs.contiguous(), tile_map, rows, P, N, K,
         a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         w_scale.stride(2), 0.0 if limit is None else float(limit), E=E, BN_Q=bn, BM=BM,
         BN=BN, BK=BK, UPCAST=_INTERPRET, TMA_A="a" in tma, TMA_W="w" in tma,
         GATHER=a_rows is not None, SWIGLU=swiglu, CLAMP=limit is not None,
-        QUANT_OUT=quant_out, ROUND=_TL_DTYPES[out_dtype],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return (out, out_s.t()) if quant_out else out
+    return out
 
 
 # How the grouped GEMM loads its tiles: "" by per-element addresses (cp.async), "w" the
@@ -210,10 +200,6 @@ def tma_descriptor(x: torch.Tensor, rows: int, cols: int):
 
 if triton is not None:
     from cpmoe.ops.activation import swiglu_act
-    from cpmoe.ops.fp8 import quantize_rows
-
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
 
     @triton.jit(do_not_specialize=["slots"])
     def _tile_map_kernel(offs_ptr, map_ptr, slots, E: tl.constexpr, E_POW2: tl.constexpr,
@@ -240,22 +226,17 @@ if triton is not None:
     # tokens after steps of 8,192 compiled a new variant, 1.3 s, on an H200 at 1d2b62c)
     @triton.jit(do_not_specialize=["P", "as_s1"])
     def _grouped_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, map_ptr,
-                            rows_ptr, os_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, limit,
+                            rows_ptr, P, N, K, as_s0, as_s1, ws_s0, ws_s1, ws_s2, limit,
                             E: tl.constexpr, BN_Q: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                             TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False,
                             GATHER: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-                            CLAMP: tl.constexpr = False, QUANT_OUT: tl.constexpr = False,
-                            ROUND: tl.constexpr = tl.bfloat16):
+                            CLAMP: tl.constexpr = False):
         """TMA_A / TMA_W: a_ptr / w_ptr are `tma_descriptor`s (tiles copied by the TMA unit, no
         per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]. SWIGLU: the
         expert's 2N weight rows are gate then up; the program's N columns of each, two dots
         a K block, give out [P, N] = swiglu_act(gate, up) (CLAMP: at limit), gate and up
-        rounded to out's dtype first (address loads, one weight scale a tile). QUANT_OUT
-        (a tile's BN columns one activation group): the result, rounded to ROUND (the dtype
-        it would be stored in) and quantized per row as `quantize_act` does (`quantize_rows`),
-        goes to out in e4m3 and its scales to os [N / BN, P] (column-major [P, N / BN]).
-        ROUND: the result's 16-bit dtype (out's, unless QUANT_OUT)."""
+        rounded to out's dtype first (address loads, one weight scale a tile)."""
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
@@ -265,13 +246,9 @@ if triton is not None:
         rows = row0 + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N
-        if e >= E:  # a spare slot: zeros past offs[-1] (QUANT_OUT: quantized as zero rows)
-            zero = tl.zeros((BM, BN), dtype=tl.float32)
-            if QUANT_OUT:
-                zero, zero_s = quantize_rows(zero)
-                tl.store(os_ptr + pid_n * P + rows, zero_s, mask=rows < P)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-                     zero.to(out_ptr.dtype.element_ty),
+        if e >= E:  # a spare slot: zeros past offs[-1]
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], zero,
                      mask=(rows < P)[:, None] & col_ok[None, :])
             return
         end = tl.load(offs_ptr + e)
@@ -336,12 +313,9 @@ if triton is not None:
             a_s = a_s_next
             w_s = w_s_next
         if SWIGLU:  # rounded as the unfused GEMM stores gate and up, then as the SwiGLU
-            gate = acc.to(ROUND).to(tl.float32)
-            up = acc_up.to(ROUND).to(tl.float32)
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = swiglu_act(gate, up, limit, CLAMP)
-        if QUANT_OUT:  # rounded as it would be stored, then quantize_act's arithmetic
-            acc, acc_s = quantize_rows(acc.to(ROUND).to(tl.float32))
-            tl.store(os_ptr + pid_n * P + rows, acc_s, mask=row_ok)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

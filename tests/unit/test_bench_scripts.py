@@ -20,8 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("h200_suite.sh", "h200_engine.sh")
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "${CPMOE_DECODE_KERNELS_CONFIG:+[tuned $CPMOE_DECODE_KERNELS_CONFIG] }\
-${CPMOE_DECODE_EXPERTS_ONE_LAUNCH:+[one launch] }$*" >> "$FAKE_LOG"
+echo "${CPMOE_DECODE_KERNELS_CONFIG:+[tuned $CPMOE_DECODE_KERNELS_CONFIG] }$*" >> "$FAKE_LOG"
 [ "${1:-}" = "-" ] && cat > /dev/null
 echo "fake output of: $*"
 # a server says where it serves on stderr, as `cpmoe serve` does
@@ -307,25 +306,6 @@ def test_decode_tune_part_sweeps_picks_and_times_whole_steps_under_the_picked_ti
     assert f"--out {out}/tuned.json" in steps[2]
     rc, out, _ = _run(tmp_path, "h200_engine.sh", "decode-tune", fail="bench.decode_kernels")
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == ["tune-experts"]
-
-
-def test_one_launch_part_times_fp8_decode_steps_with_the_experts_in_one_launch_and_two(
-        tmp_path):
-    rc, out, calls = _run(tmp_path, "h200_engine.sh", "one-launch")
-    assert rc == 0, _failed_lines(out)
-    steps = [c for c in calls if "cpmoe.bench.provenance" not in c]
-    kinds = ["-m pytest", "-m bench.decode_kernels", "bench-one-batch", "bench-one-batch",
-             "bench-one-batch", "-m bench.speed_ratio", "-m bench.speed_ratio"]
-    assert [next(k for k in kinds if k in c) for c in steps] == kinds
-    assert "one_launch" in steps[0] and "--rows 64,128" in steps[1]
-    bf16, fp8, one = steps[2:5]
-    assert "--quantization" not in bf16 and "--kv-cache-dtype fp8_e4m3" in fp8
-    assert not fp8.startswith("[one launch]") and one.startswith("[one launch] ")  # third only
-    assert one[len("[one launch] "):].split("--out")[0] == fp8.split("--out")[0]
-    assert "--min 1.6 --at 64" in steps[6] and "one-launch-decode-bf16.json" in steps[6]
-    rc, out, _ = _run(tmp_path, "h200_engine.sh", "one-launch", fail="one-launch-decode-fp8-one")
-    assert rc == 1 and "one-launch-decode-fp8-one" in [
-        ln.split(":")[0] for ln in _failed_lines(out)]
 
 
 def test_decode_ncu_part_profiles_one_eager_fp8_decode_step_and_prints_its_pages(tmp_path):

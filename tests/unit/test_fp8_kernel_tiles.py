@@ -164,33 +164,6 @@ for P, offs, BM in ((100, [1, 2, 3, 4], 16), (70, [0, 5, 5, 6], 16), (40, [0, 0,
             torch.testing.assert_close(got[:L], (g32 / (1 + torch.exp(-g32)) * u32)[:L],
                                        rtol=1e-5, atol=1e-4)
         cases += 1
-    # quant_out (a tile's columns one activation group of the GEMM after): the SwiGLU's FP8
-    # rows and scales are quantize_act's of the bf16 SwiGLU the GEMM writes without it (both
-    # the Triton arithmetic), the tail rows those of zero rows; two groups of 32
-    block2 = (32, 32)
-    pairs = [quantize_block_fp8(torch.randn(2 * 64, K), block2) for _ in range(E)]
-    gq2, gs2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    tq2, ts2 = fp8.quantize_act_ref(torch.randn(toks, K), 32)
-    cfg = {"BM": BM, "BN": 32, "num_warps": 4, "num_stages": 1, "TMA": ""}
-    for limit in (None, 1.5):
-        act = fp8_gemm.grouped_fp8_gemm(tq2, ts2, gq2, gs2, offs, block2, torch.bfloat16,
-                                        config=cfg, a_rows=src, swiglu=True, limit=limit)
-        want_q, want_s = fp8.quantize_act(act, 32)
-        got_q, got_s = fp8_gemm.grouped_fp8_gemm(tq2, ts2, gq2, gs2, offs, block2,
-                                                 torch.bfloat16, config=cfg, a_rows=src,
-                                                 swiglu=True, limit=limit, quant_out=True)
-        assert got_q.dtype == fp8.FP8 and got_s.shape == (P, 2) and got_s.stride() == (1, P)
-        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (P, offs)
-        assert torch.equal(got_s, want_s), (P, offs, limit)
-        cases += 1
-    try:  # 16-column tiles hold half a group: refused in one line
-        fp8_gemm.grouped_fp8_gemm(tq2, ts2, gq2, gs2, offs, block2, torch.bfloat16,
-                                  config=dict(cfg, BN=16), a_rows=src, swiglu=True,
-                                  quant_out=True)
-    except ValueError as e:
-        assert "quant_out needs column tiles of one activation group" in str(e), e
-    else:
-        raise AssertionError("quant_out took 16-column tiles of 32-input groups")
 print("gemm tail ok", cases)
 """
 

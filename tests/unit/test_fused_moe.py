@@ -249,40 +249,6 @@ except ValueError as e:
     assert "TMA_W needs contiguous weights" in str(e), e
 else:
     raise AssertionError("TMA_W took non-contiguous weights")
-
-# Both GEMMs in one launch (ONE_LAUNCH, `_experts_one_launch_kernel`): down quantizes its
-# rows itself where the two launches run quantize_act between them (both the Triton
-# arithmetic here), so the same bits as the two launches, with the weight tiles by address
-# and by TMA and two column tiles a program. (Against float32: tests/gpu/test_fp8_cuda.py;
-# here the interpreter's FP8 cast, see exact_rows, would dominate that error.)
-# (rows, top-k, experts, hidden, intermediate): more rows on one expert than a 64-row tile
-from cpmoe.ops.fp8 import quantize_act
-fused_moe.quantize_act = quantize_act
-for M, K, E, H, I, limit in ((12, 4, 6, 256, 256, 0.5), (80, 2, 2, 512, 256, None)):
-    q_gu, s_gu, _ = fp8_weights(E, 2 * I, H)
-    q_d, s_d, _ = fp8_weights(E, H, I)
-    x, w = torch.randn(M, H), torch.rand(M, K)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
-    ids[0, 0] = -1
-    for tiles, tma in ((1, False), (2, True)):
-        def tile(slots, experts, k_dim, *a, **kw):
-            return dict(base(slots, experts, k_dim, *a, **kw), TILES=tiles, TMA_W=tma)
-        fused_moe.gemm_config = tile
-        assert fused_moe.one_launch(tile(M * K, E, H, True, "w8a8")) is False  # off: default
-        two = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
-        fused_moe.ONE_LAUNCH = True
-        assert fused_moe.one_launch(tile(M * K, E, H, True, "w8a8"))
-        one = fused_moe.fused_experts(x, ids, w, q_gu, q_d, (s_gu, s_d), limit, fp8_act="w8a8")
-        fused_moe.ONE_LAUNCH = False
-        assert torch.equal(one, two), (M, tiles, tma, (one - two).abs().max())
-        assert one.abs().sum() > 0 and not one.isnan().any()
-fused_moe.gemm_config = base
-# the compact grid (fewer slots than experts) and the in-kernel row quantization keep two
-# launches
-fused_moe.ONE_LAUNCH = True
-assert not fused_moe.one_launch(base(2, 4, 256, True, "w8a8"))
-assert not fused_moe.one_launch(base(64, 4, 256, True, "w8a8-fused"))
-fused_moe.ONE_LAUNCH = False
 print("w8a8 ok")
 """
 

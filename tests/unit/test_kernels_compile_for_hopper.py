@@ -103,34 +103,6 @@ for slots, tma, more in ((512, None, {}), (8, None, {}), (512, True, {}), (512, 
         # rows by address (cp.async); weights by address or, TMA_W, by the TMA unit
         assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == by_tma, (slots, gated)
         waits_first(ptx, ("experts", slots, gated, by_tma))
-# both GEMMs in one launch (fused_moe.ONE_LAUNCH) at batch 64 and 128: the gate/up programs
-# count themselves done with a release after a barrier (every thread's rows stored), the down
-# programs wait for the count with an acquire; weights as the two launches read them
-for slots in (512, 1024):
-    gu = fused_moe.gemm_config(slots, E, H, True, "w8a8")
-    dn = fused_moe.gemm_config(slots, E, I, True, "w8a8", gated=False)
-    pieces = {n: max(1, c["BLOCK_K"] // 128) for n, c in (("gu", gu), ("dn", dn))}
-    box = f"tensordesc<fp8e4nv[{dn['BLOCK_N']}, {dn['BLOCK_K'] // pieces['dn']}]>"
-    ptx = compile_sm90(
-        fused_moe._experts_one_launch_kernel,
-        {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w13_ptr": "*fp8e4nv", "s13_ptr": "*fp32",
-         "w2_ptr": box if dn["TMA_W"] else "*fp8e4nv", "s2_ptr": "*fp32",
-         "slots_ptr": "*i32", "counts_ptr": "*i32", "done_ptr": "*i32", "act_ptr": "*bf16",
-         "y_ptr": "*bf16"},
-        {"UPCAST": False, "CLAMP": False, "BLOCK_M": gu["BLOCK_M"],
-         "GU_BLOCK_N": gu["BLOCK_N"], "GU_BLOCK_K": gu["BLOCK_K"], "GU_PIECES": pieces["gu"],
-         "GU_TILES": gu["TILES"], "GU_TMA": gu["TMA_W"], "DN_BLOCK_N": dn["BLOCK_N"],
-         "DN_BLOCK_K": dn["BLOCK_K"], "DN_PIECES": pieces["dn"], "DN_TILES": dn["TILES"],
-         "DN_TMA": dn["TMA_W"], "PDL": True},
-        ("cap", "limit", "top_k", "stride_xs_k", "E", "GU_COLS", "DN_COLS"),
-        launch_options(dict(gu)))
-    waits_first(ptx, ("experts in one launch", slots))
-    # (Triton 3.9 writes the release as a reduction and the acquire of "add 0" as a load)
-    release = re.search(r"bar\.sync[^\n]*\n(?:[^\n]*\n){0,12}?[^\n]*(atom|red)\.global\.gpu"
-                        r"\.release\.add", ptx)
-    acquire = re.search(r"(atom\.global\.gpu\.acquire\.add|ld\.global\.gpu\.acquire)", ptx)
-    assert release and acquire, slots
-    assert "cp.async" in ptx and ("cp.async.bulk.tensor" in ptx) == dn["TMA_W"], slots
 for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_proj, no split
     cfg = fp8_gemm.skinny_config(m, n, k)
     options = launch_options(cfg)
@@ -147,28 +119,23 @@ for m, n, k in ((64, 5120, 2048), (1, 2048, 4096), (16, 512, 128)):  # qkv, o_pr
     assert bool(split) == (cfg["SPLIT_K"] > 1), (m, n, k)
 # the experts' gate/up (rows through a_rows, with its SwiGLU or without) and down GEMMs
 # (after the SwiGLU gate/up, as the FP8 experts run it, or after the unfused one)
-# (the SwiGLU gate/up's 128-column tiles write FP8 rows and their scales: quant_out)
 for a_rows, swiglu, after in ((True, True, False), (True, False, False), (False, False, True),
                               (False, False, False)):
     cfg = fp8_gemm.grouped_fp8_config(16384 * 8, E, a_rows=a_rows, swiglu=swiglu,
                                       after_swiglu=after)
-    quant_out = swiglu and cfg["BN"] == 128
     tma = cfg.pop("TMA")
     fp8_tile = "tensordesc<fp8e4nv[{}, 128]>"
     ptx = compile_sm90(
         fp8_gemm._grouped_fp8_kernel,
         {"a_ptr": fp8_tile.format(cfg["BM"]) if "a" in tma else "*fp8e4nv", "as_ptr": "*fp32",
          "w_ptr": fp8_tile.format(cfg["BN"]) if "w" in tma else "*fp8e4nv", "ws_ptr": "*fp32",
-         "out_ptr": "*fp8e4nv" if quant_out else "*bf16", "offs_ptr": "*i64",
-         "map_ptr": "*i32", "rows_ptr": "*i64", "os_ptr": "*fp32"},
+         "out_ptr": "*bf16", "offs_ptr": "*i64", "map_ptr": "*i32", "rows_ptr": "*i64"},
         {"E": E, "BN_Q": 128, "BM": cfg["BM"], "BN": cfg["BN"], "BK": 128, "UPCAST": False,
-         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu,
-         "QUANT_OUT": quant_out},
+         "TMA_A": "a" in tma, "TMA_W": "w" in tma, "GATHER": a_rows, "SWIGLU": swiglu},
         ("P", "as_s0", "as_s1", "ws_s2"), launch_options(cfg))
     # tiles by the TMA unit (cp.async.bulk.tensor) or by addresses (cp.async), into wgmma
     assert "wgmma" in ptx and ("cp.async.bulk.tensor" in ptx) == bool(tma), (a_rows, tma)
     assert "cp.async.ca" in ptx or "cp.async.cg" in ptx or "a" in tma, a_rows
-    assert ("e4m3x2" in ptx) == quant_out, (swiglu, after)
 compile_sm90(fp8_gemm._tile_map_kernel, {"offs_ptr": "*i64", "map_ptr": "*i32"},
              {"E": E, "E_POW2": E, "BM": cfg["BM"], "BLOCK": 64}, ("slots",),
              {"num_warps": 4})
@@ -207,7 +174,7 @@ for fn, pointers, constexprs, unaligned in (
         (ops.routing._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
          {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
         (fused_moe._align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i32", "counts_ptr": "*i32"},
-         {"BLOCK_P": 512, "ZERO_DONE": True}, ("P", "cap")),
+         {"BLOCK_P": 512}, ("P", "cap")),
         (fused_moe._slot_sum_kernel,
          {"y_ptr": bf16, "ids_ptr": "*i64", "weight_ptr": bf16, "out_ptr": bf16},
          {"K": 8, "BLOCK": 1024}, ()),
