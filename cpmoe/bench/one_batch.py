@@ -150,20 +150,13 @@ def row_task(info: RankInfo, spec: OneBatchSpec, batch: int, input_len: int) -> 
             "cuda_graphs": runner.graphs is not None and runner.graphs.fits(batch)}
 
 
-@contextlib.contextmanager
-def cuda_profiler_range(device: torch.device):
-    """The CUDA profiler's capture range around the timed decode steps (cudaProfilerStart /
-    Stop, no-ops when no profiler is attached): `ncu --profile-from-start off` and `nsys
-    --capture-range=cudaProfilerApi` then see these steps only, not the warm-up, the graph
-    capture or the prefill (`bash bench/h200_engine.sh decode-ncu`)."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.profiler.start()
-    try:
-        yield
-    finally:
-        torch.cuda.profiler.stop()
+def cuda_profiler_range(device: torch.device) -> contextlib.AbstractContextManager:
+    """The CUDA profiler's capture range around the timed decode steps (torch's
+    cudaProfilerStart / Stop context, no-ops when no profiler is attached): `ncu
+    --profile-from-start off` and `nsys --capture-range=cudaProfilerApi` then see these steps
+    only, not the warm-up, the graph capture or the prefill (`bash bench/h200_engine.sh
+    decode-ncu`)."""
+    return torch.cuda.profiler.profile() if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _decode_synced(runner: ModelRunner, keys: list[int], first: torch.Tensor,
