@@ -105,7 +105,9 @@ def main() -> None:
             default_s = pa.default_num_splits(B, HKV, table.shape[1], PAGE,
                                               pa._sm_count(q.device))
             table_us = {"default": {default_s: time_us(run(None, None))}}
-            results.append({"dtype": name, "rows": B, "keys": keys, "default": True,
+            shape = {"rows": B, "keys": keys, "kv_heads": HKV, "page": PAGE,
+                     "sms": pa._sm_count(q.device)}  # what `default_num_splits` reads
+            results.append({"dtype": name, **shape, "default": True,
                             "splits": default_s, "us": table_us["default"][default_s],
                             "floor_us": floor, **pa.stage1_config(fp8, D)})
             for bn, warps, stages, page_ids in grid:
@@ -122,7 +124,7 @@ def main() -> None:
                 for s in splits:
                     t = time_us(run(cfg, s))
                     table_us.setdefault((bn, warps, stages, page_ids), {})[s] = t
-                    results.append({"dtype": name, "rows": B, "keys": keys, "splits": s,
+                    results.append({"dtype": name, **shape, "splits": s,
                                     "us": t, "max_err": err, **cfg})
             print_table(f"{name} pools, {B} rows x {keys} keys (K/V floor {floor:.1f} us at "
                         f"the copy rate; default {default_s} splits)", table_us, splits)

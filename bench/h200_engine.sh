@@ -20,8 +20,11 @@
 #                                               # at 64 / 128 rows, prefill 16K and 128K,
 #                                               # bf16 vs FP8 weights + FP8 K/V and attention,
 #                                               # each against its target, then fp8-serving
+#                                               # (ISSUE45_DECODE=0, ISSUE45_SERVE=0,
+#                                               # ISSUE45_PREFILL=none leave a pair out)
 #   bash bench/h200_engine.sh decode-tune OUT_DIR  # decode attention's and the FP8 experts'
-#                                               # tile sweeps at batch 64, their winners as
+#                                               # tile sweeps (attention at 64 / 128 rows, all
+#                                               # split counts), winners at 64 rows as
 #                                               # OUT_DIR/tuned.json (bench.tuned_tiles),
 #                                               # then decode at 64 / 128 rows: bf16, FP8,
 #                                               # FP8 under the file (~3 min on an H100);
@@ -72,17 +75,22 @@ if [ "$part" = issue45 ]; then
   # the same commands in bf16 and with FP8 weights + FP8 K/V and attention, each pair's
   # ratio against the issue's target; the served load follows (the fp8-serving branch below)
   names=(--names "bf16,FP8 weights + FP8 K/V")
+  # ISSUE45_DECODE=0 / ISSUE45_SERVE=0 leave out the decode pair / the served load (a part
+  # split over two calls: each figure's pair still runs in one)
   for v in bf16 fp8; do
+    [ "${ISSUE45_DECODE:-1}" = 0 ] && break
     q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
     step "issue45-decode-$v" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
       --batch-size 64,128 --input-len 1024 --output-len 32 "${q[@]}" \
       --out "$out/issue45-decode-$v.json"
   done
-  step issue45-decode-compare python3 -m bench.speed_ratio "$out/issue45-decode-bf16.json" \
-    "$out/issue45-decode-fp8.json" --min 1.6 --at 64 "${names[@]}"
-  # ISSUE45_PREFILL: length:timed runs:target entries (on an 80 GB card 128K bf16 does not
-  # fit: ISSUE45_PREFILL=16384:3:1.4, and FP8_SERVE='--max-total-tokens 90000')
+  [ "${ISSUE45_DECODE:-1}" = 0 ] || step issue45-decode-compare python3 -m bench.speed_ratio \
+    "$out/issue45-decode-bf16.json" "$out/issue45-decode-fp8.json" --min 1.6 --at 64 \
+    "${names[@]}"
+  # ISSUE45_PREFILL: length:timed runs:target entries, or none (on an 80 GB card 128K bf16
+  # does not fit: ISSUE45_PREFILL=16384:3:1.4, and FP8_SERVE='--max-total-tokens 90000')
   read -r -a prefills <<< "${ISSUE45_PREFILL:-16384:3:1.4 131072:2:1.45}"
+  [ "${prefills[*]}" = none ] && prefills=()
   for len_iters_min in "${prefills[@]}"; do
     IFS=: read -r len iters target <<< "$len_iters_min"
     for v in bf16 fp8; do
@@ -115,6 +123,7 @@ case "$part" in
       --input-len 32768 --output-len 16 --out "$out/one-batch-32k.json"
     ;;
   serving|prefix|fp8-serving|fp8-long|issue45)
+    [ "$part" = issue45 ] && [ "${ISSUE45_SERVE:-1}" = 0 ] && finish
     model=$(mktemp -d)
     step serving-model python3 - "$model" <<'PY'
 import json, pathlib, sys
@@ -276,9 +285,13 @@ PY
     ;;
   decode-tune)
     # the variants of cpmoe.ops.launch.TUNABLE beside the built-in tiles (BENCHMARKS, FP8)
-    step tune-attention python3 -m bench.decode_attention --shapes 64x1056 --dtypes fp8,bf16 \
-      --splits 2 --tiles "${TUNE_ATTENTION_TILES:-64:4:2:0,64:4:3:0,64:4:3:64,64:2:3:64}" \
-      --out "$out/tune-attention.json"
+    # attention: every split count the rule can give at 64 rows, and tiles that keep one to
+    # three tiles' copies in flight (PAGE_IDS with 3-5 stages); picked at 64 rows, 128 shown
+    attention="64:4:2:0,64:4:3:0,64:4:3:64,64:4:4:64,64:4:5:64,64:2:4:64,64:8:4:64"
+    attention+=",32:2:4:64,32:4:6:64,32:2:6:64,128:8:3:64,128:4:3:64,128:8:4:64"
+    step tune-attention python3 -m bench.decode_attention --shapes 64x1056,128x1056 \
+      --dtypes fp8,bf16 --splits "${TUNE_ATTENTION_SPLITS:-1,2,3,4,6,8}" \
+      --tiles "${TUNE_ATTENTION_TILES:-$attention}" --out "$out/tune-attention.json"
     experts="64:256:4:3:1:2,64:256:4:3:1:4,64:256:4:3:1:1,128:256:4:2:1:1:1"
     step tune-experts python3 -m bench.decode_kernels --fp8 --modes w8a8 --rows 64 \
       --tiles "${TUNE_EXPERT_TILES:-$experts}" --out "$out/tune-experts.json"

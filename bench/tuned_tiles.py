@@ -7,8 +7,11 @@ EXPERTS.json: `bench.decode_kernels --fp8` at one row count; ATTENTION.json:
 For each kernel of `cpmoe.ops.launch.TUNABLE` the sweep timed, the fastest tile replaces the
 built-in one when it is more than --margin faster: gate/up with QUANT_OUT is credited the
 `quantize_act` launch it saves down (the sweep's quantize_act line), and attention tiles
-are compared at the built-in split count. Writes the file, {} where every kernel keeps its
-tiles (the engine reads it with `CPMOE_DECODE_KERNELS_CONFIG=FILE`); prints one line a
+are compared at the sweep's fewest rows (its first shape, the batch the file is for) over
+every split count: a winner at another count than `default_num_splits`' also sets
+PROGRAMS_PER_SM, the least that makes the rule give that count at those rows (so a larger
+batch splits less, as under the built-in 4). Writes the file, {} where every kernel keeps
+its tiles (the engine reads it with `CPMOE_DECODE_KERNELS_CONFIG=FILE`); prints one line a
 kernel.
 """
 
@@ -19,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from cpmoe.cp.paged_attention import default_num_splits
 from cpmoe.ops.launch import TUNABLE
 
 
@@ -40,11 +44,8 @@ def winners(experts: list[dict], attention: list[dict], margin: float
     groups = [(g, [r for r in experts if r.get("gemm") == g and "us" in r])
               for g in ("gate_up", "down")]
     for dtype, kernel in (("fp8", "attention_fp8"), ("bf16", "attention_16bit")):
-        rows = [r for r in attention if r.get("dtype") == dtype]
-        default = [r for r in rows if r.get("default")]
-        if default:
-            rows = [r for r in rows if r["splits"] == default[0]["splits"]]
-        groups.append((kernel, rows))
+        groups.append((kernel, _attention_rows([r for r in attention
+                                                 if r.get("dtype") == dtype])))
     for kernel, rows in groups:
         default = [r for r in rows if r.get("default")]
         # QUANT_OUT rows count only where the launch they save was timed
@@ -64,6 +65,35 @@ def winners(experts: list[dict], attention: list[dict], margin: float
         if won:
             choice[kernel] = fields
     return choice, lines
+
+
+def _attention_rows(rows: list[dict]) -> list[dict]:
+    """The sweep's rows at its fewest rows a batch whose split count the rule can give: at
+    the built-in count as they are, at another with the PROGRAMS_PER_SM that gives it."""
+    if not rows:
+        return []
+    fewest = min(r.get("rows", 0) for r in rows)
+    rows = [r for r in rows if r.get("rows", 0) == fewest]
+    built_in = next((r["splits"] for r in rows if r.get("default")), None)
+    kept = []
+    for r in rows:
+        per_sm = None if r.get("default") or r["splits"] == built_in else _per_sm(r)
+        if per_sm is not None:
+            kept.append(dict(r, PROGRAMS_PER_SM=per_sm))
+        elif r.get("default") or r["splits"] == built_in:
+            kept.append(r)
+    return kept
+
+
+def _per_sm(row: dict) -> int | None:
+    """The least PROGRAMS_PER_SM for which `default_num_splits` gives the row's split count
+    at its shape; None for a row without its shape or a count the rule never gives."""
+    if not {"rows", "keys", "kv_heads", "sms", "page"} <= set(row):
+        return None
+    shape = (row["rows"], row["kv_heads"], -(-row["keys"] // row["page"]), row["page"],
+             row["sms"])
+    return next((n for n in range(1, 65)
+                 if default_num_splits(*shape, programs_per_sm=n) == row["splits"]), None)
 
 
 def main(argv: list[str] | None = None) -> int:

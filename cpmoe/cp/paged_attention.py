@@ -153,10 +153,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_pages: int, page_size: int,
-                       num_sms: int = _DEFAULT_SMS) -> int:
-    """Splits per (row, KV head) from shapes only (the rule is in the module docstring)."""
+                       num_sms: int = _DEFAULT_SMS, programs_per_sm: int = _PROGRAMS_PER_SM
+                       ) -> int:
+    """Splits per (row, KV head) from shapes only (the rule is in the module docstring;
+    programs_per_sm: its 4, or a tuned file's PROGRAMS_PER_SM)."""
     # floor, not ceil: programs past what runs at once form a second, mostly idle wave
-    want = _PROGRAMS_PER_SM * num_sms // max(1, batch * kv_heads)
+    want = programs_per_sm * num_sms // max(1, batch * kv_heads)
     cap = max(1, max_pages * page_size // _MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, _MAX_DEFAULT_SPLITS))
 
@@ -230,8 +232,11 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if q_BHD.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_decode_attention: q, k_cache and v_cache need a contiguous "
                          "last (head-dim) axis")
+    kv_fp8 = k_cache.dtype in FP8_KV
+    cfg = dict(config or stage1_config(kv_fp8, D))
+    per_sm = cfg.pop("PROGRAMS_PER_SM", _PROGRAMS_PER_SM)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, P, page, _sm_count(q_BHD.device))
+        num_splits = default_num_splits(B, Hkv, P, page, _sm_count(q_BHD.device), per_sm)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     o_BHD = torch.empty(B, H, D, dtype=out_dtype, device=q_BHD.device)
@@ -244,10 +249,8 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         o_part, lse_part = _workspace(workspace, B, H, num_splits, D, q_BHD.device)
     G = H // Hkv
     d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
-    kv_fp8 = k_cache.dtype in FP8_KV
     # FP8 codes widened to float16 as they are, their scales outside the dots (KV_F16),
     # unless q is float32 (then widened to float32 times the scales, exactly)
-    cfg = dict(config or stage1_config(kv_fp8, D))
     ids = cfg.get("PAGE_IDS", 0)
     if ids < 0 or ids & (ids - 1):
         raise ValueError(f"paged_decode_attention: PAGE_IDS (block-table entries read at a "
@@ -300,7 +303,8 @@ def stage1_config(kv_fp8: bool, head_dim: int) -> dict:
     copies at the top of the iteration that uses it) was kept."""
     cfg = {"BLOCK_N": 32 if head_dim > 128 else 64, "num_warps": 4,
            "num_stages": 2 if kv_fp8 else 3, "PAGE_IDS": 0}
-    # $CPMOE_DECODE_KERNELS_CONFIG's tiles (cpmoe.ops.launch.tuned)
+    # a tuned file's tiles (cpmoe.ops.launch.tuned), and its PROGRAMS_PER_SM for
+    # `default_num_splits` (where the caller leaves num_splits to it)
     return cfg | tuned("attention_fp8" if kv_fp8 else "attention_16bit")
 
 

@@ -84,7 +84,8 @@ TUNED_ENV = "CPMOE_DECODE_KERNELS_CONFIG"
 # (paged_attention.stage1_config)
 _EXPERTS = {"BLOCK_N": int, "BLOCK_K": int, "TMA_W": bool, "TILES": int, "QUANT_OUT": bool,
             "num_warps": int, "num_stages": int}
-_ATTENTION = {"BLOCK_N": int, "PAGE_IDS": int, "num_warps": int, "num_stages": int}
+_ATTENTION = {"BLOCK_N": int, "PAGE_IDS": int, "num_warps": int, "num_stages": int,
+              "PROGRAMS_PER_SM": int}
 TUNABLE = {"gate_up": _EXPERTS, "down": _EXPERTS, "attention_fp8": _ATTENTION,
            "attention_16bit": _ATTENTION}
 

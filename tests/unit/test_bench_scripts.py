@@ -286,6 +286,17 @@ def test_issue45_part_takes_the_four_figures_in_one_call_each_against_its_target
                           ISSUE45_PREFILL="16384:3:1.4")  # an 80 GB card: no 128K pair
     assert rc == 0 and sum("cpmoe.cli bench " in c for c in calls) == 2
     assert not any("131072" in c for c in calls)
+    # the part over two calls: the 128K pair alone, then the rest without it
+    (tmp_path / "a").mkdir()
+    rc, out, calls = _run(tmp_path / "a", "h200_engine.sh", "issue45", ISSUE45_DECODE="0",
+                          ISSUE45_SERVE="0", ISSUE45_PREFILL="131072:2:1.45")
+    steps = [c for c in calls if "cpmoe.bench.provenance" not in c]
+    assert rc == 0 and len(steps) == 3 and all("131072" in c for c in steps)
+    (tmp_path / "b").mkdir()
+    rc, out, calls = _run(tmp_path / "b", "h200_engine.sh", "issue45", ISSUE45_PREFILL="none")
+    assert rc == 0 and not any("cpmoe.cli bench " in c for c in calls)
+    assert sum("bench-one-batch" in c for c in calls) == 2
+    assert sum("bench-serving" in c for c in calls) == 2
     rc, out, _ = _run(tmp_path, "h200_engine.sh", "issue45", fail="issue45-prefill-16384-fp8")
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == [
         "issue45-prefill-16384-fp8", "issue45-prefill-16384-compare"]
@@ -367,6 +378,29 @@ def test_tuned_tiles_keeps_the_built_in_tiles_unless_a_sweep_beats_them(tmp_path
     assert main(args + ["--margin", "0.05"]) == 0  # nothing 5% faster: an empty file
     assert json.loads((tmp_path / "t.json").read_text()) == {}
     assert "no kernel tuned" in capsys.readouterr().out
+    # rows that carry their shape (bench.decode_attention's since 2026-12-07): every split
+    # count the rule can give is a choice, at the sweep's fewest rows
+    shape = {"rows": 64, "keys": 1056, "kv_heads": 4, "page": 16, "sms": 132}
+    tile = {"BLOCK_N": 64, "num_warps": 4, "PAGE_IDS": 64}
+    attention = [
+        {"dtype": "fp8", **shape, "default": True, "splits": 2, "us": 32.0, "BLOCK_N": 64,
+         "num_warps": 4, "num_stages": 2, "PAGE_IDS": 0},
+        {"dtype": "fp8", **shape, "splits": 4, "us": 24.0, **tile, "num_stages": 4},
+        {"dtype": "fp8", **shape, "splits": 2, "us": 26.0, **tile, "num_stages": 3},
+        {"dtype": "fp8", **shape, "splits": 8, "us": 20.0, **tile, "num_stages": 5,
+         "keys": 100},  # 7 pages: the rule never gives 8 splits (128 keys a split at least)
+        {"dtype": "fp8", **shape, "rows": 128, "splits": 1, "us": 10.0, **tile,
+         "num_stages": 2}]  # another batch: not this file's
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": attention}))
+    assert main(args) == 0
+    # 4 splits at 64 rows x 4 KV heads on 132 SMs: 8 programs an SM (7 give 3)
+    assert json.loads((tmp_path / "t.json").read_text())["attention_fp8"] == dict(
+        tile, num_stages=4, PROGRAMS_PER_SM=8)
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": [
+        r for r in attention if r["splits"] != 4]}))
+    assert main(args) == 0  # the built-in split count: no PROGRAMS_PER_SM
+    assert json.loads((tmp_path / "t.json").read_text())["attention_fp8"] == dict(
+        tile, num_stages=3)
 
 
 def _write(path: Path, rows: list[dict]) -> str:

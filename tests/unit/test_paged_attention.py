@@ -199,6 +199,9 @@ def test_default_num_splits_follows_the_documented_rule() -> None:
     assert pa.default_num_splits(1, 4, 1024 // 16, 16, 132) == 8  # >= 128 tokens a split
     assert pa.default_num_splits(1, 1, 1 << 20, 16, 132) == 64  # capped
     assert pa.default_num_splits(4, 4, 0, 16, 132) == 1
+    # a tuned file's PROGRAMS_PER_SM in place of the 4: B = 64 at 8 an SM -> 4 splits
+    assert pa.default_num_splits(64, 4, 1024 // 16, 16, 132, programs_per_sm=8) == 4
+    assert pa.default_num_splits(128, 4, 1024 // 16, 16, 132, programs_per_sm=8) == 2
 
 
 _KERNEL = r"""
@@ -276,6 +279,16 @@ for lens, page, cfg in (([0, 1, 16, 17, 150, 300], 16, {"BLOCK_N": 16, "PAGE_IDS
         *_, o_tile, lse_tile = check(lens, page, 8, 2, 32, torch.bfloat16, splits, pool=pool,
                                      config=dict(cfg, PAGE_IDS=0, num_warps=4, num_stages=3))
         assert torch.equal(o_ids, o_tile) and torch.equal(lse_ids, lse_tile), (lens, cfg)
+# the split count left to the launcher under a config's PROGRAMS_PER_SM (a tuned file's):
+# with one SM, 2 rows x 2 KV heads make 2 splits at 8 programs an SM, 3 at 12, 1 at 4
+pa._sm_count = lambda device: 1
+rule, picked = pa.default_num_splits, []
+pa.default_num_splits = lambda *a: picked.append(rule(*a)) or picked[-1]
+for per_sm, splits in ((8, 2), (12, 3), (4, 1)):
+    check([150, 600], 16, 8, 2, 32, torch.bfloat16, None,
+          config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "PROGRAMS_PER_SM": per_sm})
+    assert picked[-1] == splits, (per_sm, picked)
+pa.default_num_splits = rule
 try:  # a count that is not a power of two: refused in one line
     check([5], 16, 8, 2, 32, torch.bfloat16, 1, config={"BLOCK_N": 64, "PAGE_IDS": 48})
 except ValueError as e:
