@@ -44,7 +44,8 @@ Default num_splits (`default_num_splits`): as many (row, KV head, split) program
 one wave of about four per SM, S = floor(4 * num_SMs / (B * Hkv)), but no split shorter than
 128 tokens of the longest row the table can hold (S <= P * page_size // 128) and at most 64;
 at least 1. On an H200 (132 SMs) with Hkv = 4: B = 16 -> 8 splits, B = 32 -> 4, B = 64 -> 2,
-B >= 67 -> 1 (no stage 2); B = 1 at 1K context -> 8. Measured on an H200 (bf16, H 32, Hkv 4,
+B >= 67 -> 1 (no stage 2); B = 1 at 1K context -> 8. A tuned file's PROGRAMS_PER_SM for
+the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the four. Measured on an H200 (bf16, H 32, Hkv 4,
 D 128, page 16, all rows full, S swept): for B = 1..256 at 1K, 4K and 32K context the rule's
 S was the fastest or within 3% of it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of
 the same ratio was up to 1.3x slower (a second, mostly idle wave). Depends on shapes only, so
