@@ -77,16 +77,16 @@ if [ "$part" = issue45 ]; then
   names=(--names "bf16,FP8 weights + FP8 K/V")
   # ISSUE45_DECODE=0 / ISSUE45_SERVE=0 leave out the decode pair / the served load (a part
   # split over two calls: each figure's pair still runs in one)
-  for v in bf16 fp8; do
-    [ "${ISSUE45_DECODE:-1}" = 0 ] && break
-    q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
-    step "issue45-decode-$v" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
-      --batch-size 64,128 --input-len 1024 --output-len 32 "${q[@]}" \
-      --out "$out/issue45-decode-$v.json"
-  done
-  [ "${ISSUE45_DECODE:-1}" = 0 ] || step issue45-decode-compare python3 -m bench.speed_ratio \
-    "$out/issue45-decode-bf16.json" "$out/issue45-decode-fp8.json" --min 1.6 --at 64 \
-    "${names[@]}"
+  if [ "${ISSUE45_DECODE:-1}" != 0 ]; then
+    for v in bf16 fp8; do
+      q=(); [ "$v" = fp8 ] && q=("${f8[@]}")
+      step "issue45-decode-$v" python3 -m cpmoe.cli bench-one-batch "${shape[@]}" \
+        --batch-size 64,128 --input-len 1024 --output-len 32 "${q[@]}" \
+        --out "$out/issue45-decode-$v.json"
+    done
+    step issue45-decode-compare python3 -m bench.speed_ratio "$out/issue45-decode-bf16.json" \
+      "$out/issue45-decode-fp8.json" --min 1.6 --at 64 "${names[@]}"
+  fi
   # ISSUE45_PREFILL: length:timed runs:target entries, or none (on an 80 GB card 128K bf16
   # does not fit: ISSUE45_PREFILL=16384:3:1.4, and FP8_SERVE='--max-total-tokens 90000')
   read -r -a prefills <<< "${ISSUE45_PREFILL:-16384:3:1.4 131072:2:1.45}"

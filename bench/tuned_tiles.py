@@ -77,11 +77,10 @@ def _attention_rows(rows: list[dict]) -> list[dict]:
     built_in = next((r["splits"] for r in rows if r.get("default")), None)
     kept = []
     for r in rows:
-        per_sm = None if r.get("default") or r["splits"] == built_in else _per_sm(r)
-        if per_sm is not None:
-            kept.append(dict(r, PROGRAMS_PER_SM=per_sm))
-        elif r.get("default") or r["splits"] == built_in:
+        if r.get("default") or r["splits"] == built_in:
             kept.append(r)
+        elif (per_sm := _per_sm(r)) is not None:
+            kept.append(dict(r, PROGRAMS_PER_SM=per_sm))
     return kept
 
 
