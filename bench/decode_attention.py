@@ -129,9 +129,10 @@ def main() -> None:
             print_table(f"{name} pools, {B} rows x {keys} keys (K/V floor {floor:.1f} us at "
                         f"the copy rate; default {default_s} splits)", table_us, splits)
             del layers
-    with open(args.out, "w") as f:
-        json.dump({"header": provenance(sys.argv), "copy_rate": rate, "results": results}, f,
-                  indent=1)
+            # written after every table: a sweep cut off by a time limit keeps its tables
+            with open(args.out, "w") as f:
+                json.dump({"header": provenance(sys.argv), "copy_rate": rate,
+                           "results": results}, f, indent=1)
 
 
 def print_table(title: str, table: dict, splits: list[int]) -> None:
