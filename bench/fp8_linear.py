@@ -107,10 +107,11 @@ def main() -> None:
             print(f"{col}: skinny default {table['skinny default'][col]:.1f} us, "
                   f"quantize+scaled_mm {table['quantize+scaled_mm'][col]:.1f} us",
                   file=sys.stderr, flush=True)
+            # written after every column: a sweep cut off by a time limit keeps them
+            with open(args.out, "w") as f:
+                json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
         del ws
     print_table(table, columns, grid)
-    with open(args.out, "w") as f:
-        json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
 
 
 def print_table(table: dict[str, dict[str, float]], columns: list[str],

@@ -1,6 +1,7 @@
 """The decode kernel sweeps' winners as a $CPMOE_DECODE_KERNELS_CONFIG file.
 
-    python3 -m bench.tuned_tiles EXPERTS.json ATTENTION.json --out tuned.json [--margin 0.015]
+    python3 -m bench.tuned_tiles EXPERTS.json ATTENTION.json [--skinny SKINNY.json]
+        --out tuned.json [--margin 0.015]
 
 EXPERTS.json: `bench.decode_kernels --fp8` at one row count; ATTENTION.json:
 `bench.decode_attention` at one shape (either may be missing: its kernels keep their tiles).
@@ -10,7 +11,11 @@ built-in one when it is more than --margin faster: gate/up with QUANT_OUT is cre
 are compared at the sweep's fewest rows (its first shape, the batch the file is for) over
 every split count: a winner at another count than `default_num_splits`' also sets
 PROGRAMS_PER_SM, the least that makes the rule give that count at those rows (so a larger
-batch splits less, as under the built-in 4). Writes the file, {} where every kernel keeps
+batch splits less, as under the built-in 4). SKINNY.json (`bench.fp8_linear`): the skinny
+GEMM's tiles are compared by their time summed over the sweep's shapes (q/k/v and o_proj,
+each at the K split `skinny_split` gives it) at the sweep's most rows, and a tile that is
+more than --margin slower than the built-in one at any other row count swept is not a
+choice (the file's tiles serve every batch). Writes the file, {} where every kernel keeps
 its tiles (the engine reads it with `CPMOE_DECODE_KERNELS_CONFIG=FILE`); prints one line a
 kernel.
 """
@@ -23,6 +28,7 @@ import sys
 from pathlib import Path
 
 from cpmoe.cp.paged_attention import default_num_splits
+from cpmoe.ops.fp8_gemm import skinny_split
 from cpmoe.ops.launch import TUNABLE
 
 
@@ -36,8 +42,8 @@ def _results(path: Path) -> list[dict]:
     return data["results"]
 
 
-def winners(experts: list[dict], attention: list[dict], margin: float
-            ) -> tuple[dict[str, dict], list[str]]:
+def winners(experts: list[dict], attention: list[dict], margin: float,
+            skinny: list[dict] = ()) -> tuple[dict[str, dict], list[str]]:
     """-> ({kernel: its TUNABLE fields from the winning row}, one line a kernel timed)."""
     choice, lines = {}, []
     saved = [r["us"] for r in experts if r.get("gemm") == "quantize_act"]
@@ -46,6 +52,7 @@ def winners(experts: list[dict], attention: list[dict], margin: float
     for dtype, kernel in (("fp8", "attention_fp8"), ("bf16", "attention_16bit")):
         groups.append((kernel, _attention_rows([r for r in attention
                                                  if r.get("dtype") == dtype])))
+    groups.append(("skinny", _skinny_rows(list(skinny), margin)))
     for kernel, rows in groups:
         default = [r for r in rows if r.get("default")]
         # QUANT_OUT rows count only where the launch they save was timed
@@ -84,6 +91,52 @@ def _attention_rows(rows: list[dict]) -> list[dict]:
     return kept
 
 
+def _skinny_rows(rows: list[dict], margin: float) -> list[dict]:
+    """One row a skinny tile (BLOCK_N, warps, stages) and one for the built-in tiles: the
+    time summed over the sweep's shapes at its most rows, each shape at `skinny_split`'s K
+    ranges. A tile missing a shape, or more than `margin` slower than the built-in tiles at
+    another row count, is left out."""
+    fields = ("BLOCK_N", "num_warps", "num_stages")
+
+    def sums(m: int) -> tuple[float | None, dict[tuple, float]]:
+        """(the built-in tiles' sum, {tile: its sum}) at m rows"""
+        shapes = {(r["N"], r["K"]) for r in rows if r.get("rows") == m and "N" in r}
+        per: dict[tuple, dict] = {}
+        for r in rows:
+            if r.get("rows") != m or "us" not in r:
+                continue
+            if r.get("path") == "skinny default":
+                per.setdefault("default", {})[(r["N"], r["K"])] = r["us"]
+            elif (r.get("path") == "skinny"
+                  and r.get("SPLIT_K") == skinny_split(m, r["N"], r["K"])):
+                per.setdefault(tuple(r[f] for f in fields), {})[(r["N"], r["K"])] = r["us"]
+        whole = {t: sum(us.values()) for t, us in per.items() if set(us) == shapes}
+        return whole.pop("default", None), whole
+
+    counts = sorted({r["rows"] for r in rows if r.get("path") == "skinny default"})
+    if not counts:
+        return []
+    at = {m: sums(m) for m in counts}
+    default, tiles = at[counts[-1]]
+    built_in = _built_in_skinny(rows, counts[-1])
+    if default is None or built_in is None:
+        return []
+    out = [{"default": True, "us": default, **dict(zip(fields, built_in))}]
+    for tile, us in tiles.items():
+        if all(at[m][0] is not None and at[m][1].get(tile, float("inf"))
+               <= (1.0 + margin) * at[m][0] for m in counts[:-1]):
+            out.append({"us": us, **dict(zip(fields, tile))})
+    return out
+
+
+def _built_in_skinny(rows: list[dict], m: int) -> tuple | None:
+    """The built-in tile as the sweep recorded it at m rows (its "skinny default" rows)."""
+    for r in rows:
+        if r.get("path") == "skinny default" and r.get("rows") == m and "BLOCK_N" in r:
+            return r["BLOCK_N"], r["num_warps"], r["num_stages"]
+    return None
+
+
 def _per_sm(row: dict) -> int | None:
     """The least PROGRAMS_PER_SM for which `default_num_splits` gives the row's split count
     at its shape; None for a row without its shape or a count the rule never gives."""
@@ -99,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("experts", type=Path)
     p.add_argument("attention", type=Path)
+    p.add_argument("--skinny", type=Path,
+                   help="a bench.fp8_linear JSON: the skinny FP8 GEMM's tiles too")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--margin", type=float, default=0.015,
                    help="how much faster a tile must be to replace the built-in one")
     args = p.parse_args(argv)
-    choice, lines = winners(_results(args.experts), _results(args.attention), args.margin)
+    choice, lines = winners(_results(args.experts), _results(args.attention), args.margin,
+                            _results(args.skinny) if args.skinny else [])
     print("\n".join(lines) if lines else "no sweep results: every kernel keeps its tiles")
     args.out.write_text(json.dumps(choice, indent=1) + "\n")
     print(f"wrote {args.out} ({', '.join(choice) or 'no kernel tuned'}): "

@@ -348,12 +348,21 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     more column tiles (qkv at batch 64): every range writes and rereads float32 partials of
     all rows, which there cost more than the programs a range adds; on an H100 at 64 rows
     (d2b4632, bench/results/fp8-linear-h100-d2b4632.log, quantize_act included) qkv took 11.2
-    us in 2 ranges against 12.8 in 4, while o_proj's 32 tiles keep 4 (11.8 against 14.3)."""
-    ranges = 2 if m > 32 and n // 64 >= 64 else 4
+    us in 2 ranges against 12.8 in 4, while o_proj's 32 tiles keep 4 (11.8 against 14.3).
+    A tuned file's "skinny" tiles (cpmoe.ops.launch.tuned: columns, warps, stages) replace
+    these; the split stays `skinny_split`'s."""
+    cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3} | launch.tuned("skinny")
+    return {**cfg, "SPLIT_K": skinny_split(m, n, k)}
+
+
+def skinny_split(m: int, n: int, k: int) -> int:
+    """The K ranges of `skinny_config`: 2 for more than 32 rows of 4,096 or more columns,
+    else 4, fewer where K has fewer 128-input groups."""
+    ranges = 2 if m > 32 and n >= 4096 else 4
     split = 1
     while split < ranges and split * 2 <= k // 128:
         split *= 2
-    return {"BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return split
 
 
 def fp8_linear_skinny(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,

@@ -80,14 +80,17 @@ if triton is not None:
 
 TUNED_ENV = "CPMOE_DECODE_KERNELS_CONFIG"
 # the kernels a tuned file may set, and their fields: the decode experts' W8A8 GEMMs
-# (fused_moe.gemm_config) and decode attention's stage 1 on FP8 and on 16-bit pools
+# (fused_moe.gemm_config), decode attention's stage 1 on FP8 and on 16-bit pools
 # (paged_attention.stage1_config)
 _EXPERTS = {"BLOCK_N": int, "BLOCK_K": int, "TMA_W": bool, "TILES": int, "QUANT_OUT": bool,
             "num_warps": int, "num_stages": int}
 _ATTENTION = {"BLOCK_N": int, "PAGE_IDS": int, "num_warps": int, "num_stages": int,
               "PROGRAMS_PER_SM": int}
+# the skinny FP8 GEMM of the decode projections (fp8_gemm.skinny_config; its K split by the
+# rule there)
+_SKINNY = {"BLOCK_N": int, "num_warps": int, "num_stages": int}
 TUNABLE = {"gate_up": _EXPERTS, "down": _EXPERTS, "attention_fp8": _ATTENTION,
-           "attention_16bit": _ATTENTION}
+           "attention_16bit": _ATTENTION, "skinny": _SKINNY}
 
 
 def tuned(kernel: str) -> dict:

@@ -403,6 +403,49 @@ def test_tuned_tiles_keeps_the_built_in_tiles_unless_a_sweep_beats_them(tmp_path
         tile, num_stages=3)
 
 
+def _skinny(rows: int, shape: str, us: float, bn: int = 64, split: int | None = None,
+            stages: int = 3, default: bool = False) -> dict:
+    """A bench.fp8_linear result row at Qwen3-30B-A3B's q/k/v or o_proj shape."""
+    n, k = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}[shape]
+    split = split or {"qkv": 2 if rows > 32 else 4, "o_proj": 4}[shape]
+    return {"shape": shape, "N": n, "K": k, "rows": rows, "us": us, "BLOCK_N": bn,
+            "SPLIT_K": split, "num_warps": 4, "num_stages": stages,
+            "path": "skinny default" if default else "skinny"}
+
+
+def test_tuned_tiles_picks_skinny_tiles_by_both_projections_at_the_rules_split(tmp_path,
+                                                                                capsys):
+    from bench.tuned_tiles import main
+    from cpmoe.ops.fp8_gemm import skinny_split
+    # the rows' splits are the rule's: q/k/v at 64 rows in 2 K ranges, o_proj in 4
+    assert (skinny_split(64, 5120, 2048), skinny_split(64, 2048, 4096)) == (2, 4)
+    assert skinny_split(1, 5120, 2048) == 4
+    rows = [_skinny(64, "qkv", 11.0, default=True), _skinny(64, "o_proj", 11.0, default=True),
+            _skinny(1, "qkv", 6.0, default=True), _skinny(1, "o_proj", 6.0, default=True),
+            # 32 columns: 20.0 against 22.0 at 64 rows, and as fast at 1 row: tuned
+            _skinny(64, "qkv", 10.0, bn=32), _skinny(64, "o_proj", 10.0, bn=32),
+            _skinny(1, "qkv", 6.0, bn=32), _skinny(1, "o_proj", 6.05, bn=32),
+            # faster still at 64 rows, but only at a split the rule does not give q/k/v
+            _skinny(64, "qkv", 8.0, bn=32, split=4, stages=4),
+            _skinny(64, "o_proj", 9.0, bn=32, stages=4),
+            _skinny(1, "qkv", 6.0, bn=32, stages=4), _skinny(1, "o_proj", 6.0, bn=32, stages=4),
+            # the fastest at 64 rows (19.0), 17% slower at 1 row: not a choice
+            _skinny(64, "qkv", 9.5, bn=128), _skinny(64, "o_proj", 9.5, bn=128),
+            _skinny(1, "qkv", 7.0, bn=128), _skinny(1, "o_proj", 7.0, bn=128),
+            # one shape only: not a choice
+            _skinny(64, "qkv", 5.0, stages=5),
+            {"shape": "qkv", "N": 5120, "K": 2048, "rows": 64, "hbm_floor_us": 2.2}]
+    (tmp_path / "s.json").write_text(json.dumps({"header": {}, "results": rows}))
+    args = [str(tmp_path / "none-e.json"), str(tmp_path / "none-a.json"), "--skinny",
+            str(tmp_path / "s.json"), "--out", str(tmp_path / "t.json")]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "t.json").read_text()) == {
+        "skinny": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}}
+    assert "skinny: built-in 22.0 us, best 20.0 us" in capsys.readouterr().out
+    assert main(args + ["--margin", "0.1"]) == 0  # 9% faster: kept
+    assert json.loads((tmp_path / "t.json").read_text()) == {}
+
+
 def _write(path: Path, rows: list[dict]) -> str:
     import json
     path.write_text(json.dumps({"header": {}, "rows": rows}))

@@ -1,6 +1,6 @@
 """$CPMOE_DECODE_KERNELS_CONFIG (cpmoe.ops.launch.tuned): a JSON file of decode kernel tiles
-that replace the built-in choices of the experts' W8A8 GEMMs and of decode attention's stage
-1; a bad file, kernel or field exits in one line naming it."""
+that replace the built-in choices of the experts' W8A8 GEMMs, decode attention's stage 1
+and the skinny FP8 GEMM; a bad file, kernel or field exits in one line naming it."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 
 from cpmoe.cp import paged_attention
 from cpmoe.moe import fused_moe
-from cpmoe.ops import launch
+from cpmoe.ops import fp8_gemm, launch
 
 
 @pytest.fixture
@@ -28,9 +28,16 @@ def test_tuned_tiles_replace_the_built_in_ones_where_they_apply(tuned_file, monk
     launch._tuned_file.cache_clear()
     base_down = fused_moe.gemm_config(512, 128, 768, True, "w8a8", gated=False)
     base_attention = paged_attention.stage1_config(True, 128)
+    assert fp8_gemm.skinny_config(64, 5120, 2048) == {"BLOCK_N": 64, "num_warps": 4,
+                                                      "num_stages": 3, "SPLIT_K": 2}
     tuned_file({"down": {"TILES": 4, "num_stages": 4},
                 "gate_up": {"BLOCK_N": 128, "QUANT_OUT": True},
-                "attention_fp8": {"PAGE_IDS": 64, "num_stages": 3}})
+                "attention_fp8": {"PAGE_IDS": 64, "num_stages": 3},
+                "skinny": {"BLOCK_N": 32, "num_stages": 4}})
+    # the skinny GEMM's tiles, its K split still the rule's (2 ranges for q/k/v, 4 for o_proj)
+    assert fp8_gemm.skinny_config(64, 5120, 2048) == {"BLOCK_N": 32, "num_warps": 4,
+                                                      "num_stages": 4, "SPLIT_K": 2}
+    assert fp8_gemm.skinny_config(64, 2048, 4096)["SPLIT_K"] == 4
     down = fused_moe.gemm_config(512, 128, 768, True, "w8a8", gated=False)
     assert down == dict(base_down, TILES=4, num_stages=4)
     gate_up = fused_moe.gemm_config(512, 128, 2048, True, "w8a8")
