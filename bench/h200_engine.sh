@@ -22,9 +22,10 @@
 #                                               # each against its target, then fp8-serving
 #                                               # (ISSUE45_DECODE=0, ISSUE45_SERVE=0,
 #                                               # ISSUE45_PREFILL=none leave a pair out)
-#   bash bench/h200_engine.sh decode-tune OUT_DIR  # decode attention's and the FP8 experts'
-#                                               # tile sweeps (attention at 64 / 128 rows, all
-#                                               # split counts), winners at 64 rows as
+#   bash bench/h200_engine.sh decode-tune OUT_DIR  # decode attention's, the FP8 experts'
+#                                               # and the skinny FP8 GEMM's tile sweeps
+#                                               # (attention at 64 / 128 rows, all split
+#                                               # counts), winners at 64 rows as
 #                                               # OUT_DIR/tuned.json (bench.tuned_tiles),
 #                                               # then decode at 64 / 128 rows: bf16, FP8,
 #                                               # FP8 under the file (~3 min on an H100);
@@ -295,8 +296,13 @@ PY
     experts="64:256:4:3:1:2,64:256:4:3:1:4,64:256:4:3:1:1,128:256:4:2:1:1:1"
     step tune-experts python3 -m bench.decode_kernels --fp8 --modes w8a8 --rows 64 \
       --tiles "${TUNE_EXPERT_TILES:-$experts}" --out "$out/tune-experts.json"
+    # the skinny q/k/v and o GEMMs: 32 / 64 columns, 3 / 4 stages, at the splits the rule
+    # gives (2 and 4 K ranges), at batch 64 and batch 1 (a tile must not lose there)
+    skinny="32:2:4:3,32:4:4:3,64:2:4:3,64:4:4:3,32:2:4:4,32:4:4:4,64:2:4:4,64:4:4:4"
+    step tune-skinny python3 -m bench.fp8_linear --rows 1,64 \
+      --tiles "${TUNE_SKINNY_TILES:-$skinny}" --out "$out/tune-skinny.json"
     step tune-pick python3 -m bench.tuned_tiles "$out/tune-experts.json" \
-      "$out/tune-attention.json" --out "$out/tuned.json"
+      "$out/tune-attention.json" --skinny "$out/tune-skinny.json" --out "$out/tuned.json"
     for v in bf16 fp8 fp8-tuned; do
       q=(); [ "$v" != bf16 ] && q=("${f8[@]}")
       run=(python3 -m cpmoe.cli bench-one-batch "${shape[@]}" --batch-size 64,128

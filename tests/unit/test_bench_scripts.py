@@ -305,16 +305,18 @@ def test_issue45_part_takes_the_four_figures_in_one_call_each_against_its_target
 def test_decode_tune_part_sweeps_picks_and_times_whole_steps_under_the_picked_tiles(tmp_path):
     rc, out, calls = _run(tmp_path, "h200_engine.sh", "decode-tune")
     assert rc == 0, _failed_lines(out)
-    kinds = ["bench.decode_attention", "bench.decode_kernels", "bench.tuned_tiles",
-             "bench-one-batch", "bench-one-batch", "bench-one-batch", "bench.speed_ratio"]
+    kinds = ["bench.decode_attention", "bench.decode_kernels", "bench.fp8_linear",
+             "bench.tuned_tiles", "bench-one-batch", "bench-one-batch", "bench-one-batch",
+             "bench.speed_ratio"]
     steps = [c for c in calls if "cpmoe.bench.provenance" not in c]
     assert [next(k for k in kinds if k in c) for c in steps] == kinds
     tuned = f"[tuned {out}/tuned.json] "
-    bf16, fp8, fp8_tuned = steps[3:6]
+    bf16, fp8, fp8_tuned = steps[4:7]
     assert "--quantization" not in bf16 and "--kv-cache-dtype fp8_e4m3" in fp8
     assert not fp8.startswith("[tuned") and fp8_tuned.startswith(tuned)  # only the third
     assert fp8_tuned[len(tuned):].split("--out")[0] == fp8.split("--out")[0]
-    assert f"--out {out}/tuned.json" in steps[2]
+    assert f"--out {out}/tuned.json" in steps[3]
+    assert f"--skinny {out}/tune-skinny.json" in steps[3] and "--rows 1,64" in steps[2]
     rc, out, _ = _run(tmp_path, "h200_engine.sh", "decode-tune", fail="bench.decode_kernels")
     assert rc == 1 and [ln.split(":")[0] for ln in _failed_lines(out)] == ["tune-experts"]
 
