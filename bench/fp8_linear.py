@@ -107,11 +107,18 @@ def main() -> None:
             print(f"{col}: skinny default {table['skinny default'][col]:.1f} us, "
                   f"quantize+scaled_mm {table['quantize+scaled_mm'][col]:.1f} us",
                   file=sys.stderr, flush=True)
-            # written after every column: a sweep cut off by a time limit keeps them
-            with open(args.out, "w") as f:
-                json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
+            write(args.out, results, complete=False)  # a sweep cut off keeps its columns
         del ws
+    write(args.out, results, complete=True)
     print_table(table, columns, grid)
+
+
+def write(path: str, results: list[dict], complete: bool) -> None:
+    """The JSON of the sweep so far; complete: every shape and row count was timed (a pick
+    of tiles by both shapes needs it, `bench.tuned_tiles`)."""
+    with open(path, "w") as f:
+        json.dump({"header": provenance(sys.argv), "complete": complete, "results": results},
+                  f, indent=1)
 
 
 def print_table(table: dict[str, dict[str, float]], columns: list[str],

@@ -11,11 +11,11 @@ built-in one when it is more than --margin faster: gate/up with QUANT_OUT is cre
 are compared at the sweep's fewest rows (its first shape, the batch the file is for) over
 every split count: a winner at another count than `default_num_splits`' also sets
 PROGRAMS_PER_SM, the least that makes the rule give that count at those rows (so a larger
-batch splits less, as under the built-in 4). SKINNY.json (`bench.fp8_linear`): the skinny
-GEMM's tiles are compared by their time summed over the sweep's shapes (q/k/v and o_proj,
-each at the K split `skinny_split` gives it) at the sweep's most rows, and a tile that is
-more than --margin slower than the built-in one at any other row count swept is not a
-choice (the file's tiles serve every batch). Writes the file, {} where every kernel keeps
+batch splits less, as under the built-in 4). SKINNY.json (`bench.fp8_linear`, a finished
+sweep): the skinny GEMM's tiles are compared by their time summed over the sweep's shapes
+(q/k/v and o_proj, each at the K split `skinny_split` gives it) at the sweep's most rows,
+and a tile more than --margin slower than the built-in one at any other row count swept is
+not a choice (the file's tiles serve every batch). Writes the file, {} where every kernel keeps
 its tiles (the engine reads it with `CPMOE_DECODE_KERNELS_CONFIG=FILE`); prints one line a
 kernel.
 """
@@ -158,8 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.015,
                    help="how much faster a tile must be to replace the built-in one")
     args = p.parse_args(argv)
+    skinny = _results(args.skinny) if args.skinny else []
+    if skinny and not json.loads(args.skinny.read_text()).get("complete"):
+        print(f"{args.skinny}: the sweep did not finish (not every shape and row count): "
+              f"the skinny GEMM keeps its tiles")
+        skinny = []
     choice, lines = winners(_results(args.experts), _results(args.attention), args.margin,
-                            _results(args.skinny) if args.skinny else [])
+                            skinny)
     print("\n".join(lines) if lines else "no sweep results: every kernel keeps its tiles")
     args.out.write_text(json.dumps(choice, indent=1) + "\n")
     print(f"wrote {args.out} ({', '.join(choice) or 'no kernel tuned'}): "

@@ -437,7 +437,8 @@ def test_tuned_tiles_picks_skinny_tiles_by_both_projections_at_the_rules_split(t
             # one shape only: not a choice
             _skinny(64, "qkv", 5.0, stages=5),
             {"shape": "qkv", "N": 5120, "K": 2048, "rows": 64, "hbm_floor_us": 2.2}]
-    (tmp_path / "s.json").write_text(json.dumps({"header": {}, "results": rows}))
+    (tmp_path / "s.json").write_text(json.dumps({"header": {}, "complete": True,
+                                                 "results": rows}))
     args = [str(tmp_path / "none-e.json"), str(tmp_path / "none-a.json"), "--skinny",
             str(tmp_path / "s.json"), "--out", str(tmp_path / "t.json")]
     assert main(args) == 0
@@ -446,6 +447,13 @@ def test_tuned_tiles_picks_skinny_tiles_by_both_projections_at_the_rules_split(t
     assert "skinny: built-in 22.0 us, best 20.0 us" in capsys.readouterr().out
     assert main(args + ["--margin", "0.1"]) == 0  # 9% faster: kept
     assert json.loads((tmp_path / "t.json").read_text()) == {}
+    # a sweep cut off by its time limit (o_proj at 64 rows never timed): not a choice
+    (tmp_path / "s.json").write_text(json.dumps({"header": {}, "complete": False, "results": [
+        r for r in rows if (r.get("shape"), r.get("rows")) != ("o_proj", 64)]}))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert json.loads((tmp_path / "t.json").read_text()) == {}
+    assert "the sweep did not finish" in capsys.readouterr().out
 
 
 def _write(path: Path, rows: list[dict]) -> str:
