@@ -32,13 +32,19 @@ from cpmoe.ops.fp8_gemm import skinny_split
 from cpmoe.ops.launch import TUNABLE
 
 
-def _results(path: Path) -> list[dict]:
+def _results(path: Path, finished: bool = False) -> list[dict]:
+    """The sweep's result rows; [] for a missing file, or with `finished` for a sweep that
+    did not write `complete` (cut off before every shape and row count was timed)."""
     if not path.exists():
         return []
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
-        sys.exit(f"{path}: expected a bench.decode_kernels or bench.decode_attention JSON "
-                 f"with 'results'")
+        sys.exit(f"{path}: expected a bench.decode_kernels, bench.decode_attention or "
+                 f"bench.fp8_linear JSON with 'results'")
+    if finished and data["results"] and not data.get("complete"):
+        print(f"{path}: the sweep did not finish (not every shape and row count): "
+              f"the skinny GEMM keeps its tiles")
+        return []
     return data["results"]
 
 
@@ -96,7 +102,7 @@ def _skinny_rows(rows: list[dict], margin: float) -> list[dict]:
     time summed over the sweep's shapes at its most rows, each shape at `skinny_split`'s K
     ranges. A tile missing a shape, or more than `margin` slower than the built-in tiles at
     another row count, is left out."""
-    fields = ("BLOCK_N", "num_warps", "num_stages")
+    fields = tuple(TUNABLE["skinny"])
 
     def sums(m: int) -> tuple[float | None, dict[tuple, float]]:
         """(the built-in tiles' sum, {tile: its sum}) at m rows"""
@@ -133,7 +139,7 @@ def _built_in_skinny(rows: list[dict], m: int) -> tuple | None:
     """The built-in tile as the sweep recorded it at m rows (its "skinny default" rows)."""
     for r in rows:
         if r.get("path") == "skinny default" and r.get("rows") == m and "BLOCK_N" in r:
-            return r["BLOCK_N"], r["num_warps"], r["num_stages"]
+            return tuple(r[f] for f in TUNABLE["skinny"])
     return None
 
 
@@ -158,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.015,
                    help="how much faster a tile must be to replace the built-in one")
     args = p.parse_args(argv)
-    skinny = _results(args.skinny) if args.skinny else []
-    if skinny and not json.loads(args.skinny.read_text()).get("complete"):
-        print(f"{args.skinny}: the sweep did not finish (not every shape and row count): "
-              f"the skinny GEMM keeps its tiles")
-        skinny = []
+    skinny = _results(args.skinny, finished=True) if args.skinny else []
     choice, lines = winners(_results(args.experts), _results(args.attention), args.margin,
                             skinny)
     print("\n".join(lines) if lines else "no sweep results: every kernel keeps its tiles")
