@@ -97,7 +97,7 @@ def tuned(kernel: str) -> dict:
     """The fields $CPMOE_DECODE_KERNELS_CONFIG sets for `kernel` (a TUNABLE key; {} when
     unset): a JSON file {kernel: {field: value}} whose values replace the built-in choice, as
     SGLang's and vLLM's tuned fused-MoE config files do; for tile sweeps of whole decode
-    steps. Read once; a bad file, kernel or field exits in one line."""
+    steps. Read once; a bad file, kernel, field or value exits in one line."""
     return _tuned_file().get(kernel, {})
 
 
@@ -121,4 +121,21 @@ def _tuned_file() -> dict[str, dict]:
         if bad:
             raise SystemExit(f"{TUNED_ENV}={path}: {kernel}: expected fields of "
                              f"{ {k: t.__name__ for k, t in types.items()} }, got {bad}")
+        for field, value in fields.items():
+            if type(value) is int and not _in_range(field, value):
+                raise SystemExit(f"{TUNED_ENV}={path}: {kernel}.{field}: expected "
+                                 f"{_RANGES.get(field, 'a positive integer')}, got {value}")
     return spec
+
+
+# tile sizes, warps and PAGE_IDS are powers of two (Triton's block shapes and launches)
+_RANGES = {"BLOCK_N": "a power of two", "BLOCK_K": "a power of two",
+           "num_warps": "a power of two", "PAGE_IDS": "0 or a power of two"}
+
+
+def _in_range(field: str, value: int) -> bool:
+    if field == "PAGE_IDS" and value == 0:
+        return True
+    if field in _RANGES:
+        return value > 0 and value & (value - 1) == 0
+    return value > 0

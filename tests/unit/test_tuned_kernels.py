@@ -1,6 +1,6 @@
 """$CPMOE_DECODE_KERNELS_CONFIG (cpmoe.ops.launch.tuned): a JSON file of decode kernel tiles
 that replace the built-in choices of the experts' W8A8 GEMMs, decode attention's stage 1
-and the skinny FP8 GEMM; a bad file, kernel or field exits in one line naming it."""
+and the skinny FP8 GEMM; a bad file, kernel, field or value exits in one line naming it."""
 
 import json
 
@@ -57,6 +57,12 @@ def test_tuned_tiles_replace_the_built_in_ones_where_they_apply(tuned_file, monk
     ({"down": {"TILE": 2}}, "down: expected fields of"),
     ({"attention_fp8": {"PAGE_IDS": "64"}}, "attention_fp8: expected fields of"),
     ({"gate_up": {"QUANT_OUT": 1}}, "gate_up: expected fields of"),
+    # values Triton would fail on at compile time, deep in a step
+    ({"skinny": {"BLOCK_N": 48}}, "skinny.BLOCK_N: expected a power of two, got 48"),
+    ({"down": {"num_warps": 6}}, "down.num_warps: expected a power of two, got 6"),
+    ({"attention_fp8": {"PAGE_IDS": 24}}, "PAGE_IDS: expected 0 or a power of two, got 24"),
+    ({"attention_16bit": {"PROGRAMS_PER_SM": 0}}, "expected a positive integer, got 0"),
+    ({"gate_up": {"num_stages": -1}}, "gate_up.num_stages: expected a positive integer"),
 ])
 def test_a_bad_tuned_file_exits_in_one_line_naming_it(tuned_file, spec, says):
     path = tuned_file(spec)
