@@ -61,8 +61,6 @@ FUSED_ROUTER = os.environ.get("CPMOE_FUSED_ROUTER", "1") != "0"
 FUSED_ROUTER_MAX_ROWS = 256  # decode batches; prefill's rows take the GEMM
 _ROUTER_BLOCK_M = 16  # tl.dot's least
 _ROUTER_SPLITS = 16  # K ranges: a wave of programs at batch 64 reads the weight once
-_COUNTERS: dict = {}  # device -> int32 [_MAX_ROW_BLOCKS], zero between launches
-_MAX_ROW_BLOCKS = FUSED_ROUTER_MAX_ROWS // _ROUTER_BLOCK_M
 # Triton's interpreter returns garbage from tl.dot on bf16 operands: there the dots take
 # the same values in float32 (exact products, as the tensor cores' are)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -75,14 +73,14 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormali
     the two ops."""
     N, H = x.shape
     E = weight.shape[0]
-    counters = _counters(x) if _fusable(x, weight, k) else None
+    m_blocks = triton.cdiv(N, _ROUTER_BLOCK_M) if _fusable(x, weight, k) else 0
+    counters = launch.arrival_counts(x.device, "router", m_blocks) if m_blocks else None
     if counters is None:
         return softmax_topk(F.linear(x, weight), k, renormalize, dtype)
     block_k = min(128, triton.next_power_of_2(H))
     tiles = triton.cdiv(H, block_k)
     per_split = triton.cdiv(tiles, min(_ROUTER_SPLITS, tiles)) * block_k  # whole tiles
     splits = triton.cdiv(H, per_split)
-    m_blocks = triton.cdiv(N, _ROUTER_BLOCK_M)
     e_pow2 = triton.next_power_of_2(E)
     x, weight = x.contiguous(), weight.contiguous()
     partial = torch.empty(splits, m_blocks * _ROUTER_BLOCK_M, e_pow2, dtype=torch.float32,
@@ -90,7 +88,7 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormali
     ids = torch.empty((N, k), dtype=torch.int64, device=x.device)
     weights = torch.empty((N, k), dtype=dtype, device=x.device)
     _router_topk_kernel[(m_blocks, splits)](
-        x, weight, partial, counters, ids, weights, N, H, E, per_split, splits, K=k,
+        x, weight, partial, counters, ids, weights, N, H, E, per_split, SPLITS=splits, K=k,
         RENORM=renormalize, BLOCK_M=_ROUTER_BLOCK_M, BLOCK_K=block_k, E_POW2=e_pow2,
         K_POW2=triton.next_power_of_2(k), UPCAST=_INTERPRET, num_warps=4, **pdl_args(x))
     return ids, weights
@@ -105,21 +103,6 @@ def _fusable(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
         return False
     # on CUDA a 16-bit x (tl.dot rounds float32 to TF32; the interpreter computes in float32)
     return not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16)
-
-
-def _counters(x: torch.Tensor) -> torch.Tensor | None:
-    """The row blocks' arrival counts on x's device, zeroed once (each launch's last program
-    zeroes its block's again). None while a CUDA graph is being captured before any eager
-    launch made them: a zeroing captured in the graph would not have run at the first
-    eager launch (the engine's warm-up runs eagerly first, so this does not happen there)."""
-    counters = _COUNTERS.get(x.device)
-    if counters is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[x.device] = torch.zeros(_MAX_ROW_BLOCKS, dtype=torch.int32,
-                                                     device=x.device)
-    return counters
-
 
 
 if triton is not None:

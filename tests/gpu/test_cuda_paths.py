@@ -285,7 +285,7 @@ def test_router_with_its_matmul_matches_float64_at_decode_rows(rows):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed[0], ids) and torch.equal(replayed[1], wt)
-    assert not ops.routing._COUNTERS[x.device].any()
+    assert not ops.launch._ARRIVALS[(x.device, "router")].any()
 
 
 @cuda

@@ -243,7 +243,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         dense = torch.zeros(N, E).scatter_(1, ids, w.float())
         ref_dense = torch.zeros(N, E).scatter_(1, ref_ids, ref_w.float())
         torch.testing.assert_close(dense[clear], ref_dense[clear], rtol=tol, atol=tol)
-    assert not ops.routing._COUNTERS[x.device].any()
+    assert not ops.launch._ARRIVALS[(x.device, "router")].any()
 print("kernels ok")
 """
 
