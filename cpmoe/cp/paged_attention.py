@@ -51,8 +51,9 @@ B >= 67 -> 1 (no merge); B = 1 at 1K context -> 8. A tuned file's PROGRAMS_PER_S
 the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the four. Measured on an
 H200 (bf16, H 32, Hkv 4, D 128, page 16, all rows full, S swept; splits merged by stage
 2): for B = 1..256 at 1K, 4K and 32K context the rule's S was the fastest or within 3% of
-it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of the same ratio was up to 1.3x slower (a second, mostly idle wave). Depends on shapes only, so
-a captured graph keeps its count. Bandwidth reached (K/V bytes / time, graph replay): B = 16
+it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of the same ratio was up to 1.3x
+slower (a second, mostly idle wave). Depends on shapes only, so a captured graph keeps its
+count. Bandwidth reached (K/V bytes / time, graph replay): B = 16
 at 32K 4.3 TB/s (about a device-to-device copy's), B = 64 at 1K 3.3 TB/s, B = 256 at 1K 4.2.
 
 CPU (or no Triton): `paged_decode_attention_ref`, a float32 torch expression vectorised over
