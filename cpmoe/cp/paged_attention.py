@@ -424,7 +424,7 @@ if triton is not None:
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
+    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh", "B"])  # l_*: H S, S
     def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, kvs_ptr,
                              scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
