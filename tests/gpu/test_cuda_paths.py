@@ -252,7 +252,7 @@ def test_triton_ops_match_references_at_model_shapes():
 
 
 @cuda
-@pytest.mark.parametrize("rows", [1, 64, 200])
+@pytest.mark.parametrize("rows", [64, 200])
 def test_router_with_its_matmul_matches_float64_at_decode_rows(rows):
     """`ops.router_softmax_topk` (the matmul's 16 K ranges and the top-k in one kernel) at
     Qwen3-30B-A3B's router (H 2048, 128 experts, top-8, renormalised) in bf16, against the
@@ -278,6 +278,9 @@ def test_router_with_its_matmul_matches_float64_at_decode_rows(rows):
     torch.testing.assert_close(dense[clear], ref_dense[clear], rtol=2e-2, atol=2e-2)
     again = ops.router_softmax_topk(x, w, 8, True, bf)
     assert torch.equal(again[0], ids) and torch.equal(again[1], wt)
+    # a row's logits do not depend on the rows beside it: batch 1 is row 0's
+    one = ops.router_softmax_topk(x[:1], w, 8, True, bf)
+    assert torch.equal(one[0], ids[:1]) and torch.equal(one[1], wt[:1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = ops.router_softmax_topk(x, w, 8, True, bf)
