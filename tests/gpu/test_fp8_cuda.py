@@ -125,7 +125,7 @@ def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits
         paged_attention.MERGE_IN_STAGE1 = True
     print(f"\nsplit merge, stage 1 vs stage 2: max |o diff| "
           f"{(o.float() - o2.float()).abs().max().item():.3e}")
-    torch.testing.assert_close(o2, o, rtol=2 ** -8, atol=1e-5)  # a bf16 rounding apart
+    torch.testing.assert_close(o2, o, rtol=2 ** -7, atol=1e-5)  # a bf16 ulp apart at most
     qr2, sr2 = fp8.quantize_act_ref(o2.view(B, H * D), 128)
     assert torch.equal(q2.view(torch.uint8), qr2.view(torch.uint8)) and torch.equal(s2, sr2)
 
