@@ -139,7 +139,7 @@ def take_cuda_paths() -> None:
     ops.launch.use_triton = lambda x: False  # fused ops: their reference, counted as one op
     for mod, names in ((qwen, ("norm_rope", "merge_two_attention", "qkv_norm_rope_store",
                                "paged_decode_attention")),
-                       (layers, ("add_rms_norm",)), (router, ("router_softmax_topk",)),
+                       (layers, ("add_rms_norm",)), (router, ("softmax_topk",)),
                        (experts, ("silu_and_mul", "weighted_row_sum")),
                        (communicator, ("merge_partials",))):
         for n in names:

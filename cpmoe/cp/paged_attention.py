@@ -32,13 +32,10 @@ key gets o = 0 and lse = -inf (it weighs zero in a merge).
 CUDA (and TRITON_INTERPRET=1): a two-stage split-K Triton kernel. Stage 1 runs one program
 per (row, KV head, split): it loads the G query heads of that KV head once and streams the
 split's share of the row's keys, so each K/V tile is read once per KV head, and writes a
-partial o and lse per split. The S partials of each (row, head) are merged by the last of
-the (row, KV head)'s S programs to finish (they count their arrival; the merge reads the
-partials in split order, so its result does not depend on which came last), or by a second
-kernel, stage 2, where no arrival counts are at hand (`launch.arrival_counts`) or
-$CPMOE_DECODE_SPLIT_MERGE=stage2. With S = 1 stage 1 writes o and lse directly. A split is
-a whole number of BLOCK_N-key tiles (64 keys; 32 when D > 128), so a short row leaves some
-splits empty (they write o = 0, lse = -inf and weigh nothing). CUDA-graph safe: grids depend only
+partial o and lse per split. Stage 2 merges the S partials of each (row, head). With S = 1
+stage 1 writes o and lse directly and stage 2 is skipped. A split is a whole number of
+BLOCK_N-key tiles (64 keys; 32 when D > 128), so a short row leaves some splits empty (they
+write o = 0, lse = -inf and weigh nothing). CUDA-graph safe: grids depend only
 on shapes and num_splits, per-row split bounds are computed on the device from kv_lens, and
 the work buffers (fp32 o [B, H, S, D] and lse [B, H, S]) are sized by shapes only; pass
 `workspace=(o_part, lse_part)` of those shapes to reuse buffers.
@@ -47,13 +44,12 @@ Default num_splits (`default_num_splits`): as many (row, KV head, split) program
 one wave of about four per SM, S = floor(4 * num_SMs / (B * Hkv)), but no split shorter than
 128 tokens of the longest row the table can hold (S <= P * page_size // 128) and at most 64;
 at least 1. On an H200 (132 SMs) with Hkv = 4: B = 16 -> 8 splits, B = 32 -> 4, B = 64 -> 2,
-B >= 67 -> 1 (no merge); B = 1 at 1K context -> 8. A tuned file's PROGRAMS_PER_SM for
-the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the four. Measured on an
-H200 (bf16, H 32, Hkv 4, D 128, page 16, all rows full, S swept; splits merged by stage
-2): for B = 1..256 at 1K, 4K and 32K context the rule's S was the fastest or within 3% of
-it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of the same ratio was up to 1.3x
-slower (a second, mostly idle wave). Depends on shapes only, so a captured graph keeps its
-count. Bandwidth reached (K/V bytes / time, graph replay): B = 16
+B >= 67 -> 1 (no stage 2); B = 1 at 1K context -> 8. A tuned file's PROGRAMS_PER_SM for
+the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the four. Measured on an H200 (bf16, H 32, Hkv 4,
+D 128, page 16, all rows full, S swept): for B = 1..256 at 1K, 4K and 32K context the rule's
+S was the fastest or within 3% of it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of
+the same ratio was up to 1.3x slower (a second, mostly idle wave). Depends on shapes only, so
+a captured graph keeps its count. Bandwidth reached (K/V bytes / time, graph replay): B = 16
 at 32K 4.3 TB/s (about a device-to-device copy's), B = 64 at 1K 3.3 TB/s, B = 256 at 1K 4.2.
 
 CPU (or no Triton): `paged_decode_attention_ref`, a float32 torch expression vectorised over
@@ -71,7 +67,7 @@ import torch
 from cpmoe.cp.kv_cache import KV_CACHE_DTYPES
 from cpmoe.ops import pdl_args, triton, unit_kv_scale, use_triton
 from cpmoe.ops.fp8 import offer_quantized
-from cpmoe.ops.launch import arrival_counts, tuned
+from cpmoe.ops.launch import tuned
 
 if triton is not None:
     import triton.language as tl
@@ -85,10 +81,6 @@ _MAX_DEFAULT_SPLITS = 64
 _PROGRAMS_PER_SM = 4
 _DEFAULT_SMS = 132  # an H200; used when the tensors are not on a CUDA device (interpreter)
 _REF_CHUNK_ELEMENTS = 1 << 24  # gathered K elements per chunk of rows in the reference
-# Splits merged by the last of each (row, KV head)'s stage-1 programs (their arrival counted
-# at `launch.arrival_counts`) rather than by stage 2's launch; $CPMOE_DECODE_SPLIT_MERGE=stage2
-# launches stage 2 (for A/B runs of a whole step)
-MERGE_IN_STAGE1 = os.environ.get("CPMOE_DECODE_SPLIT_MERGE", "stage1") != "stage2"
 
 
 # ---- checks and dispatch -------------------------------------------------------------------
@@ -132,8 +124,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            quant_group: int | None = None, kv_scale: torch.Tensor | None = None,
                            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
-    quant_group == D: where splits are merged, the merge also quantizes each head's output to
-    FP8 (one 1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
+    quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
+    1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
     launches no quantization: `ops.fp8.offer_quantized`). config: stage 1's tile and launch
     (`stage1_config`'s keys; a benchmark's sweep), default `stage1_config`'s."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
@@ -273,17 +265,6 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                k_cache.storage_offset(), v_cache.storage_offset()))
     if cfg["WORDS"]:  # four codes an int32 word (strides below in words)
         k_in, v_in = k_cache.view(torch.int32), v_cache.view(torch.int32)
-    q8 = s_t = o_BHD  # any pointer when not quantizing
-    if quant and num_splits > 1:
-        q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn, device=q_BHD.device)
-        s_t = torch.empty(H, B, dtype=torch.float32, device=q_BHD.device)
-    counts = (arrival_counts(q_BHD.device, "paged_decode", B * Hkv)
-              if num_splits > 1 and MERGE_IN_STAGE1 else None)
-    merge = {}
-    if counts is not None:
-        merge = dict(MERGE=True, QUANT=quant, count_ptr=counts, out_ptr=o_BHD,
-                     lse_out_ptr=lse_BH, q8_ptr=q8, s8_ptr=s_t, out_sb=o_BHD.stride(0),
-                     out_sh=o_BHD.stride(1), lse_sb=lse_BH.stride(0), B=B)
     _paged_decode_stage1[(B, Hkv, num_splits)](
         q_BHD, k_in, v_in, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
@@ -293,17 +274,20 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
         IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
-        KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, **merge, **cfg,
-        **pdl_args(q_BHD))
-    if num_splits > 1 and not merge:
+        KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, **cfg, **pdl_args(q_BHD))
+    if num_splits > 1:
+        q8 = s_t = o_BHD  # any pointer when not quantizing
+        if quant:
+            q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn, device=q_BHD.device)
+            s_t = torch.empty(H, B, dtype=torch.float32, device=q_BHD.device)
         _paged_decode_stage2[(B, H)](
             o_part, lse_part, o_BHD, lse_BH, q8, s_t, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
             o_BHD.stride(1), lse_BH.stride(0), B, D, num_splits,
             BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant,
             **pdl_args(q_BHD))
-    if quant and num_splits > 1:
-        offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
+        if quant:
+            offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
 
 
@@ -424,7 +408,7 @@ if triton is not None:
 
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
-    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh", "B"])  # l_*: H S, S
+    @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
     def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, kvs_ptr,
                              scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
@@ -434,10 +418,7 @@ if triton is not None:
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                              KV_FP8: tl.constexpr = False, KV_F16: tl.constexpr = False,
                              WORDS: tl.constexpr = False, E5M2: tl.constexpr = False,
-                             PAGE_IDS: tl.constexpr = 0, MERGE: tl.constexpr = False,
-                             QUANT: tl.constexpr = False, count_ptr=None, out_ptr=None,
-                             lse_out_ptr=None, q8_ptr=None, s8_ptr=None, out_sb=0, out_sh=0,
-                             lse_sb=0, B=0):
+                             PAGE_IDS: tl.constexpr = 0):
         """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
         captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
         widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
@@ -452,10 +433,6 @@ if triton is not None:
         which keeps Triton's pipeline from copying a tile ahead of the one in use (its
         buffers stay single: the copies of tile i + 1 are issued after tile i's dots and
         waited for at the top of the next iteration).
-        MERGE (NUM_SPLITS > 1): the (row, KV head)'s splits count their arrival at
-        count_ptr[b * Hkv + kvh] once their partials are stored, and the last merges the
-        NUM_SPLITS partials in split order into out / lse_out, stage 2's work and
-        arithmetic (`_merge_splits`; QUANT as stage 2's), with no second launch.
         """
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -526,50 +503,6 @@ if triton is not None:
         tl.store(o_ptr + b * o_sb + heads[:, None] * o_sh + split * o_ss + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
-        if MERGE:
-            # every thread's stores before the count (the release of the one thread that
-            # counts covers what the program's barrier ordered before it)
-            tl.debug_barrier()
-            count = count_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                _merge_splits(o_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
-                              lse_ptr + b * l_sb + heads * l_sh, o_ss, l_ss, NUM_SPLITS,
-                              out_ptr + b * out_sb + heads[:, None] * out_sh + d[None, :],
-                              lse_out_ptr + b * lse_sb + heads, q8_ptr, s8_ptr, b, heads,
-                              d, g_ok, d_ok, B, tl.num_programs(1) * GROUP, HEAD_DIM, QUANT)
-                tl.atomic_xchg(count, 0)  # for the next launch
-
-    @triton.jit
-    def _merge_splits(op, lp, o_ss, l_ss, NUM_SPLITS, out, lse_out, q8_ptr, s8_ptr, b, heads,
-                      d, g_ok, d_ok, B, H, HEAD_DIM, QUANT: tl.constexpr):
-        """The heads' NUM_SPLITS partial outputs (op + s * o_ss, [G_PAD, D_PAD] pointers)
-        and lse (lp + s * l_ss) merged in split order, as `_paged_decode_stage2` merges
-        them: o to out in its dtype, lse to lse_out; QUANT: o rounded to out's dtype also
-        to q8 [B, H * D] in FP8, its scale at s8 [H, B]. Loads of L2 (.cg): the partials
-        were written by other programs."""
-        mask = g_ok[:, None] & d_ok[None, :]
-        m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
-        for s in range(0, NUM_SPLITS):
-            m = tl.maximum(m, tl.load(lp + s * l_ss, mask=g_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
-        m = tl.where(m == float("-inf"), 0.0, m)  # no key at all: every weight below is 0
-        total = tl.zeros(heads.shape, dtype=tl.float32)
-        acc = tl.zeros(op.shape, dtype=tl.float32)
-        for s in range(0, NUM_SPLITS):
-            w = tl.exp(tl.load(lp + s * l_ss, mask=g_ok, other=float("-inf"),
-                               cache_modifier=".cg") - m)
-            acc += w[:, None] * tl.load(op + s * o_ss, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
-            total += w
-        empty = total == 0.0
-        total = tl.where(empty, 1.0, total)
-        o = (acc / total[:, None]).to(out.dtype.element_ty)
-        tl.store(out, o, mask=mask)
-        tl.store(lse_out, tl.where(empty, float("-inf"), m + tl.log(total)), mask=g_ok)
-        if QUANT:  # one group a head (D_PAD == HEAD_DIM)
-            q8, s8 = quantize_rows(o.to(tl.float32))
-            tl.store(q8_ptr + (b * H + heads[:, None]) * HEAD_DIM + d[None, :], q8, mask=mask)
-            tl.store(s8_ptr + heads * B + b, s8, mask=g_ok)
 
     # likewise: no specialization on the sizes that change every step (lp_*: H S, S)
     @triton.jit(do_not_specialize=["B", "NUM_SPLITS", "lp_sb", "lp_sh"])

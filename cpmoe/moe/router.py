@@ -3,8 +3,7 @@
 Qwen2/3-MoE: softmax over expert logits in fp32, top-k, renormalise when `norm_topk_prob`,
 weights cast back to the activation dtype -- the order of operations of HF transformers (on
 CUDA in one Triton pass, `ops.softmax_topk`, which breaks exact ties toward the lower expert
-id; torch.topk leaves their order unspecified). A decode step's few rows take the matmul and
-the top-k in one kernel (`ops.router_softmax_topk`).
+id; torch.topk leaves their order unspecified).
 
 Legend: N = tokens, H = hidden, E = experts, K = top-k.
 """
@@ -13,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from cpmoe.linear import param
-from cpmoe.ops import router_softmax_topk
+from cpmoe.ops import softmax_topk
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -31,5 +31,5 @@ class SoftmaxTopKRouter(nn.Module):
         """-> (topk_ids_NK int64 global expert ids, topk_weights_NK in x's dtype)."""
         if self.calibration is not None:
             self.calibration.redraw(self.weight, x_NH)
-        return router_softmax_topk(x_NH, self.weight, self.top_k, self.norm_topk_prob,
-                                   x_NH.dtype)
+        return softmax_topk(F.linear(x_NH, self.weight), self.top_k, self.norm_topk_prob,
+                            x_NH.dtype)

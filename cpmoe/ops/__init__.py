@@ -8,8 +8,7 @@ layers (cp, moe, linear) and the FP8 modules (quant).
 - `norm`: `norm_rope` (`norm_rope_fp8`: in e4m3 for FP8 attention), `qkv_norm_rope_store`
   (with `to_kv_cache` / `kv_max` and a layer's K/V scales: `unit_kv_scale`,
   `fill_kv_scale`), `add_rms_norm`, `rms_norm_fp32_weight`.
-- `routing`: `softmax_topk` (the Qwen router after its matmul), `router_softmax_topk` (with
-  its matmul, for a decode step's rows).
+- `routing`: `softmax_topk` (the Qwen router after its matmul).
 - `merge`: `merge_partials`, `merge_two_attention` (partial attention over disjoint keys).
 - `fp8`: FP8 formats and scale arithmetic, `quantize_act` / `swiglu_quantize` and the rows
   a kernel offers already quantized.
@@ -29,12 +28,12 @@ from cpmoe.ops.norm import (add_rms_norm, add_rms_norm_ref, fill_kv_scale, kv_ma
                             qkv_norm_rope_store_fp8, qkv_norm_rope_store_fp8_ref,
                             qkv_norm_rope_store_ref, rms_norm_fp32_weight, to_kv_cache,
                             unit_kv_scale)
-from cpmoe.ops.routing import router_softmax_topk, softmax_topk, softmax_topk_ref
+from cpmoe.ops.routing import softmax_topk, softmax_topk_ref
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "clamped_swiglu", "clamped_swiglu_ref",
            "fill_kv_scale", "kv_max", "merge_partials", "merge_two_attention", "norm_rope",
-           "norm_rope_fp8", "norm_rope_fp8_ref", "norm_rope_ref", "pdl_args",
-           "qkv_norm_rope_store", "qkv_norm_rope_store_fp8", "qkv_norm_rope_store_fp8_ref",
-           "qkv_norm_rope_store_ref", "rms_norm_fp32_weight", "router_softmax_topk",
-           "silu_and_mul", "silu_and_mul_ref", "softmax_topk", "softmax_topk_ref", "to_kv_cache",
-           "triton", "unit_kv_scale", "use_triton", "weighted_row_sum", "weighted_row_sum_ref"]
+           "norm_rope_fp8", "norm_rope_fp8_ref", "norm_rope_ref", "pdl_args", "qkv_norm_rope_store",
+           "qkv_norm_rope_store_fp8", "qkv_norm_rope_store_fp8_ref", "qkv_norm_rope_store_ref",
+           "rms_norm_fp32_weight", "silu_and_mul", "silu_and_mul_ref", "softmax_topk",
+           "softmax_topk_ref", "to_kv_cache", "triton", "unit_kv_scale", "use_triton",
+           "weighted_row_sum", "weighted_row_sum_ref"]

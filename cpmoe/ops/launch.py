@@ -5,8 +5,6 @@
 - `pdl_args(x)` and `wait_for_producer(PDL)`: programmatic dependent launch, for the
   kernels of a decode step (see `pdl_args`).
 - `tuned(kernel)`: a decode kernel's tiles from $CPMOE_DECODE_KERNELS_CONFIG, if set.
-- `arrival_counts(device, kernel, n)`: zeroed counters for kernels whose last program of a
-  group finishes the group's work (no second launch).
 """
 
 from __future__ import annotations
@@ -76,30 +74,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-
-# ---- arrival counts ------------------------------------------------------------------------
-
-ARRIVAL_COUNTS = 1 << 16  # counters a kernel may use: (row, KV head) pairs of decode attention
-_ARRIVALS: dict[tuple[torch.device, str], torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, kernel: str, n: int) -> torch.Tensor | None:
-    """int32 counters [n], zero, for `kernel`'s launches on `device`: its programs count their
-    arrival (an acq_rel atomic add after their partial results are stored), the last of a
-    group finishes the group's work from the others' partials, and zeroes its counter again
-    before the launch ends. One buffer per (device, kernel) for the process, so a captured
-    CUDA graph and eager launches use the same (launches of one kernel on one stream run one
-    after another). None when n > ARRIVAL_COUNTS, or while a CUDA graph is being captured
-    before an eager launch made the buffer (its zeroing would be captured, not run): the
-    caller then takes its path without counts."""
-    counts = _ARRIVALS.get((device, kernel))
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _ARRIVALS[(device, kernel)] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32,
-                                                           device=device)
-    return counts[:n] if n <= ARRIVAL_COUNTS else None
 
 
 # ---- tuned tiles -----------------------------------------------------------------------------

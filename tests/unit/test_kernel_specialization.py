@@ -137,7 +137,6 @@ stage2 = record(paged_attention, "_paged_decode_stage2")
 k = v = torch.zeros(64, 16, 4, 128, dtype=torch.bfloat16)
 table, lens = torch.arange(64, dtype=torch.int32).view(4, 16), torch.full((4,), 200)
 unit = paged_attention.unit_kv_scale(torch.device("cpu"))
-paged_attention.MERGE_IN_STAGE1 = False  # the splits merged by stage 2's launch
 for splits in (9, 12, 15, 16):  # the CUDA path itself (paged_decode_attention's, on CPU)
     paged_attention._paged_decode_triton(torch.randn(4, 32, 128, dtype=torch.bfloat16), k, v,
                                          table, lens, 0.1, splits, torch.bfloat16, None,
@@ -145,28 +144,6 @@ for splits in (9, 12, 15, 16):  # the CUDA path itself (paged_decode_attention's
 assert len(stage2.calls) == 4
 bad["decode attention stage 1"] = stage1.specialized_and_varying()
 bad["decode attention stage 2"] = stage2.specialized_and_varying()
-# merged by stage 1's last programs (the default), its FP8 rows for o_proj too: the rows
-# of eager decode steps at one split count
-paged_attention.MERGE_IN_STAGE1 = True
-merged = stage1
-merged.calls.clear()
-for rows in (4, 5, 16, 17):
-    paged_attention._paged_decode_triton(
-        torch.randn(rows, 32, 128, dtype=torch.bfloat16), k, v, table[:1].expand(rows, 16),
-        torch.full((rows,), 200), 0.1, 3, torch.bfloat16, None, True, unit)
-assert all(c.get("B") for c in merged.calls)  # the merge's launches
-bad["decode attention, splits merged in stage 1"] = merged.specialized_and_varying()
-
-# the decode router (its matmul and top-k in one kernel) at rows of one tile
-from cpmoe.ops import routing
-router = record(routing, "_router_topk_kernel")
-routing._fusable = lambda *a: True  # the CUDA path on CPU tensors
-for rows in (17, 18, 24, 32):
-    routing.router_softmax_topk(torch.randn(rows, 2048, dtype=torch.bfloat16),
-                                torch.randn(128, 2048, dtype=torch.bfloat16), 8, True,
-                                torch.bfloat16)
-assert len(router.calls) == 4
-bad["decode router"] = router.specialized_and_varying()
 assert not any(bad.values()), f"specialized on the step's rows: {bad}"
 print("rows never specialized")
 """

@@ -173,11 +173,6 @@ for fn, pointers, constexprs, unaligned in (
          {"HAS_NORM": True, "HEADS": 32, "KV_HEADS": 4, "HALF": 64}, ("kv_heads",)),
         (ops.routing._softmax_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i64", "w_ptr": bf16},
          {"K": 8, "RENORM": True, "BLOCK": 16, "E_POW2": E, "K_POW2": 8}, ("N",)),
-        (ops.routing._router_topk_kernel,
-         {"x_ptr": bf16, "w_ptr": bf16, "part_ptr": "*fp32", "count_ptr": "*i32",
-          "ids_ptr": "*i64", "wout_ptr": bf16},
-         {"K": 8, "RENORM": True, "BLOCK_M": 16, "BLOCK_K": 128, "E_POW2": E, "K_POW2": 8,
-          "SPLITS": 16}, ("N",)),
         (fused_moe._align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i32", "counts_ptr": "*i32"},
          {"BLOCK_P": 512}, ("P", "cap")),
         (fused_moe._slot_sum_kernel,
@@ -217,20 +212,6 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
             ("bt_sb", "NUM_SPLITS", "GROUP"), {"num_warps": 4, "num_stages": stages})
         ahead = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)} - {0}
         assert bool(ahead) == (ids > 0), (ids, ahead)
-    # as a decode step of several splits launches it: the last program of each (row, KV
-    # head) merges the splits (their arrival counted by an acq_rel atomic, the partials read
-    # from L2) and writes the heads' FP8 rows for o_proj; the tiles still copied by cp.async
-    ptx = compile_sm90(
-        paged_attention._paged_decode_stage1,
-        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32",
-         "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
-         "count_ptr": "*i32", "out_ptr": bf16, "lse_out_ptr": "*fp32", "q8_ptr": "*fp8e4nv",
-         "s8_ptr": "*fp32"},
-        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
-             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", MERGE=True,
-             QUANT=True), ("bt_sb", "NUM_SPLITS", "GROUP", "B"), options)
-    assert "atom.global.gpu.acq_rel.add" in waits_first(ptx, ("stage 1 merged", fmt))
-    assert "ld.global.cg" in ptx and "cp.async" in ptx and "e4m3x2" in ptx, fmt
     ptx = compile_sm90(
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,

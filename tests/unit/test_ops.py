@@ -225,25 +225,6 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         assert ids.dtype == torch.int64 and w.dtype == dtype and ids[3, 0] == 5
         torch.testing.assert_close(w.float(), ref_w.float(), rtol=tol, atol=tol)
         assert torch.equal(torch.sort(ids).values, torch.sort(ref_ids).values) or k == 1
-    # the router with its matmul (a decode step's rows): 16-row blocks x K ranges (16 of 128
-    # columns at H 2048; 2 at H 200, the second partial), their partial logits summed in
-    # range order and rounded to the dtype. Against the float64 matmul through the torch
-    # router, as dense [N, E] weights, on the rows whose top-k cut is clear of the logits'
-    # rounding (4 ulps of the largest)
-    ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
-    for N, H, E, k in ((20, 2048, 60, 4), (3, 200, 128, 8)):
-        x, wr = torch.randn(N, H).to(dtype), (torch.randn(E, H) / H ** 0.5).to(dtype)
-        for _ in range(2):  # the launch's last programs zero the arrival counts again
-            ids, w = ops.router_softmax_topk(x, wr, k, True, dtype)
-        exact = x.double() @ wr.double().T
-        ref_ids, ref_w = ops.softmax_topk_ref(exact.to(dtype), k, True, dtype)
-        ranked = exact.sort(dim=-1, descending=True).values
-        clear = ranked[:, k - 1] - ranked[:, k] > 4 * ulp * ranked[:, 0].abs()
-        assert clear.float().mean() > 0.5 and ids.dtype == torch.int64 and w.dtype == dtype
-        dense = torch.zeros(N, E).scatter_(1, ids, w.float())
-        ref_dense = torch.zeros(N, E).scatter_(1, ref_ids, ref_w.float())
-        torch.testing.assert_close(dense[clear], ref_dense[clear], rtol=tol, atol=tol)
-    assert not ops.launch._ARRIVALS[(x.device, "router")].any()
 print("kernels ok")
 """
 
