@@ -122,20 +122,41 @@ def _tuned_file() -> dict[str, dict]:
             raise SystemExit(f"{TUNED_ENV}={path}: {kernel}: expected fields of "
                              f"{ {k: t.__name__ for k, t in types.items()} }, got {bad}")
         for field, value in fields.items():
-            if type(value) is int and not _in_range(field, value):
+            if type(value) is int and not _in_range(kernel, field, value):
                 raise SystemExit(f"{TUNED_ENV}={path}: {kernel}.{field}: expected "
-                                 f"{_RANGES.get(field, 'a positive integer')}, got {value}")
+                                 f"{_expected(kernel, field)}, got {value}")
     return spec
 
 
-# tile sizes, warps and PAGE_IDS are powers of two (Triton's block shapes and launches)
-_RANGES = {"BLOCK_N": "a power of two", "BLOCK_K": "a power of two",
-           "num_warps": "a power of two", "PAGE_IDS": "0 or a power of two"}
+# tile sizes are powers of two of at least 16 (Triton's block shapes; tl.dot's least
+# operand side), warps and PAGE_IDS powers of two; the experts' column tiles divide the
+# weights' 128-column scale blocks (fused_moe._gemm's condition)
+_RANGES = {"BLOCK_N": (16, None), "BLOCK_K": (16, None), "num_warps": (1, None),
+           "PAGE_IDS": (0, None)}
+_KERNEL_RANGES = {("gate_up", "BLOCK_N"): (16, 128), ("down", "BLOCK_N"): (16, 128)}
 
 
-def _in_range(field: str, value: int) -> bool:
-    if field == "PAGE_IDS" and value == 0:
+def _bounds(kernel: str, field: str) -> tuple[int, int | None] | None:
+    """(least, most) of a power-of-two field, None for a field that is any positive int"""
+    return _KERNEL_RANGES.get((kernel, field), _RANGES.get(field))
+
+
+def _expected(kernel: str, field: str) -> str:
+    bounds = _bounds(kernel, field)
+    if bounds is None:
+        return "a positive integer"
+    least, most = bounds
+    text = "0 or a power of two" if least == 0 else "a power of two"
+    text += f" of at least {least}" if least > 1 else ""
+    return text + (f" and at most {most}" if most else "")
+
+
+def _in_range(kernel: str, field: str, value: int) -> bool:
+    bounds = _bounds(kernel, field)
+    if bounds is None:
+        return value > 0
+    least, most = bounds
+    if least == 0 and value == 0:
         return True
-    if field in _RANGES:
-        return value > 0 and value & (value - 1) == 0
-    return value > 0
+    return (value > 0 and value & (value - 1) == 0 and value >= least
+            and (most is None or value <= most))

@@ -58,7 +58,13 @@ def test_tuned_tiles_replace_the_built_in_ones_where_they_apply(tuned_file, monk
     ({"attention_fp8": {"PAGE_IDS": "64"}}, "attention_fp8: expected fields of"),
     ({"gate_up": {"QUANT_OUT": 1}}, "gate_up: expected fields of"),
     # values Triton would fail on at compile time, deep in a step
-    ({"skinny": {"BLOCK_N": 48}}, "skinny.BLOCK_N: expected a power of two, got 48"),
+    ({"skinny": {"BLOCK_N": 48}}, "skinny.BLOCK_N: expected a power of two of at least 16, "
+                                  "got 48"),
+    ({"attention_fp8": {"BLOCK_N": 8}}, "attention_fp8.BLOCK_N: expected a power of two of "
+                                        "at least 16, got 8"),  # tl.dot's least side
+    # the experts' column tiles divide the weights' 128-column scale blocks
+    ({"gate_up": {"BLOCK_N": 256}}, "gate_up.BLOCK_N: expected a power of two of at least 16 "
+                                    "and at most 128, got 256"),
     ({"down": {"num_warps": 6}}, "down.num_warps: expected a power of two, got 6"),
     ({"attention_fp8": {"PAGE_IDS": 24}}, "PAGE_IDS: expected 0 or a power of two, got 24"),
     ({"attention_16bit": {"PROGRAMS_PER_SM": 0}}, "expected a positive integer, got 0"),
