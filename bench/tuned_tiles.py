@@ -4,14 +4,17 @@
         --out tuned.json [--margin 0.015]
 
 EXPERTS.json: `bench.decode_kernels --fp8` at one row count; ATTENTION.json:
-`bench.decode_attention` at one shape (either may be missing: its kernels keep their tiles).
+`bench.decode_attention` (either may be missing: its kernels keep their tiles).
 For each kernel of `cpmoe.ops.launch.TUNABLE` the sweep timed, the fastest tile replaces the
 built-in one when it is more than --margin faster: gate/up with QUANT_OUT is credited the
 `quantize_act` launch it saves down (the sweep's quantize_act line), and attention tiles
 are compared at the sweep's fewest rows (its first shape, the batch the file is for) over
 every split count: a winner at another count than `default_num_splits`' also sets
 PROGRAMS_PER_SM, the least that makes the rule give that count at those rows (so a larger
-batch splits less, as under the built-in 4). SKINNY.json (`bench.fp8_linear`, a finished
+batch splits less, as under the built-in 4), and a tile more than --margin slower than the
+built-in one at another row count swept, at the split count the rule gives it there, is not
+a choice (on an H100 at 8c0b059 the fastest at 64 rows, one split, was 15% slower at 128
+rows). SKINNY.json (`bench.fp8_linear`, a finished
 sweep): the skinny GEMM's tiles are compared by their time summed over the sweep's shapes
 (q/k/v and o_proj, each at the K split `skinny_split` gives it) at the sweep's most rows,
 and a tile more than --margin slower than the built-in one at any other row count swept is
@@ -57,7 +60,7 @@ def winners(experts: list[dict], attention: list[dict], margin: float,
               for g in ("gate_up", "down")]
     for dtype, kernel in (("fp8", "attention_fp8"), ("bf16", "attention_16bit")):
         groups.append((kernel, _attention_rows([r for r in attention
-                                                 if r.get("dtype") == dtype])))
+                                                 if r.get("dtype") == dtype], margin)))
     groups.append(("skinny", _skinny_rows(list(skinny), margin)))
     for kernel, rows in groups:
         default = [r for r in rows if r.get("default")]
@@ -80,21 +83,52 @@ def winners(experts: list[dict], attention: list[dict], margin: float,
     return choice, lines
 
 
-def _attention_rows(rows: list[dict]) -> list[dict]:
+def _attention_rows(rows: list[dict], margin: float) -> list[dict]:
     """The sweep's rows at its fewest rows a batch whose split count the rule can give: at
-    the built-in count as they are, at another with the PROGRAMS_PER_SM that gives it."""
+    the built-in count as they are, at another with the PROGRAMS_PER_SM that gives it. A
+    tile that is more than `margin` slower than the built-in one at another row count
+    swept, at the split count the rule gives it there, or not timed at that count, is left
+    out (the file's tiles serve every batch)."""
     if not rows:
         return []
-    fewest = min(r.get("rows", 0) for r in rows)
-    rows = [r for r in rows if r.get("rows", 0) == fewest]
-    built_in = next((r["splits"] for r in rows if r.get("default")), None)
+    counts = sorted({r.get("rows", 0) for r in rows})
+    at_fewest = [r for r in rows if r.get("rows", 0) == counts[0]]
+    built_in = next((r["splits"] for r in at_fewest if r.get("default")), None)
     kept = []
-    for r in rows:
-        if r.get("default") or r["splits"] == built_in:
+    for r in at_fewest:
+        if r.get("default"):
             kept.append(r)
-        elif (per_sm := _per_sm(r)) is not None:
-            kept.append(dict(r, PROGRAMS_PER_SM=per_sm))
+            continue
+        per_sm = None if r["splits"] == built_in else _per_sm(r)
+        if r["splits"] != built_in and per_sm is None:
+            continue
+        if all(_holds(rows, r, per_sm, m, margin) for m in counts[1:]):
+            kept.append(r if per_sm is None else dict(r, PROGRAMS_PER_SM=per_sm))
     return kept
+
+
+def _holds(rows: list[dict], tile: dict, per_sm: int | None, m: int, margin: float) -> bool:
+    """Whether the tile's row, under per_sm (None: the rule's built-in count), is at most
+    `margin` slower than the built-in tiles at m rows."""
+    default = next((r for r in rows if r.get("rows") == m and r.get("default")), None)
+    if default is None or not _SHAPE <= set(default):
+        return False
+    shape = _shape(default)
+    splits = (default_num_splits(*shape) if per_sm is None
+              else default_num_splits(*shape, programs_per_sm=per_sm))
+    same = [r for r in rows if r.get("rows") == m and not r.get("default")
+            and r["splits"] == splits and all(r.get(f) == tile.get(f) for f in _TILE)]
+    return bool(same) and same[0]["us"] <= (1.0 + margin) * default["us"]
+
+
+_SHAPE = {"rows", "keys", "kv_heads", "sms", "page"}  # what `default_num_splits` reads
+_TILE = ("BLOCK_N", "num_warps", "num_stages", "PAGE_IDS")  # a stage-1 tile, splits aside
+
+
+def _shape(row: dict) -> tuple[int, int, int, int, int]:
+    """`default_num_splits`' arguments for a sweep row's shape."""
+    return (row["rows"], row["kv_heads"], -(-row["keys"] // row["page"]), row["page"],
+            row["sms"])
 
 
 def _skinny_rows(rows: list[dict], margin: float) -> list[dict]:
@@ -146,12 +180,11 @@ def _built_in_skinny(rows: list[dict], m: int) -> tuple | None:
 def _per_sm(row: dict) -> int | None:
     """The least PROGRAMS_PER_SM for which `default_num_splits` gives the row's split count
     at its shape; None for a row without its shape or a count the rule never gives."""
-    if not {"rows", "keys", "kv_heads", "sms", "page"} <= set(row):
+    if not _SHAPE <= set(row):
         return None
-    shape = (row["rows"], row["kv_heads"], -(-row["keys"] // row["page"]), row["page"],
-             row["sms"])
     return next((n for n in range(1, 65)
-                 if default_num_splits(*shape, programs_per_sm=n) == row["splits"]), None)
+                 if default_num_splits(*_shape(row), programs_per_sm=n) == row["splits"]),
+                None)
 
 
 def main(argv: list[str] | None = None) -> int:

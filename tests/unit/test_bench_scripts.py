@@ -390,19 +390,33 @@ def test_tuned_tiles_keeps_the_built_in_tiles_unless_a_sweep_beats_them(tmp_path
         {"dtype": "fp8", **shape, "splits": 4, "us": 24.0, **tile, "num_stages": 4},
         {"dtype": "fp8", **shape, "splits": 2, "us": 26.0, **tile, "num_stages": 3},
         {"dtype": "fp8", **shape, "splits": 8, "us": 20.0, **tile, "num_stages": 5,
-         "keys": 100},  # 7 pages: the rule never gives 8 splits (128 keys a split at least)
+         "keys": 100}]  # 7 pages: the rule never gives 8 splits (128 keys a split at least)
+    # 128 rows: the built-in rule gives 1 split, 8 programs an SM give 2
+    at_128 = [
+        {"dtype": "fp8", **shape, "rows": 128, "default": True, "splits": 1, "us": 50.0,
+         "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "PAGE_IDS": 0},
+        {"dtype": "fp8", **shape, "rows": 128, "splits": 2, "us": 50.5, **tile,
+         "num_stages": 4},
+        {"dtype": "fp8", **shape, "rows": 128, "splits": 1, "us": 49.0, **tile,
+         "num_stages": 3},
         {"dtype": "fp8", **shape, "rows": 128, "splits": 1, "us": 10.0, **tile,
-         "num_stages": 2}]  # another batch: not this file's
-    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": attention}))
+         "num_stages": 4}]  # at a count its PROGRAMS_PER_SM does not give there: not its
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": attention + at_128}))
     assert main(args) == 0
     # 4 splits at 64 rows x 4 KV heads on 132 SMs: 8 programs an SM (7 give 3)
     assert json.loads((tmp_path / "t.json").read_text())["attention_fp8"] == dict(
         tile, num_stages=4, PROGRAMS_PER_SM=8)
-    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": [
-        r for r in attention if r["splits"] != 4]}))
+    # the same tile 20% slower than the built-in one at 128 rows: not a choice
+    at_128[1]["us"] = 60.0
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": attention + at_128}))
     assert main(args) == 0  # the built-in split count: no PROGRAMS_PER_SM
     assert json.loads((tmp_path / "t.json").read_text())["attention_fp8"] == dict(
         tile, num_stages=3)
+    # a tile not timed at 128 rows is not a choice either: nothing left to beat 32.0 us
+    (tmp_path / "a.json").write_text(json.dumps({"header": {}, "results": attention + [
+        r for r in at_128 if r["splits"] != 1 or r.get("default")]}))
+    assert main(args) == 0
+    assert "attention_fp8" not in json.loads((tmp_path / "t.json").read_text())
 
 
 def _skinny(rows: int, shape: str, us: float, bn: int = 64, split: int | None = None,
