@@ -17,7 +17,10 @@ per GEMM; writes JSON. --swiglu: gate/up as the experts run it since 568040c, wi
 SwiGLU in the kernel and each slot's token row read through `a_rows` (configs then need
 address loads, TMA ''; the default is `grouped_fp8_config(..., a_rows=True, swiglu=True)`);
 --gemms picks which of the two GEMMs are timed (the experts' two GEMMs share a tile map, so
-a pick for both needs one BM).
+a pick for both needs one BM). --rowwise: also `torch._scaled_grouped_mm` (CUTLASS) on the
+same sorted rows with one scale a row and one a weight column (the row-wise recipe; it has
+no block-scaled grouped form), its output checked against the row-wise dequantized float32
+product of the first 4 experts.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--swiglu", action="store_true",
                     help="gate/up with its SwiGLU in the kernel, rows through a_rows")
     ap.add_argument("--gemms", default="gate_up,down", help="which GEMMs to time")
+    ap.add_argument("--rowwise", action="store_true",
+                    help="also torch._scaled_grouped_mm with row-wise scales")
     args = ap.parse_args()
     torch.manual_seed(0)
     launches = ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))
@@ -124,6 +129,8 @@ def main() -> None:
                     best = (t, cfg)
             results.append({"gemm": name, "tokens": tokens, "ms": base, "default": True,
                             "bf16_ms": bf16, "tflops": flops / base / 1e9, **default})
+            if args.rowwise:
+                results.append(rowwise(name, tokens, a, w, offs, flops, bf16))
             print(f"{name:8s} {tokens:6d} tokens: bf16 grouped_mm {bf16:6.3f} ms "
                   f"({flops / bf16 / 1e9:5.0f} TFLOP/s) | FP8 default {base:6.3f} ms "
                   f"({flops / base / 1e9:5.0f}) {default} | best {best[0]:6.3f} ms "
@@ -131,6 +138,38 @@ def main() -> None:
                   f"{bf16 / best[0]:.2f}x", flush=True)
     with open(args.out, "w") as f:
         json.dump({"header": provenance(sys.argv), "results": results}, f, indent=1)
+
+
+def rowwise(name: str, tokens: int, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+            flops: int, bf16: float) -> dict:
+    """`torch._scaled_grouped_mm` on a [P, K] x w [E, N, K]^T: a quantized per row, w per
+    (expert, column), each at amax / 448 -> its result row."""
+    def per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+        return (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+
+    aq, a_s = per_row(a)
+    wq, w_s = per_row(w)  # [E, N, K], scales [E, N]
+    row = {"gemm": name, "tokens": tokens, "path": "_scaled_grouped_mm rowwise"}
+    try:
+        def run():
+            return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), a_s, w_s, offs=offs,
+                                            out_dtype=torch.bfloat16)
+        got = run()
+        ms = cuda_ms(run)
+    except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+        print(f"{name:8s} {tokens:6d} tokens: _scaled_grouped_mm rowwise: "
+              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+        return dict(row, error=f"{type(e).__name__}: {str(e)[:200]}")
+    end = int(offs[3])
+    starts = [0] + offs[:3].tolist()
+    want = torch.cat([(aq[s:e].float() * a_s[s:e, None]) @ (wq[i].float() * w_s[i, :, None]).t()
+                      for i, (s, e) in enumerate(zip(starts, offs[:4].tolist()))])
+    err = float((got[:end].float() - want).abs().max() / want.abs().max())
+    print(f"{name:8s} {tokens:6d} tokens: _scaled_grouped_mm rowwise {ms:6.3f} ms "
+          f"({flops / ms / 1e9:5.0f} TFLOP/s), bf16 / it {bf16 / ms:.2f}x, max error "
+          f"{err:.2e} of the largest output (4 experts)", flush=True)
+    return dict(row, ms=ms, tflops=flops / ms / 1e9, max_rel_err=err)
 
 
 if __name__ == "__main__":
