@@ -25,7 +25,8 @@
 #   bash bench/h200_engine.sh decode-tune OUT_DIR  # decode attention's, the FP8 experts'
 #                                               # and the skinny FP8 GEMM's tile sweeps
 #                                               # (attention at 64 / 128 rows, all split
-#                                               # counts), winners at 64 rows as
+#                                               # counts), winners at 64 rows (no slower
+#                                               # at 128 past the margin) as
 #                                               # OUT_DIR/tuned.json (bench.tuned_tiles),
 #                                               # then decode at 64 / 128 rows: bf16, FP8,
 #                                               # FP8 under the file (~3 min on an H100);
