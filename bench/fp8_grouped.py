@@ -36,7 +36,7 @@ from cpmoe.bench.provenance import provenance
 from cpmoe.bench.timing import cuda_ms
 from cpmoe.moe.experts import _grouped_mm
 from cpmoe.ops import fp8_gemm
-from cpmoe.ops.fp8 import quantize_act
+from cpmoe.ops.fp8 import quantize_act, quantize_act_ref
 
 E, H, I, TOP_K = 128, 2048, 768, 8
 
@@ -143,13 +143,12 @@ def main() -> None:
 def rowwise(name: str, tokens: int, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
             flops: int, bf16: float) -> dict:
     """`torch._scaled_grouped_mm` on a [P, K] x w [E, N, K]^T: a quantized per row, w per
-    (expert, column), each at amax / 448 -> its result row."""
-    def per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
-        return (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
-
-    aq, a_s = per_row(a)
-    wq, w_s = per_row(w)  # [E, N, K], scales [E, N]
+    (expert, column), each at amax / 448 (`quantize_act_ref` with one group a row) -> its
+    result row."""
+    E, N, K = w.shape
+    aq, a_s = quantize_act_ref(a, K)
+    wq, w_s = quantize_act_ref(w.reshape(E * N, K), K)
+    a_s, wq, w_s = a_s[:, 0], wq.view(E, N, K), w_s.view(E, N)
     row = {"gemm": name, "tokens": tokens, "path": "_scaled_grouped_mm rowwise"}
     try:
         def run():
@@ -158,9 +157,9 @@ def rowwise(name: str, tokens: int, a: torch.Tensor, w: torch.Tensor, offs: torc
         got = run()
         ms = cuda_ms(run)
     except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-        print(f"{name:8s} {tokens:6d} tokens: _scaled_grouped_mm rowwise: "
-              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
-        return dict(row, error=f"{type(e).__name__}: {str(e)[:200]}")
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"{name:8s} {tokens:6d} tokens: _scaled_grouped_mm rowwise: {error}", flush=True)
+        return dict(row, error=error)
     end = int(offs[3])
     starts = [0] + offs[:3].tolist()
     want = torch.cat([(aq[s:e].float() * a_s[s:e, None]) @ (wq[i].float() * w_s[i, :, None]).t()

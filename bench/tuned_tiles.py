@@ -99,8 +99,9 @@ def _attention_rows(rows: list[dict], margin: float) -> list[dict]:
         if r.get("default"):
             kept.append(r)
             continue
-        per_sm = None if r["splits"] == built_in else _per_sm(r)
-        if r["splits"] != built_in and per_sm is None:
+        if r["splits"] == built_in:
+            per_sm = None
+        elif (per_sm := _per_sm(r)) is None:
             continue
         if all(_holds(rows, r, per_sm, m, margin) for m in counts[1:]):
             kept.append(r if per_sm is None else dict(r, PROGRAMS_PER_SM=per_sm))
