@@ -198,6 +198,22 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
            causal: bool, stats: bool, scale: float) -> _Graph:
     import cudnn
 
+    g, t = operation_graph(nq, nk, heads, kv_heads, dim, causal, stats, scale)
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
+    return _Graph(g, t, workspace)
+
+
+def operation_graph(nq: int, nk: int, heads: int, kv_heads: int, dim: int, causal: bool,
+                    stats: bool, scale: float, padding: bool = True) -> tuple[object, dict]:
+    """The `sdpa_fp8` graph of a bucket, validated and lowered, before any plan -> (graph,
+    its tensors by name). padding: the real lengths come from the `seq_len_q` /
+    `seq_len_kv` device tensors; else the graph's lengths are the real ones (no such
+    tensors; bench.fp8_attention_plans times both)."""
+    import cudnn
+
     fp32, i32 = cudnn.data_type.FLOAT, cudnn.data_type.INT32
     g = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=fp32,
                       compute_data_type=fp32)
@@ -212,9 +228,13 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     t = {"q": rows("q", nq, heads), "k": rows("k", nk, kv_heads), "v": rows("v", nk, kv_heads)}
     for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
         t[name] = scalar(name)
-    for name in ("seq_len_q", "seq_len_kv"):
-        t[name] = g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=i32)
-    mask = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"])
+    mask = {}
+    if padding:
+        for name in ("seq_len_q", "seq_len_kv"):
+            t[name] = g.tensor(name=name, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1),
+                               data_type=i32)
+        mask = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"],
+                    seq_len_kv=t["seq_len_kv"])
     if causal:
         mask.update(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0)
     o, lse, amax_s, amax_o = g.sdpa_fp8(
@@ -233,11 +253,7 @@ def _build(device: torch.device, nq: int, nk: int, heads: int, kv_heads: int, di
     t["o"] = o
     g.validate()
     g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans()
-    workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
-    return _Graph(g, t, workspace)
+    return g, t
 
 
 def o_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
@@ -304,23 +320,34 @@ def fp8_attention_e4m3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     dev = q.device
     o8 = torch.empty((nq, H, D), dtype=torch.float8_e4m3fn, device=dev)
     o_descale = dv / _O_HEADROOM
+    stats = torch.empty(H, nq, dtype=torch.float32, device=dev) if lse else None
+    pack = variant_pack(built.tensors, (q8, dq), (k8, dk), (v8, dv), o8, o_descale, n, m,
+                        stats)
+    built.graph.execute(pack, built.workspace, handle=_handle(dev))
+    return (o8[:n], o_descale.reshape(1),
+            None if stats is None else stats[:, :n].t().contiguous())
+
+
+def variant_pack(t: dict, q8: tuple, k8: tuple, v8: tuple, o8: torch.Tensor,
+                 o_descale: torch.Tensor, n: int, m: int, stats: torch.Tensor | None
+                 ) -> dict:
+    """The buffers of one `operation_graph` call: q8 / k8 / v8 (codes, descale), O's codes
+    and descale, the real lengths n and m (where the graph takes them), the lse buffer."""
+    dev = o8.device
     consts = _constants(dev)
-    t = built.tensors
-    pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["descale_q"]: dq, t["descale_k"]: dk,
-            t["descale_v"]: dv, t["descale_s"]: consts[0:1].view(1, 1, 1, 1),
+    pack = {t["q"]: q8[0], t["k"]: k8[0], t["v"]: v8[0], t["descale_q"]: q8[1],
+            t["descale_k"]: k8[1], t["descale_v"]: v8[1],
+            t["descale_s"]: consts[0:1].view(1, 1, 1, 1),
             t["scale_s"]: consts[1:2].view(1, 1, 1, 1),
             t["scale_o"]: (1.0 / o_descale).view(1, 1, 1, 1), t["o"]: o8,
             t["amax_s"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev),
             t["amax_o"]: torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)}
     for name, length in (("seq_len_q", n), ("seq_len_kv", m)):  # fills: no host copy
-        pack[t[name]] = torch.full((1, 1, 1, 1), length, dtype=torch.int32, device=dev)
-    stats = None
-    if lse:
-        stats = torch.empty(H, nq, dtype=torch.float32, device=dev)
+        if name in t:
+            pack[t[name]] = torch.full((1, 1, 1, 1), length, dtype=torch.int32, device=dev)
+    if stats is not None:
         pack[t["lse"]] = stats
-    built.graph.execute(pack, built.workspace, handle=_handle(dev))
-    return (o8[:n], o_descale.reshape(1),
-            None if stats is None else stats[:, :n].t().contiguous())
+    return pack
 
 
 _CONSTANTS: dict[torch.device, torch.Tensor] = {}
