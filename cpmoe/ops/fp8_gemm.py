@@ -18,8 +18,9 @@
   `torch._scaled_grouped_mm` is row-wise only, hence this kernel.
 
 Kernels accumulate in float32: per K-block, the FP8 dot product is scaled by the row's
-activation scale and the weight block's scale. `*_ref` are the torch expressions the
-kernels are tested against. Requires bk == activation group size, and K a multiple of bk.
+activation scale and the weight block's scale (the grouped GEMM rescales its running sum
+into each block's scale instead, `_grouped_fp8_kernel`). `*_ref` are the torch expressions
+the kernels are tested against. Requires bk == activation group size, and K a multiple of bk.
 """
 
 from __future__ import annotations
@@ -80,15 +81,20 @@ def grouped_fp8_config(P: int, E: int, a_rows: bool = False, swiglu: bool = Fals
     (bench/results/fp8-grouped-bm128-h100-b34d70d.log, equal bits): gate/up 1.133 / 0.627 /
     0.387 ms at 16K / 8K / 4K tokens against 1.299 / 0.690 / 0.414 for 64 x 64 tiles,
     down 0.618 / 0.348 / 0.231 against 0.644 / 0.361 / 0.232; a 16K FP8 prefill 0.273 s
-    against 0.281 (bench/results/fp8-h100-b34d70d.log). Below 4K tokens, for the unfused
+    against 0.281 (bench/results/fp8-h100-b34d70d.log). Since the kernel keeps one
+    accumulator a product (rescaled block to block, `_grouped_fp8_kernel`), gate/up takes 4
+    stages and down 128 x 128 tiles on 4 warps (which spilled before): at 16K tokens on an
+    H100 at 9e4dde1 gate/up 1.041 ms against 1.076 with 3 stages (1.175 before the rescaling),
+    down 0.629 against 0.679 for 128 x 64 (0.669 before;
+    bench/results/fp8-grouped-rescale-h100-9e4dde1.log.gz). Below 4K tokens, for the unfused
     gate/up and at other models' expert shapes (DeepSeek-V4's), not swept."""
     if P <= 16 * E:
         return {"BM": 16, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 4,
                 "TMA": ""}
     if P >= 128 * E and swiglu:
-        return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3, "TMA": ""}
+        return {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 4, "TMA": ""}
     if P >= 128 * E and after_swiglu:
-        return {"BM": 128, "BN": 64, "num_warps": 4, "num_stages": 3, "TMA": "aw"}
+        return {"BM": 128, "BN": 128, "num_warps": 4, "num_stages": 3, "TMA": "aw"}
     return {"BM": 64, "BN": 64 if swiglu else 128, "num_warps": 4, "num_stages": 3,
             "TMA": "" if a_rows or swiglu else "aw"}
 
@@ -201,6 +207,8 @@ def tma_descriptor(x: torch.Tensor, rows: int, cols: int):
 if triton is not None:
     from cpmoe.ops.activation import swiglu_act
 
+    _TINY_SCALE = tl.constexpr(1e-20)
+
     @triton.jit(do_not_specialize=["slots"])
     def _tile_map_kernel(offs_ptr, map_ptr, slots, E: tl.constexpr, E_POW2: tl.constexpr,
                          BM: tl.constexpr, BLOCK: tl.constexpr):
@@ -236,7 +244,17 @@ if triton is not None:
         per-element addresses). GATHER: sorted row r is a's row rows_ptr[r]. SWIGLU: the
         expert's 2N weight rows are gate then up; the program's N columns of each, two dots
         a K block, give out [P, N] = swiglu_act(gate, up) (CLAMP: at limit), gate and up
-        rounded to out's dtype first (address loads, one weight scale a tile)."""
+        rounded to out's dtype first (address loads, one weight scale a tile).
+
+        A tile inside one weight scale block (ONE_WS) keeps each row's sum in units of the
+        current K block's scale c = a_s * w_s: acc <- dot(a, b, acc * c_prev / c), times the
+        last c after the loop, so the MMA accumulates into acc itself. Scaling each block's
+        product before adding it held a second accumulator the size of acc: compiled for
+        sm_90 (Triton 3.9), gate/up with its SwiGLU at 128 x 128 on 8 warps took 255
+        registers and spilled, 240 and no spill now; down at 128 x 128 on 4 warps 255 and a
+        spill, 200 now. c is at least _TINY_SCALE: a weight block of scale 0 (or a masked
+        row) adds 1e-20 of its product instead of dividing by 0; an all-zero activation
+        group has the 1e-12 scale."""
         n_tiles = tl.cdiv(N, BN)
         t = tl.program_id(0) // n_tiles
         pid_n = tl.program_id(0) % n_tiles
@@ -269,8 +287,10 @@ if triton is not None:
             ws_at = ws_ptr + e * ws_s0 + (cols // BN_Q) * ws_s1
         a_s = tl.load(as_rows, mask=row_ok, other=0.0)
         w_s = tl.load(ws_at) if ONE_WS else tl.load(ws_at, mask=col_ok, other=0.0)
+        c_acc = tl.full((BM,), 1.0, dtype=tl.float32)  # acc's unit: 1 until the first block
         if SWIGLU:  # up's rows and scale block: N rows (N / BN_Q blocks) past gate's
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            c_acc_up = tl.full((BM,), 1.0, dtype=tl.float32)
             ws_up_at = ws_at + (N // BN_Q) * ws_s1
             w_s_up = tl.load(ws_up_at)
         last = K // BK - 1
@@ -293,28 +313,31 @@ if triton is not None:
                 b = tl.load(w_base + cols[None, :].to(tl.int64) * K + k[:, None],
                             mask=col_ok[None, :], other=0.0)  # [BK, BN]
             if UPCAST:  # the interpreter has no FP8 dot
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32))
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if ONE_WS:  # acc in units of this block's row scales, the MMA chained onto it
+                c = tl.maximum(a_s * w_s, _TINY_SCALE)
+                acc = tl.dot(a, b, acc * (c_acc / c)[:, None])
+                c_acc = c
             else:
-                part = tl.dot(a, b)
-            if ONE_WS:
-                acc += part * (a_s * w_s)[:, None]
-            else:
-                acc += part * a_s[:, None] * w_s[None, :]
+                acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
             if SWIGLU:
                 w_s_up_next = tl.load(ws_up_at + nxt * ws_s2)
                 b_up = tl.load(w_base + (N + cols)[None, :].to(tl.int64) * K + k[:, None],
                                mask=col_ok[None, :], other=0.0)
                 if UPCAST:
-                    part_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32))
-                else:
-                    part_up = tl.dot(a, b_up)
-                acc_up += part_up * (a_s * w_s_up)[:, None]
+                    b_up = b_up.to(tl.float32)
+                c_up = tl.maximum(a_s * w_s_up, _TINY_SCALE)
+                acc_up = tl.dot(a, b_up, acc_up * (c_acc_up / c_up)[:, None])
+                c_acc_up = c_up
                 w_s_up = w_s_up_next
             a_s = a_s_next
             w_s = w_s_next
+        if ONE_WS:
+            acc *= c_acc[:, None]
         if SWIGLU:  # rounded as the unfused GEMM stores gate and up, then as the SwiGLU
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = (acc_up * c_acc_up[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = swiglu_act(gate, up, limit, CLAMP)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

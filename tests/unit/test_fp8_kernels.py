@@ -141,6 +141,33 @@ for P, E, N, K, block, offs in ((21, 3, 80, 64, (16, 32), [7, 7, 20]),
     want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[int(offs[-1]):], torch.zeros_like(got[int(offs[-1]):]))
+# 128 x 128 blocks (one weight scale a tile): the kernel keeps each row's sum in units of the
+# current K block's scales, rescaling it block to block, so rows whose 128-groups span 1e8
+# in scale, an all-zero group (the 1e-12 scale) and a weight block of scale 0 move it most;
+# within float32's rounding of the sum of |terms|, row by row, plain and with the SwiGLU
+P, E, N, K, block = 24, 2, 256, 512, (128, 128)
+rng = torch.get_rng_state()  # the cases after this one keep their draws
+x = torch.randn(P, K) * (10.0 ** torch.randint(-4, 5, (P, K // 128))).repeat_interleave(128, 1)
+x[3, 128:256] = 0
+wq, ws = experts_weights(E, N, K, block)
+ws[1, 0, 2] = 0
+torch.set_rng_state(rng)
+aq, a_s = fp8.quantize_act_ref(x, 128)
+offs = torch.tensor([10, 24])
+want = fp8_gemm.grouped_fp8_gemm_ref(aq, a_s, wq, ws, offs, block, torch.float32)
+bound = fp8_gemm.grouped_fp8_gemm_ref(aq.float().abs().to(aq.dtype), a_s,
+                                      wq.float().abs().to(wq.dtype), ws, offs, block,
+                                      torch.float32)
+for cfg in ({"BM": 16, "BN": 128, "num_warps": 4, "num_stages": 1},
+            {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 1}):
+    got = fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, torch.float32, config=cfg)
+    assert ((got - want).abs() <= 1e-5 * bound.amax(1, keepdim=True)).all()
+    g, u = want[:, :N // 2], want[:, N // 2:]
+    got = fp8_gemm.grouped_fp8_gemm(aq, a_s, wq, ws, offs, block, torch.float32, config=cfg,
+                                    swiglu=True)
+    gate_bound, up_bound = bound[:, :N // 2], bound[:, N // 2:]
+    tol = 1e-5 * gate_bound.amax(1, keepdim=True) * up_bound.amax(1, keepdim=True)
+    assert ((got - g / (1 + torch.exp(-g)) * u).abs() <= tol).all()
 # weights the kernel would have to copy every call: refused, with their strides
 try:
     fp8_gemm.grouped_fp8_gemm(aq, a_s, wq.transpose(1, 2).contiguous().transpose(1, 2), ws,
