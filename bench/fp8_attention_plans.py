@@ -47,7 +47,7 @@ def _cpmoe_call(n: int, scale: float, q8, k8, v8) -> tuple[float, torch.Tensor, 
     dev = torch.device("cuda")
     built = fa._build(dev, n, n, HEADS, KV_HEADS, DIM, True, False, scale)
     o8 = torch.empty(n, HEADS, DIM, dtype=torch.float8_e4m3fn, device=dev)
-    pack = fa.variant_pack(built.tensors, q8, k8, v8, o8, v8[1] / 0.5, n, n, None)
+    pack = fa.variant_pack(built.tensors, q8, k8, v8, o8, v8[1] / fa._O_HEADROOM, n, n, None)
     handle = fa._handle(dev)
     ms = _timed(lambda: built.graph.execute(pack, built.workspace, handle=handle))
     index = getattr(built.graph, "_plan_index", None)
@@ -73,7 +73,7 @@ def _plans(n: int, scale: float, padding: bool, q8, k8, v8, ref: torch.Tensor,
             ws = torch.empty(max(1, g.get_workspace_size_plan_at_index(i)), dtype=torch.uint8,
                              device=dev)
             o8 = torch.zeros(n, HEADS, DIM, dtype=torch.float8_e4m3fn, device=dev)
-            pack = fa.variant_pack(t, q8, k8, v8, o8, v8[1] / 0.5, n, n, None)
+            pack = fa.variant_pack(t, q8, k8, v8, o8, v8[1] / fa._O_HEADROOM, n, n, None)
             handle = fa._handle(dev)
             ms = _timed(lambda: g.execute_plan_at_index(pack, ws, index=i, handle=handle))
         except Exception as e:  # a plan that does not build or run: reported, not hidden
