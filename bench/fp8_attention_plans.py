@@ -28,6 +28,11 @@ from cpmoe.cp import fp8_attention as fa
 HEADS, KV_HEADS, DIM = 32, 4, 128
 
 
+def _flops(n: int) -> float:
+    """A causal prompt of n: Q.K^T and P.V over the lower triangle."""
+    return 2.0 * n * n * DIM * HEADS
+
+
 def _inputs(n: int) -> tuple:
     """Random 16-bit q, k, v quantized as cpmoe does (`fp8_attention.quantize`)."""
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -63,7 +68,7 @@ def _plans(n: int, scale: float, padding: bool, q8, k8, v8, ref: torch.Tensor,
     g, t = fa.operation_graph(n, n, HEADS, KV_HEADS, DIM, True, False, scale, padding=padding)
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
     count = g.get_execution_plan_count()
-    flops = 2.0 * n * n * DIM * HEADS
+    flops = _flops(n)
     rows = []
     for i in range(count):
         row = {"length": n, "padding": padding, "index": i}
@@ -111,8 +116,7 @@ def main() -> None:
             sys.exit(f"--lengths: expected powers of two >= 128 (a graph's bucket), got {n}")
         q8, k8, v8 = _inputs(n)
         base_ms, ref, name = _cpmoe_call(n, scale, q8, k8, v8)
-        flops = 2.0 * n * n * DIM * HEADS
-        print(f"length {n}: cpmoe's call {base_ms:.3f} ms, {flops / base_ms / 1e9:.0f} "
+        print(f"length {n}: cpmoe's call {base_ms:.3f} ms, {_flops(n) / base_ms / 1e9:.0f} "
               f"TFLOP/s, plan {name}")
         results.append({"length": n, "cpmoe": True, "name": name, "ms": base_ms})
         for padding in (True, False):
