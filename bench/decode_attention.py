@@ -10,8 +10,8 @@ tile, warps, pipeline stages, and PAGE_IDS: block-table entries read at a time, 
 out: a tile's own; `--tiles` replaces it) under every split count of --splits,
 against the defaults (`stage1_config`, `default_num_splits`). A time is all of the decode
 attention's work in a step: stage 1, stage 2 where splits > 1, and with e4m3 pools the o_proj
-rows' FP8 quantization that stage 2 does inside itself (`quant_group`) and a split-less launch
-leaves to `quantize_act`. Layers' pools are rotated so no repetition finds the previous one's
+rows' FP8 quantization, which the last stage does inside itself (`quant_group`: stage 2, or
+stage 1 at one split). Layers' pools are rotated so no repetition finds the previous one's
 pages in L2. Each output is checked against the float32 reference once per tile.
 
 Prints a table per (dtype, shape): a line per tile, a column per split count, the fastest
@@ -96,7 +96,7 @@ def main() -> None:
                                                      num_splits=s, kv_scale=kv_scale,
                                                      quant_group=D if fp8 else None,
                                                      config=cfg)
-                    if fp8:  # the o_proj's row quantization (free where stage 2 did it)
+                    if fp8:  # the o_proj's row quantization (the last stage's offer)
                         quantize_act(o.view(B, H * D), D)
                     return o
                 return step

@@ -33,24 +33,26 @@ CUDA (and TRITON_INTERPRET=1): a two-stage split-K Triton kernel. Stage 1 runs o
 per (row, KV head, split): it loads the G query heads of that KV head once and streams the
 split's share of the row's keys, so each K/V tile is read once per KV head, and writes a
 partial o and lse per split. Stage 2 merges the S partials of each (row, head). With S = 1
-stage 1 writes o and lse directly and stage 2 is skipped. A split is a whole number of
-BLOCK_N-key tiles (64 keys; 32 when D > 128), so a short row leaves some splits empty (they
-write o = 0, lse = -inf and weigh nothing). CUDA-graph safe: grids depend only
-on shapes and num_splits, per-row split bounds are computed on the device from kv_lens, and
-the work buffers (fp32 o [B, H, S, D] and lse [B, H, S]) are sized by shapes only; pass
-`workspace=(o_part, lse_part)` of those shapes to reuse buffers.
+stage 1 writes o and lse directly (and with `quant_group`, o's FP8 rows) and stage 2 is
+skipped. A split is a whole number of BLOCK_N-key tiles (64 keys; 32 when D > 128), so a
+short row leaves some splits empty (they write o = 0, lse = -inf and weigh nothing).
+CUDA-graph safe: grids depend only on shapes and num_splits, per-row split bounds are
+computed on the device from kv_lens, and the work buffers (fp32 o [B, H, S, D] and lse
+[B, H, S]) are sized by shapes only; pass `workspace=(o_part, lse_part)` of those shapes to
+reuse buffers.
 
 Default num_splits (`default_num_splits`): as many (row, KV head, split) programs as fit in
-one wave of about four per SM, S = floor(4 * num_SMs / (B * Hkv)), but no split shorter than
-128 tokens of the longest row the table can hold (S <= P * page_size // 128) and at most 64;
-at least 1. On an H200 (132 SMs) with Hkv = 4: B = 16 -> 8 splits, B = 32 -> 4, B = 64 -> 2,
-B >= 67 -> 1 (no stage 2); B = 1 at 1K context -> 8. A tuned file's PROGRAMS_PER_SM for
-the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the four. Measured on an H200 (bf16, H 32, Hkv 4,
-D 128, page 16, all rows full, S swept): for B = 1..256 at 1K, 4K and 32K context the rule's
-S was the fastest or within 3% of it, except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of
-the same ratio was up to 1.3x slower (a second, mostly idle wave). Depends on shapes only, so
-a captured graph keeps its count. Bandwidth reached (K/V bytes / time, graph replay): B = 16
-at 32K 4.3 TB/s (about a device-to-device copy's), B = 64 at 1K 3.3 TB/s, B = 256 at 1K 4.2.
+one wave of about four per SM, S = floor(4 * num_SMs / (B * Hkv)), but no split shorter
+than 128 tokens of the longest row the table can hold (S <= P * page_size // 128) and at
+most 64; at least 1. On an H200 (132 SMs) with Hkv = 4: B = 16 -> 8 splits, B = 32 -> 4,
+B = 64 -> 2, B >= 67 -> 1 (no stage 2); B = 1 at 1K context -> 8. A tuned file's
+PROGRAMS_PER_SM for the pools' attention kernel (`cpmoe.ops.launch.tuned`) replaces the
+four. Measured on an H200 (bf16, H 32, Hkv 4, D 128, page 16, all rows full, S swept): for
+B = 1..256 at 1K, 4K and 32K context the rule's S was the fastest or within 3% of it,
+except B = 1 and 2 at 1K (7.4 vs 6.7 us). The ceil of the same ratio was up to 1.3x slower
+(a second, mostly idle wave). Depends on shapes only, so a captured graph keeps its count.
+Bandwidth reached (K/V bytes / time, graph replay): B = 16 at 32K 4.3 TB/s (about a
+device-to-device copy's), B = 64 at 1K 3.3 TB/s, B = 256 at 1K 4.2.
 
 CPU (or no Triton): `paged_decode_attention_ref`, a float32 torch expression vectorised over
 the batch (gather the rows' pages, mask by kv_lens, softmax with lse); the kernel's reference.
@@ -124,9 +126,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            quant_group: int | None = None, kv_scale: torch.Tensor | None = None,
                            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. -> (o_BHD [B, H, D] out_dtype, lse_BH [B, H] float32).
-    quant_group == D: where stage 2 runs, it also quantizes each head's output to FP8 (one
-    1 x D group) and offers o viewed [B, H * D] to `quantize_act` (the FP8 o_proj then
-    launches no quantization: `ops.fp8.offer_quantized`). config: stage 1's tile and launch
+    quant_group == D: the last stage (stage 2, or stage 1 where there is one split) also
+    quantizes each head's output to FP8 (one 1 x D group) and offers o viewed [B, H * D] to
+    `quantize_act` (the FP8 o_proj then launches no quantization:
+    `ops.fp8.offer_quantized`). config: stage 1's tile and launch
     (`stage1_config`'s keys; a benchmark's sweep), default `stage1_config`'s."""
     _check_inputs(q_BHD, k_cache, v_cache, block_table_BP, kv_lens_B)
     if kv_scale is not None and (kv_scale.shape != (4,) or kv_scale.dtype != torch.float32
@@ -265,8 +268,13 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                k_cache.storage_offset(), v_cache.storage_offset()))
     if cfg["WORDS"]:  # four codes an int32 word (strides below in words)
         k_in, v_in = k_cache.view(torch.int32), v_cache.view(torch.int32)
+    quant = quant and d_pad == D  # one group a head, a whole tile
+    q8 = s_t = o_BHD  # any pointer when not quantizing
+    if quant:  # o_proj's rows in FP8 and their scales, written by the last stage
+        q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn, device=q_BHD.device)
+        s_t = torch.empty(H, B, dtype=torch.float32, device=q_BHD.device)
     _paged_decode_stage1[(B, Hkv, num_splits)](
-        q_BHD, k_in, v_in, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale,
+        q_BHD, k_in, v_in, block_table_BP, kv_lens_B, o_part, lse_part, kv_scale, q8, s_t,
         scale * math.log2(math.e), q_BHD.stride(0), q_BHD.stride(1),
         k_in.stride(0), k_in.stride(1), k_in.stride(2),
         v_in.stride(0), v_in.stride(1), v_in.stride(2), block_table_BP.stride(0),
@@ -274,20 +282,17 @@ def _paged_decode_triton(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         G, D, num_splits, PAGE=page, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
         IEEE=q_BHD.dtype == torch.float32, UPCAST=_interpreter_bf16(q_BHD.dtype),
-        KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, **cfg, **pdl_args(q_BHD))
+        KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2, QUANT=quant and num_splits == 1,
+        **cfg, **pdl_args(q_BHD))
     if num_splits > 1:
-        q8 = s_t = o_BHD  # any pointer when not quantizing
-        if quant:
-            q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn, device=q_BHD.device)
-            s_t = torch.empty(H, B, dtype=torch.float32, device=q_BHD.device)
         _paged_decode_stage2[(B, H)](
             o_part, lse_part, o_BHD, lse_BH, q8, s_t, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), lse_part.stride(0), lse_part.stride(1), o_BHD.stride(0),
             o_BHD.stride(1), lse_BH.stride(0), B, D, num_splits,
             BLOCK_S=min(64, triton.next_power_of_2(num_splits)), D_PAD=d_pad, QUANT=quant,
             **pdl_args(q_BHD))
-        if quant:
-            offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
+    if quant:
+        offer_quantized(o_BHD.view(B, H * D), q8, s_t.t(), D)
     return o_BHD, lse_BH
 
 
@@ -410,7 +415,7 @@ if triton is not None:
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
     def _paged_decode_stage1(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, kvs_ptr,
-                             scale_log2,
+                             q8_ptr, s8_ptr, scale_log2,
                              q_sb, q_sh, k_sp, k_ss, k_sh, v_sp, v_ss, v_sh, bt_sb,
                              o_sb, o_sh, o_ss, l_sb, l_sh, l_ss, GROUP, HEAD_DIM, NUM_SPLITS,
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
@@ -418,7 +423,7 @@ if triton is not None:
                              UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                              KV_FP8: tl.constexpr = False, KV_F16: tl.constexpr = False,
                              WORDS: tl.constexpr = False, E5M2: tl.constexpr = False,
-                             PAGE_IDS: tl.constexpr = 0):
+                             PAGE_IDS: tl.constexpr = 0, QUANT: tl.constexpr = False):
         """KV_FP8: FP8 pools with the layer's scales at kvs_ptr[0:2] (read here so a
         captured graph keeps following them; 1: exact). KV_F16 (16-bit q): the codes are
         widened to float16 as they are (exact), q and p are float16, k_scale multiplies the
@@ -432,7 +437,9 @@ if triton is not None:
         with 0 each tile reads its own entries, a load the tile's K/V addresses wait on,
         which keeps Triton's pipeline from copying a tile ahead of the one in use (its
         buffers stay single: the copies of tile i + 1 are issued after tile i's dots and
-        waited for at the top of the next iteration).
+        waited for at the top of the next iteration). QUANT (one split, D_PAD == HEAD_DIM):
+        each head's output, rounded to o's dtype, also goes to q8 [B, H * D] in FP8 with its
+        scale at s8 [H, B], as stage 2 writes them where it runs (`quantize_rows`).
         """
         wait_for_producer(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -500,9 +507,16 @@ if triton is not None:
         if KV_F16:
             o = o * v_scale
         lse = tl.where(empty, float("-inf"), (m + tl.log2(total)) * 0.6931471805599453)
-        tl.store(o_ptr + b * o_sb + heads[:, None] * o_sh + split * o_ss + d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        o = o.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + b * o_sb + heads[:, None] * o_sh + split * o_ss + d[None, :], o,
+                 mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
+        if QUANT:  # one group a head: each row of the tile
+            q8, s8 = quantize_rows(o.to(tl.float32))
+            n_heads = tl.num_programs(1) * GROUP
+            tl.store(q8_ptr + (b * n_heads + heads[:, None]) * HEAD_DIM + d[None, :], q8,
+                     mask=g_ok[:, None])
+            tl.store(s8_ptr + heads * tl.num_programs(0) + b, s8, mask=g_ok)
 
     # likewise: no specialization on the sizes that change every step (lp_*: H S, S)
     @triton.jit(do_not_specialize=["B", "NUM_SPLITS", "lp_sb", "lp_sh"])

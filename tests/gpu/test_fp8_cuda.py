@@ -94,10 +94,11 @@ def test_add_rms_norm_fp8_rows_match_quantize_act_ref_bit_for_bit(m, hidden):
 
 
 @cuda
-@pytest.mark.parametrize("splits", [2, 8])
+@pytest.mark.parametrize("splits", [1, 2, 8])
 def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits):
-    """Decode attention's FP8 output (stage 2, one group a head) is `quantize_act_ref` of
-    its bf16 output exactly, at Qwen3-30B-A3B's heads, and what quantize_act returns."""
+    """Decode attention's FP8 output (one group a head; written by stage 2, or by stage 1
+    at one split) is `quantize_act_ref` of its bf16 output exactly, at Qwen3-30B-A3B's
+    heads, and what quantize_act returns."""
     from cpmoe.cp.paged_attention import paged_decode_attention
     torch.manual_seed(0)
     B, H, Hkv, D, page, pages = 64, 32, 4, 128, 16, 64
@@ -108,9 +109,11 @@ def test_decode_attention_fp8_output_matches_quantize_act_ref_bit_for_bit(splits
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     o, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits,
                                   quant_group=128)
+    offer = fp8.offered(o.view(B, H * D), 128)
     o0, _ = paged_decode_attention(q, kc, vc, table, lens, D ** -0.5, num_splits=splits)
-    assert torch.equal(o, o0)
+    assert offer is not None and torch.equal(o, o0)
     q8, s8 = fp8.quantize_act(o.view(B, H * D), 128)
+    assert q8 is offer[0]
     qr, sr = fp8.quantize_act_ref(o.view(B, H * D), 128)
     assert torch.equal(q8.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s8, sr) and s8.stride() == (1, B)

@@ -163,7 +163,8 @@ bf16 = "*bf16"
 for fn, pointers, constexprs, unaligned in (
         (paged_attention._paged_decode_stage1,
          {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "bt_ptr": "*i32", "lens_ptr": "*i32",
-          "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
+          "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
+          "q8_ptr": "*fp8e4nv", "s8_ptr": "*fp32"},
          {"PAGE": 16, "BLOCK_N": 64, "G_PAD": 16, "D_PAD": 128, "IEEE": False,
           "UPCAST": False}, ("bt_sb", "NUM_SPLITS", "GROUP")),
         (ops.norm._qkv_norm_rope_store_kernel,
@@ -192,7 +193,8 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     ptx = compile_sm90(
         paged_attention._paged_decode_stage1,
         {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
-         "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
+         "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
+         "q8_ptr": "*fp8e4nv", "s8_ptr": "*fp32"},
         dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
              KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2"),
         ("bt_sb", "NUM_SPLITS", "GROUP"), options)
@@ -206,12 +208,24 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
         ptx = compile_sm90(
             paged_attention._paged_decode_stage1,
             {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32",
-             "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32"},
+             "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
+             "q8_ptr": "*fp8e4nv", "s8_ptr": "*fp32"},
             dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
                  KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", PAGE_IDS=ids),
             ("bt_sb", "NUM_SPLITS", "GROUP"), {"num_warps": 4, "num_stages": stages})
         ahead = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)} - {0}
         assert bool(ahead) == (ids > 0), (ids, ahead)
+    # one split: stage 1 writes o_proj's FP8 rows itself (round to nearest, saturating)
+    ptx = compile_sm90(
+        paged_attention._paged_decode_stage1,
+        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
+         "o_ptr": bf16, "lse_ptr": "*fp32", "kvs_ptr": "*fp32", "q8_ptr": "*fp8e4nv",
+         "s8_ptr": "*fp32"},
+        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
+             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", QUANT=True),
+        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
+    quant = waits_first(ptx, ("stage 1 quant", fmt))
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", quant), fmt
     ptx = compile_sm90(
         ops.norm._qkv_norm_rope_store_kernel,
         {"qkv_ptr": bf16, "q_ptr": bf16, "qw_ptr": bf16, "kw_ptr": bf16, "cos_ptr": bf16,

@@ -324,22 +324,30 @@ merged = ops.merge_partials(torch.stack([o0, o1]), torch.stack([l0, l1]))
 torch.testing.assert_close(merged, o, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(torch.logsumexp(torch.stack([l0, l1]), 0), lse, rtol=1e-5, atol=1e-5)
 
-# quant_group == D: stage 2's output also in FP8, one group a head, offered to quantize_act;
-# equal to quantize_act's own kernel on a copy (the same interpreter casts), o unchanged
+# quant_group == D: the last stage's output also in FP8, one group a head, offered to
+# quantize_act (stage 2's, or stage 1's at one split, FP8 pools too); equal to
+# quantize_act's own kernel on a copy (the same interpreter casts), o unchanged
 from cpmoe.ops import fp8
 for dtype in (torch.bfloat16, torch.float16):
-    kc, vc, tb, lb, _, _ = build_paged([40, 0, 90], 16, 2, 32, dtype, 5)
-    q = torch.randn(3, 4, 32).to(dtype)
-    o, lse = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=2, quant_group=32)
-    o_plain, _ = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=2)
-    assert torch.equal(o, o_plain)
-    q8, s8 = fp8.quantize_act(o.view(3, 128), 32)  # the offer
-    qu, su = fp8.quantize_act(o.view(3, 128).clone(), 32)
-    assert q8 is not qu and s8.stride() == (1, 3) and torch.equal(s8, su)
-    assert torch.equal(q8.view(torch.uint8), qu.view(torch.uint8))
-    # one split (no stage 2) or a group that is not D: nothing offered (o's offer stays)
-    for splits, group in ((1, 32), (2, 16)):
-        pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=splits, quant_group=group)
+    for pool in (dtype, torch.float8_e4m3fn):
+        torch.manual_seed(6)
+        kc, vc, tb, lb, _, _ = build_paged([40, 0, 90], 16, 2, 32, pool, 5)
+        q = torch.randn(3, 4, 32).to(dtype)
+        for splits in (1, 2):
+            o, lse = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=splits,
+                                               quant_group=32)
+            offer = fp8.offered(o.view(3, 128), 32)
+            o_plain, _ = pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=splits)
+            assert offer is not None and torch.equal(o, o_plain), splits
+            q8, s8 = fp8.quantize_act(o.view(3, 128), 32)  # the offer
+            assert q8 is offer[0] and s8 is offer[1]
+            qu, su = fp8.quantize_act(o.view(3, 128).clone(), 32)
+            assert q8 is not qu and s8.stride() == (1, 3) and torch.equal(s8, su), splits
+            assert torch.equal(q8.view(torch.uint8), qu.view(torch.uint8)), (splits, pool)
+            assert s8[1].eq(1e-12).all() and not q8[1].view(torch.uint8).any()  # no key
+    # a group that is not D: nothing offered (o's offer stays)
+    for splits in (1, 2):
+        pa.paged_decode_attention(q, kc, vc, tb, lb, 0.2, num_splits=splits, quant_group=16)
         assert fp8.quantize_act(o.view(3, 128), 32)[0] is q8
 print("paged kernel ok")
 """
