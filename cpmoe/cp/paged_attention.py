@@ -411,6 +411,16 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v)  # 16-bit tensor cores, fp32 accumulate
         return m_new, total, acc * alpha[:, None] + pv
 
+    @triton.jit
+    def _store_o_fp8(q8_ptr, s8_ptr, o, b, heads, ok, n_heads, n_rows, d, HEAD_DIM):
+        """Heads `heads` [R] of row b (o [R, HEAD_DIM], rounded to o's dtype; `ok`: the
+        heads to write) as o_proj's FP8 rows, one group a head (`quantize_rows`): codes
+        into q8 [B, H * D], scales into s8 [H, B], the layout `offer_quantized` is given."""
+        q8, s8 = quantize_rows(o.to(tl.float32))
+        tl.store(q8_ptr + (b * n_heads + heads[:, None]) * HEAD_DIM + d[None, :], q8,
+                 mask=ok[:, None])
+        tl.store(s8_ptr + heads * n_rows + b, s8, mask=ok)
+
     # a size that changes every step: no specialization on it (Triton would compile a
     # new variant, ~1 s, for each new residue mod 16 it meets while serving)
     @triton.jit(do_not_specialize=["bt_sb", "NUM_SPLITS", "l_sb", "l_sh"])  # l_*: H S, S
@@ -512,11 +522,8 @@ if triton is not None:
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + b * l_sb + heads * l_sh + split * l_ss, lse, mask=g_ok)
         if QUANT:  # one group a head: each row of the tile
-            q8, s8 = quantize_rows(o.to(tl.float32))
-            n_heads = tl.num_programs(1) * GROUP
-            tl.store(q8_ptr + (b * n_heads + heads[:, None]) * HEAD_DIM + d[None, :], q8,
-                     mask=g_ok[:, None])
-            tl.store(s8_ptr + heads * tl.num_programs(0) + b, s8, mask=g_ok)
+            _store_o_fp8(q8_ptr, s8_ptr, o, b, heads, g_ok, tl.num_programs(1) * GROUP,
+                         tl.num_programs(0), d, HEAD_DIM)
 
     # likewise: no specialization on the sizes that change every step (lp_*: H S, S)
     @triton.jit(do_not_specialize=["B", "NUM_SPLITS", "lp_sb", "lp_sh"])
@@ -554,8 +561,7 @@ if triton is not None:
         o = (acc / total).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + b * o_sb + h * o_sh + d, o, mask=d_ok)
         if QUANT:
-            q8, s8 = quantize_rows(tl.reshape(o.to(tl.float32), [1, D_PAD]))
-            tl.store(q_ptr + (b * tl.num_programs(1) + h) * HEAD_DIM + d,
-                     tl.reshape(q8, [D_PAD]))
-            tl.store(s_ptr + h * B + b + tl.arange(0, 1), s8)
+            one = tl.arange(0, 1)
+            _store_o_fp8(q_ptr, s_ptr, tl.reshape(o, [1, D_PAD]), b, h + one, one == 0,
+                         tl.num_programs(1), B, d, HEAD_DIM)
         tl.store(lse_ptr + b * lse_sb + h, tl.where(empty, float("-inf"), m + tl.log(total)))
