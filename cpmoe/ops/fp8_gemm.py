@@ -209,6 +209,14 @@ if triton is not None:
 
     _TINY_SCALE = tl.constexpr(1e-20)
 
+    @triton.jit
+    def _rescaled_dot(a, b, acc, c_acc, a_s, w_s):
+        """acc (in units of its rows' scale c_acc) plus a . b times the block's scales a_s
+        (rows) and w_s (one a tile) -> (the sum in units of c = max(a_s * w_s, _TINY_SCALE),
+        c): acc is rescaled to c and the MMA accumulates into it."""
+        c = tl.maximum(a_s * w_s, _TINY_SCALE)
+        return tl.dot(a, b, acc * (c_acc / c)[:, None]), c
+
     @triton.jit(do_not_specialize=["slots"])
     def _tile_map_kernel(offs_ptr, map_ptr, slots, E: tl.constexpr, E_POW2: tl.constexpr,
                          BM: tl.constexpr, BLOCK: tl.constexpr):
@@ -316,9 +324,7 @@ if triton is not None:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             if ONE_WS:  # acc in units of this block's row scales, the MMA chained onto it
-                c = tl.maximum(a_s * w_s, _TINY_SCALE)
-                acc = tl.dot(a, b, acc * (c_acc / c)[:, None])
-                c_acc = c
+                acc, c_acc = _rescaled_dot(a, b, acc, c_acc, a_s, w_s)
             else:
                 acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
             if SWIGLU:
@@ -327,9 +333,7 @@ if triton is not None:
                                mask=col_ok[None, :], other=0.0)
                 if UPCAST:
                     b_up = b_up.to(tl.float32)
-                c_up = tl.maximum(a_s * w_s_up, _TINY_SCALE)
-                acc_up = tl.dot(a, b_up, acc_up * (c_acc_up / c_up)[:, None])
-                c_acc_up = c_up
+                acc_up, c_acc_up = _rescaled_dot(a, b_up, acc_up, c_acc_up, a_s, w_s_up)
                 w_s_up = w_s_up_next
             a_s = a_s_next
             w_s = w_s_next
