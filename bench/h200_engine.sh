@@ -290,9 +290,10 @@ PY
     # attention: every split count the rule can give at 64 rows, and tiles that keep one to
     # three tiles' copies in flight (PAGE_IDS with 3-5 stages); picked at 64 rows, 128 shown.
     # One-warp programs (x:1:y:z): no cross-warp softmax reductions, so not the 4-warp
-    # tile's barriers a tile (compiled for sm_90: 4 bar.sync against 10, 168-182 registers,
-    # no spill at 16-32 keys; 8-11 programs an SM). 16 splits: shown, not a choice at 1,056
-    # keys (`default_num_splits` splits no finer than 128 keys)
+    # tile's barriers a tile (compiled for sm_90, Triton 3.6, e4m3 pools, float32 partials:
+    # 4-6 bar.sync against 10, 161-194 registers, no spill; at most 10-12 programs an SM by
+    # registers). 16 splits: shown, not a choice at 1,056 keys (`default_num_splits` splits
+    # no finer than 128 keys)
     attention="64:4:2:0,64:4:3:0,64:4:3:64,64:4:4:64,64:4:5:64,64:2:4:64,64:8:4:64"
     attention+=",32:2:4:64,32:4:6:64,32:2:6:64,128:8:3:64,128:4:3:64,128:8:4:64"
     attention+=",32:1:2:0,32:1:3:32,16:1:3:0,16:1:4:16"
