@@ -187,17 +187,25 @@ for fn, pointers, constexprs, unaligned in (
 # FP8 K/V pools (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): decode attention loads the codes as
 # int32 words and widens them to float16 (the layer's scales outside the dots); the store
 # rounds to nearest and saturates (satfinite)
+
+
+def stage1_words(cfg, e5m2, o_ptr, options, **constexprs):
+    # decode attention's stage 1 on FP8 pools read as int32 words; o_ptr: float32 partials
+    # (splits > 1) or the 16-bit output (one split)
+    return compile_sm90(
+        paged_attention._paged_decode_stage1,
+        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
+         "o_ptr": o_ptr, "lse_ptr": "*fp32", "kvs_ptr": "*fp32", "q8_ptr": "*fp8e4nv",
+         "s8_ptr": "*fp32"},
+        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
+             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=e5m2, **constexprs),
+        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
+
+
 for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     cfg = paged_attention.stage1_config(True, 128)
     options = launch_options(cfg)
-    ptx = compile_sm90(
-        paged_attention._paged_decode_stage1,
-        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
-         "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
-         "q8_ptr": "*fp8e4nv", "s8_ptr": "*fp32"},
-        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
-             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2"),
-        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
+    ptx = stage1_words(cfg, name == "e5m2x2", "*fp32", options)
     # four codes a word widened by cvt.rn.f16x2 (two a word), never read a byte at a time
     assert len(re.findall(r"cvt\.rn\.f16x2\." + name, waits_first(ptx, ("stage 1", fmt)))) >= 64
     assert not re.search(r"ld\.shared\.(u8|b8|s8)|ld\.global\.(u8|b8|s8)", ptx), fmt
@@ -205,25 +213,12 @@ for fmt, name in (("*fp8e4nv", "e4m3x2"), ("*fp8e5", "e5m2x2")):
     # (no tile copied ahead of the one in use); read PAGE_IDS at a time before it, 3 stages
     # keep one tile's copies in flight while the one before is used
     for ids, stages in ((0, 3), (64, 3)):
-        ptx = compile_sm90(
-            paged_attention._paged_decode_stage1,
-            {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32",
-             "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "kvs_ptr": "*fp32",
-             "q8_ptr": "*fp8e4nv", "s8_ptr": "*fp32"},
-            dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
-                 KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", PAGE_IDS=ids),
-            ("bt_sb", "NUM_SPLITS", "GROUP"), {"num_warps": 4, "num_stages": stages})
+        ptx = stage1_words(cfg, name == "e5m2x2", "*fp32",
+                           {"num_warps": 4, "num_stages": stages}, PAGE_IDS=ids)
         ahead = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)} - {0}
         assert bool(ahead) == (ids > 0), (ids, ahead)
     # one split: stage 1 writes o_proj's FP8 rows itself (round to nearest, saturating)
-    ptx = compile_sm90(
-        paged_attention._paged_decode_stage1,
-        {"q_ptr": bf16, "k_ptr": "*i32", "v_ptr": "*i32", "bt_ptr": "*i32", "lens_ptr": "*i32",
-         "o_ptr": bf16, "lse_ptr": "*fp32", "kvs_ptr": "*fp32", "q8_ptr": "*fp8e4nv",
-         "s8_ptr": "*fp32"},
-        dict(cfg, PAGE=16, G_PAD=16, D_PAD=128, IEEE=False, UPCAST=False, PDL=True,
-             KV_FP8=True, KV_F16=True, WORDS=True, E5M2=name == "e5m2x2", QUANT=True),
-        ("bt_sb", "NUM_SPLITS", "GROUP"), options)
+    ptx = stage1_words(cfg, name == "e5m2x2", bf16, options, QUANT=True)
     quant = waits_first(ptx, ("stage 1 quant", fmt))
     assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", quant), fmt
     ptx = compile_sm90(
